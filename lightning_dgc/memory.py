@@ -1,0 +1,155 @@
+"""Momentum correction, local clipping, momentum factor masking and the residual memory.
+
+DGC (Lin et al., 2018) keeps, per compressed tensor and per worker,
+
+* ``momentum`` u: the local momentum, ``u <- m * u + g`` (Nesterov: ``u <- m * (u + g)``);
+* ``velocity`` v: the accumulated, not yet sent update, ``v <- v + u`` (Nesterov: ``v <- v + u + g``).
+
+Values are selected from v; what is sent is cleared from v and, with momentum factor masking, from
+u, so that stale momentum does not keep pushing coordinates that were just applied.
+
+Every update is computed into *scratch* buffers and only committed when the whole step turned out
+finite on every rank (:meth:`ResidualMemory.commit`); a skipped step (inf/NaN anywhere, e.g. under a
+GradScaler) leaves the memory exactly as it was, so nothing is lost or poisoned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+def clip_by_norm_(grad: Tensor, max_norm: float) -> Tensor:
+    """Scale ``grad`` in place so that its L2 norm is at most ``max_norm``; return it.
+
+    DGC's local gradient clipping: applied on each worker before accumulation, with ``max_norm``
+    already scaled by ``N ** -0.5`` by the caller (the sum of N independent gradients has about
+    ``sqrt(N)`` times the norm of one).
+    """
+    norm = torch.linalg.vector_norm(grad)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return grad.mul_(scale)
+
+
+def momentum_correction(
+    grad: Tensor,
+    momentum_buf: Tensor,
+    velocity_buf: Tensor,
+    momentum: float,
+    nesterov: bool,
+    momentum_out: Tensor,
+    velocity_out: Tensor,
+) -> None:
+    """Write the corrected momentum and velocity for this step into ``momentum_out``/``velocity_out``.
+
+    The inputs stay untouched (they are the committed state). ``momentum == 0`` reduces to plain
+    error feedback: ``v <- v + g``.
+    """
+    if momentum == 0.0:
+        torch.add(velocity_buf, grad, out=velocity_out)
+        return
+    if nesterov:
+        torch.add(momentum_buf, grad, out=momentum_out)
+        momentum_out.mul_(momentum)
+        torch.add(velocity_buf, momentum_out, out=velocity_out)
+        velocity_out.add_(grad)
+    else:
+        torch.mul(momentum_buf, momentum, out=momentum_out)
+        momentum_out.add_(grad)
+        torch.add(velocity_buf, momentum_out, out=velocity_out)
+
+
+@dataclass
+class _Buffers:
+    """Committed and scratch buffers of one parameter (flat fp32)."""
+
+    momentum: Tensor
+    velocity: Tensor
+    momentum_next: Tensor
+    velocity_next: Tensor
+
+
+@dataclass
+class _Pending:
+    """An update computed this step that waits for :meth:`ResidualMemory.commit`."""
+
+    sent: Tensor | None  # indices cleared from the velocity (None: the whole tensor was sent)
+    masked: bool  # whether the sent indices are also cleared from the momentum
+
+
+@dataclass
+class ResidualMemory:
+    """Per-parameter momentum and velocity buffers, keyed by parameter name.
+
+    Names, not DDP bucket indices, are the keys: DDP rebuilds its buckets after the first step.
+    Dense (uncompressed) parameters use the same buffers for their plain momentum (``velocity``
+    stays zero for them).
+    """
+
+    buffers: dict[str, _Buffers] = field(default_factory=dict)
+    pending: dict[str, _Pending] = field(default_factory=dict)
+
+    def get(self, name: str, numel: int, device: torch.device) -> _Buffers:
+        """The buffers of ``name``, created as zeros on first use."""
+        buf = self.buffers.get(name)
+        if buf is None or buf.momentum.numel() != numel or buf.momentum.device != device:
+            zeros = [torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(4)]
+            buf = _Buffers(*zeros)
+            self.buffers[name] = buf
+        return buf
+
+    def stage(self, name: str, sent: Tensor | None, masked: bool) -> None:
+        """Record that ``name``'s scratch buffers hold this step's update (sent = indices sent)."""
+        self.pending[name] = _Pending(sent, masked)
+
+    def commit(self) -> None:
+        """Make every staged update the committed state, then clear what was sent."""
+        for name, pend in self.pending.items():
+            buf = self.buffers[name]
+            buf.momentum, buf.momentum_next = buf.momentum_next, buf.momentum
+            buf.velocity, buf.velocity_next = buf.velocity_next, buf.velocity
+            if pend.sent is None:
+                buf.velocity.zero_()
+                if pend.masked:
+                    buf.momentum.zero_()
+            else:
+                buf.velocity.index_fill_(0, pend.sent, 0.0)
+                if pend.masked:
+                    buf.momentum.index_fill_(0, pend.sent, 0.0)
+        self.pending.clear()
+
+    def discard(self) -> None:
+        """Forget every staged update: the committed state stays as it was before the step."""
+        self.pending.clear()
+
+    def residual_norm(self) -> float:
+        """L2 norm of all velocities: the size of what is held back, for monitoring."""
+        if not self.buffers:
+            return 0.0
+        sq = sum(float(torch.linalg.vector_norm(b.velocity)) ** 2 for b in self.buffers.values())
+        return sq**0.5
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        """Committed buffers only (``{"momentum": {name: t}, "velocity": {name: t}}``), on CPU."""
+        return {
+            "momentum": {n: b.momentum.detach().cpu().clone() for n, b in self.buffers.items()},
+            "velocity": {n: b.velocity.detach().cpu().clone() for n, b in self.buffers.items()},
+        }
+
+    def load_state_dict(
+        self, state: dict[str, dict[str, Tensor]], device: torch.device | None = None
+    ) -> None:
+        """Restore buffers saved by :meth:`state_dict` (scratch buffers are recreated)."""
+        self.buffers.clear()
+        self.pending.clear()
+        for name, mom in state["momentum"].items():
+            vel = state["velocity"][name]
+            dev = device if device is not None else mom.device
+            self.buffers[name] = _Buffers(
+                mom.to(dev, torch.float32).clone(),
+                vel.to(dev, torch.float32).clone(),
+                torch.zeros_like(mom, dtype=torch.float32, device=dev),
+                torch.zeros_like(vel, dtype=torch.float32, device=dev),
+            )

@@ -1,0 +1,267 @@
+"""The per-run state of a DGC exchange: hyper-parameters, per-parameter memory, statistics."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_dgc.comm import VALUE_DTYPES, world_size_and_rank
+from lightning_dgc.memory import ResidualMemory
+
+Selection = Literal["sampled", "exact"]
+ValueDType = Literal["fp32", "fp16"]
+
+
+def check_density(density: float, name: str = "density") -> float:
+    """Return ``density`` as a float if it lies in (0, 1]; raise a ``ValueError`` naming the fix."""
+    if not isinstance(density, (int, float)) or isinstance(density, bool) or not math.isfinite(density):
+        raise ValueError(f"`{name}` must be a finite number in (0, 1], got {density!r}.")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(
+            f"`{name}` is the fraction of gradient values sent each step and must lie in (0, 1], got {density}."
+            " Use 0.001 for DGC's 99.9% sparsity, or 1.0 to send everything."
+        )
+    return float(density)
+
+
+@dataclass
+class DGCConfig:
+    """Hyper-parameters of DGC, identical on every rank (checked at setup).
+
+    Selection:
+        density: fraction of each compressed tensor's values sent per step, in (0, 1].
+        sample_ratio: fraction of a tensor sampled to estimate the top-k threshold, in (0, 1].
+        selection: ``"sampled"`` (DGC's threshold sampling, exact k guaranteed) or ``"exact"``.
+        min_compress_numel: tensors with fewer values, and every 1-D tensor (biases, norms), are
+            averaged dense: compressing them saves little and hurts accuracy.
+    Momentum correction (used for parameters whose optimizer momentum was not taken over):
+        momentum, nesterov: the local momentum ``m``; 0 gives plain error feedback.
+        momentum_masking: clear sent coordinates from the momentum too (the paper's default).
+        weight_decay: added to the local gradient before momentum correction.
+    Clipping:
+        local_clip_norm: the paper's local gradient clipping; each tensor's gradient is clipped to
+            ``local_clip_norm / sqrt(world_size)`` before accumulation. ``None`` disables it.
+    Wire:
+        value_dtype: ``"fp32"`` or ``"fp16"`` values in the payload (indices are always int32).
+        seed: seeds the per-rank sampling generator.
+    """
+
+    density: float = 0.001
+    sample_ratio: float = 0.01
+    selection: Selection = "sampled"
+    min_compress_numel: int = 1024
+    momentum: float = 0.0
+    nesterov: bool = False
+    momentum_masking: bool = True
+    weight_decay: float = 0.0
+    local_clip_norm: float | None = None
+    value_dtype: ValueDType = "fp32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a ``ValueError`` that says how to fix the first invalid setting."""
+        self.density = check_density(self.density)
+        if not isinstance(self.sample_ratio, (int, float)) or not 0.0 < self.sample_ratio <= 1.0:
+            raise ValueError(
+                f"`sample_ratio` is the fraction of each tensor sampled to find the top-k threshold and must lie"
+                f" in (0, 1], got {self.sample_ratio!r}. The paper samples 0.1% to 1% (0.001 to 0.01)."
+            )
+        if self.selection not in ("sampled", "exact"):
+            raise ValueError(f"`selection` must be 'sampled' or 'exact', got {self.selection!r}.")
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(
+                f"`value_dtype` must be one of {sorted(VALUE_DTYPES)}, got {self.value_dtype!r}."
+            )
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"`momentum` must lie in [0, 1), got {self.momentum!r}.")
+        if self.nesterov and self.momentum == 0.0:
+            raise ValueError("`nesterov=True` needs a momentum > 0.")
+        if self.weight_decay < 0.0:
+            raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay!r}.")
+        if self.local_clip_norm is not None and not self.local_clip_norm > 0.0:
+            raise ValueError(f"`local_clip_norm` must be > 0 or None (off), got {self.local_clip_norm!r}.")
+        if self.min_compress_numel < 1:
+            raise ValueError(f"`min_compress_numel` must be >= 1, got {self.min_compress_numel!r}.")
+
+    def fingerprint(self, exclude: tuple[str, ...] = ("density",)) -> str:
+        """A short hash of the settings that must agree across ranks (density may change by schedule)."""
+        items = {k: v for k, v in asdict(self).items() if k not in exclude}
+        return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class ParamSettings:
+    """Optimizer settings the hook applies to one parameter (taken over from the optimizer, or defaults)."""
+
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step put on the wire, per rank."""
+
+    payload_bytes: int = 0  # sparse indices + values + padding
+    dense_exchange_bytes: int = 0  # tensors averaged dense
+    padding_bytes: int = 0
+    dense_bytes: int = 0  # what plain DDP would have sent for the same buckets
+    values_sent: int = 0
+    numel: int = 0
+    selection_ms: float = 0.0
+    buckets: int = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.payload_bytes + self.dense_exchange_bytes
+
+
+@dataclass
+class DGCState:
+    """One object per run: hyper-parameters, memory keyed by parameter name, step counter, statistics.
+
+    Pass it as the ``state`` of :func:`lightning_dgc.hook.dgc_hook`; after every backward pass that
+    ran the hook, call :meth:`finish_step` once (the strategy does this), which commits the memory
+    only if the step was finite on every rank.
+    """
+
+    config: DGCConfig = field(default_factory=DGCConfig)
+    process_group: Any = None
+    #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
+    grad_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.world_size, self.rank = world_size_and_rank(self.process_group)
+        self.generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rank)
+        self.memory = ResidualMemory()
+        self.param_names: dict[int, str] = {}
+        self.param_settings: dict[str, ParamSettings] = {}
+        self.step = 0
+        self.skipped_steps = 0
+        self._plans: dict[tuple[Any, ...], Any] = {}
+        self._current = StepStats()
+        self._last: StepStats | None = None
+        self._last_finite = True
+        self._finite_flags: list[Tensor] = []
+
+    # -- parameters --------------------------------------------------------------------------------
+    def register_parameters(self, named_parameters: Any) -> None:
+        """Remember parameter names (state is keyed by name; DDP re-buckets after step 1)."""
+        self.param_names = {id(p): name for name, p in named_parameters}
+        self._plans.clear()
+
+    def name_of(self, param: Tensor) -> str:
+        name = self.param_names.get(id(param))
+        if name is None:  # not registered: a stable positional fallback would break after re-bucketing
+            raise RuntimeError(
+                "DGCState received a parameter it does not know. Call `state.register_parameters("
+                "model.named_parameters())` before training (DGCStrategy does this for you)."
+            )
+        return name
+
+    def settings_for(self, name: str) -> ParamSettings:
+        default = ParamSettings(self.config.momentum, self.config.nesterov, self.config.weight_decay)
+        return self.param_settings.get(name, default)
+
+    @property
+    def density(self) -> float:
+        return self.config.density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        self.config.density = check_density(value)
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        return VALUE_DTYPES[self.config.value_dtype]
+
+    # -- step boundary -----------------------------------------------------------------------------
+    def note_finite(self, flag: Tensor) -> None:
+        """Record whether a decoded bucket was finite (identical on every rank)."""
+        self._finite_flags.append(flag)
+
+    def finish_step(self) -> bool:
+        """Close the step: commit the memory if every bucket was finite, else discard. Returns finiteness.
+
+        Every rank reaches the same verdict, because it is computed from the decoded (gathered)
+        buckets, which are identical on all ranks.
+        """
+        if not self._finite_flags and not self.memory.pending:
+            return True
+        finite = bool(torch.stack(self._finite_flags).all()) if self._finite_flags else True
+        self._finite_flags = []
+        if finite:
+            self.memory.commit()
+        else:
+            self.memory.discard()
+            self.skipped_steps += 1
+        self._last, self._current = self._current, StepStats()
+        self._last_finite = finite
+        self.step += 1
+        return finite
+
+    # -- statistics --------------------------------------------------------------------------------
+    def compression_stats(self) -> dict[str, float | int | bool]:
+        """What the last finished step sent, per rank (empty before the first step).
+
+        ``bytes_sent`` counts the payload (indices, values, padding) and the dense all-reduce;
+        ``dense_bytes`` is what plain DDP would have sent; ``compression_ratio`` is their quotient.
+        """
+        s = self._last
+        if s is None:
+            return {}
+        return {
+            "bytes_sent": s.bytes_sent,
+            "payload_bytes": s.payload_bytes,
+            "dense_exchange_bytes": s.dense_exchange_bytes,
+            "padding_bytes": s.padding_bytes,
+            "dense_bytes": s.dense_bytes,
+            "compression_ratio": s.dense_bytes / s.bytes_sent if s.bytes_sent else float("inf"),
+            "density": self.config.density,
+            "values_sent": s.values_sent,
+            "numel": s.numel,
+            "selection_ms": s.selection_ms,
+            "buckets": s.buckets,
+            "step": self.step,
+            "finite": self._last_finite,
+        }
+
+    def residual_norm(self) -> float:
+        return self.memory.residual_norm()
+
+    # -- checkpointing -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: config, step, memory and generator, loadable with ``weights_only=True``."""
+        return {
+            "algorithm": "dgc",
+            "config": asdict(self.config),
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "memory": self.memory.state_dict(),
+            "generator": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        self.step = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.config.density = check_density(state["config"]["density"])
+        self.memory.load_state_dict(state["memory"], device)
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+        self._plans.clear()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()

@@ -1,0 +1,301 @@
+"""Lightning glue: ``DGCStrategy`` keeps Lightning's DDP wrapper and swaps the gradient exchange."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dgc import comm
+from lightning_dgc.hook import dgc_hook
+from lightning_dgc.state import DGCConfig, DGCState, ParamSettings, Selection, ValueDType
+
+log = logging.getLogger(__name__)
+
+
+class DGCStrategy(DDPStrategy):
+    """Data-parallel training with Deep Gradient Compression (Lin et al., ICLR 2018).
+
+    Subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` and keeps the DDP
+    wrapper (overlap with backward, ``no_sync`` under gradient accumulation, unused parameters,
+    buffer sync, the distributed sampler), but replaces DDP's dense all-reduce with DGC's sparse
+    exchange through a communication hook that is registered on every device type, CPU included.
+
+    Optimizer contract (momentum must not be applied twice):
+
+    * ``torch.optim.SGD``: DGC **takes over** its ``momentum``, ``nesterov`` and ``weight_decay``
+      per parameter group (they are set to 0 in the optimizer and applied by the hook as momentum
+      correction, with weight decay added to the local gradient before it). SGD then applies the
+      averaged sparse update with its learning rate only.
+    * other optimizers whose parameter groups have ``momentum > 0`` (RMSprop, ...): rejected.
+    * Adam-family optimizers (``betas``): allowed with ``momentum=0`` (plain error feedback); their
+      own moments and weight decay stay in the optimizer.
+
+    Args:
+        density: fraction of each compressed tensor sent per step, in (0, 1] (paper: 0.001).
+        sample_ratio: fraction sampled to estimate the top-k threshold, in (0, 1].
+        selection: ``"sampled"`` (DGC's threshold sampling) or ``"exact"`` (``torch.topk``).
+        min_compress_numel: smaller tensors and all 1-D tensors are averaged dense.
+        momentum: momentum correction for parameters whose optimizer has none (SGD with momentum 0,
+            or no optimizer). Giving both this and an SGD momentum raises an error.
+        nesterov: Nesterov momentum correction (with ``momentum``).
+        momentum_masking: clear sent coordinates from the momentum as well (paper default: on).
+        local_clip_norm: local per-tensor gradient clipping before accumulation, scaled by
+            ``world_size ** -0.5``; ``None`` (default) disables it.
+        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire.
+        seed: seed of the per-rank sampling generator.
+    """
+
+    strategy_name = "dgc"
+
+    def __init__(
+        self,
+        density: float = 0.001,
+        sample_ratio: float = 0.01,
+        selection: Selection = "sampled",
+        min_compress_numel: int = 1024,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        momentum_masking: bool = True,
+        local_clip_norm: float | None = None,
+        value_dtype: ValueDType = "fp32",
+        seed: int = 0,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        for forbidden in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
+            if kwargs.get(forbidden) is not None:
+                raise ValueError(
+                    f"{type(self).__name__} installs its own DDP communication hook; `{forbidden}` cannot be"
+                    " combined with it. Use `DDPStrategy` for other hooks."
+                )
+            kwargs.pop(forbidden, None)
+        # Validate before anything else, so a bad value fails at construction, on the launching process.
+        self._dgc_config = DGCConfig(
+            density=density,
+            sample_ratio=sample_ratio,
+            selection=selection,
+            min_compress_numel=min_compress_numel,
+            momentum=momentum,
+            nesterov=nesterov,
+            momentum_masking=momentum_masking,
+            local_clip_norm=local_clip_norm,
+            value_dtype=value_dtype,
+            seed=seed,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._dgc_state: DGCState | None = None
+        self.hook_calls = 0  # incremented by the registered hook: proof that it runs
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def dgc_state(self) -> DGCState:
+        if self._dgc_state is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no exchange state before `trainer.fit` has set up the model."
+            )
+        return self._dgc_state
+
+    @property
+    def density(self) -> float:
+        """The density in force (set it to change sparsity during training, identically on all ranks)."""
+        return self._dgc_state.density if self._dgc_state is not None else self._dgc_config.density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        if self._dgc_state is not None:
+            self._dgc_state.density = value
+        else:
+            self._dgc_config.density = value
+            self._dgc_config.validate()
+
+    def compression_stats(self) -> dict[str, float | int | bool]:
+        """Statistics of the last optimizer step on this rank (see :meth:`DGCState.compression_stats`)."""
+        return self._dgc_state.compression_stats() if self._dgc_state is not None else {}
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _make_state(self) -> DGCState:
+        return DGCState(config=self._dgc_config)
+
+    def _hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        strategy = self
+
+        def counted_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
+            strategy.hook_calls += 1
+            return dgc_hook(state, bucket)
+
+        return counted_hook
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Stock Lightning registers hooks on CUDA only; the hook is the point of this strategy, so it
+        # is registered on every device type (gloo on CPU, NCCL on GPU).
+        assert isinstance(self.model, DistributedDataParallel)
+        self._dgc_state = self._make_state()
+        self._dgc_state.register_parameters(self.model.module.named_parameters())
+        self.model.register_comm_hook(self._dgc_state, self._hook())
+        log.debug("%s: registered the compression hook on %s", type(self).__name__, self.root_device)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._take_over_optimizers()
+        self._check_ranks_agree()
+
+    def _take_over_optimizers(self) -> None:
+        """Move SGD momentum and weight decay into the hook; reject optimizers that would apply momentum twice."""
+        state = self.dgc_state
+        cfg = state.config
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        taken = 0
+        for optimizer in self.optimizers:
+            opt = getattr(optimizer, "_optimizer", optimizer)
+            for group in opt.param_groups:
+                momentum = float(group.get("momentum", 0.0) or 0.0)
+                if isinstance(opt, torch.optim.SGD):
+                    if momentum > 0 and cfg.momentum > 0:
+                        raise ValueError(
+                            f"Momentum would be applied twice: the SGD optimizer has momentum={momentum} and"
+                            f" {type(self).__name__} has momentum={cfg.momentum}. Set only one: DGC takes the"
+                            " SGD momentum over by itself, so leave the strategy's `momentum` at 0."
+                        )
+                    if group.get("dampening", 0.0):
+                        raise ValueError(
+                            "DGC's momentum correction has no dampening; create SGD with `dampening=0`."
+                        )
+                    if group.get("maximize", False):
+                        raise ValueError(
+                            "SGD(maximize=True) is not supported by DGC; negate the loss instead."
+                        )
+                    settings = ParamSettings(
+                        momentum=momentum if momentum > 0 else cfg.momentum,
+                        nesterov=bool(group.get("nesterov", False)) or cfg.nesterov,
+                        weight_decay=float(group.get("weight_decay", 0.0)) + cfg.weight_decay,
+                    )
+                    group["momentum"], group["nesterov"], group["weight_decay"] = 0.0, False, 0.0
+                    for p in group["params"]:
+                        if id(p) in names:
+                            state.param_settings[names[id(p)]] = settings
+                    taken += int(momentum > 0 or settings.weight_decay > 0)
+                elif momentum > 0:
+                    raise ValueError(
+                        f"{type(opt).__name__} applies its own momentum ({momentum}), and DGC's momentum"
+                        " correction would apply it a second time. Use torch.optim.SGD (DGC takes its momentum"
+                        f" over), or set the optimizer's momentum to 0 and pass {type(self).__name__}(momentum=...)."
+                    )
+                elif "betas" in group and cfg.momentum > 0:
+                    raise ValueError(
+                        f"{type(opt).__name__} keeps its own first moment (betas={group['betas']}); with DGC's"
+                        f" momentum correction (momentum={cfg.momentum}) momentum would be applied twice."
+                        f" Use {type(self).__name__}(momentum=0) with Adam-family optimizers."
+                    )
+        state._plans.clear()
+        if taken:
+            rank_zero_info(
+                f"{type(self).__name__}: took over SGD momentum/weight decay of {taken} parameter group(s);"
+                " they are applied by momentum correction inside the gradient exchange."
+            )
+
+    def _check_ranks_agree(self) -> None:
+        """Fail fast, on every rank, if ranks were configured differently (instead of hanging later)."""
+        state = self.dgc_state
+        settings = sorted(
+            (n, s.momentum, s.nesterov, s.weight_decay) for n, s in state.param_settings.items()
+        )
+        digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[
+            :16
+        ]  # hash() is salted per process
+        mine = (type(self).__name__, state.config.fingerprint(), state.config.density, digest)
+        everyone = comm.all_gather_object(mine)
+        if any(other != mine for other in everyone):
+            raise RuntimeError(
+                f"{type(self).__name__} settings differ between ranks: {everyone}. Every rank must construct the"
+                " strategy and optimizer with identical arguments (check per-rank config files or environment)."
+            )
+
+    # -- the step --------------------------------------------------------------------------------
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if self._dgc_state is not None:
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            self._dgc_state.grad_scale = (
+                float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+            )
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        def closure_then_finish() -> Any:
+            result = closure()
+            self._finish_step(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+
+    def _finish_step(self, optimizer: Optimizer) -> None:
+        if self._dgc_state is None or self._dgc_state.finish_step():
+            return
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            return  # the GradScaler sees the non-finite gradients, skips the step and lowers its scale
+        for group in getattr(optimizer, "param_groups", []):
+            for p in group["params"]:
+                p.grad = None
+        rank_zero_warn(
+            f"{type(self).__name__}: non-finite gradients at step {self._dgc_state.step - 1}; the optimizer step was"
+            " skipped on every rank and the compression memory was left as it was before the step."
+        )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn")):
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"{cls.__name__} with start_method '{start_method}'",
+                start_method=start_method,
+            )

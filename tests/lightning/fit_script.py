@@ -1,0 +1,112 @@
+"""A real ``Trainer.fit`` with 2 CPU processes, run as a script so that Lightning's popen launcher
+(the one ``strategy="dgc"`` uses) can re-execute it for rank 1. Writes a JSON summary for the test.
+
+    python tests/lightning/fit_script.py --strategy dgc --out result.json [options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_dgc
+
+
+class Regression(L.LightningModule):
+    """A small MLP on a learnable synthetic task: big enough that its weights are compressed."""
+
+    def __init__(
+        self, optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 0.0
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=False)
+        return loss
+
+    def configure_optimizers(self):
+        h = self.hparams
+        if h.optimizer == "sgd":
+            return torch.optim.SGD(
+                self.parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay
+            )
+        if h.optimizer == "rmsprop":
+            return torch.optim.RMSprop(self.parameters(), lr=h.lr, momentum=h.momentum)
+        return torch.optim.Adam(self.parameters(), lr=h.lr)
+
+
+def dataset(n: int = 512) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 32, generator=g)
+    w = torch.randn(32, 4, generator=g) / 4
+    return TensorDataset(x, torch.tanh(x @ w))
+
+
+class HookProbe(L.Callback):
+    """Asserts during the run that the compression hook is registered and called, and records the stats."""
+
+    def __init__(self) -> None:
+        self.stats: list[dict] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        strategy = trainer.strategy
+        self.losses.append(float(outputs["loss"]))
+        if isinstance(strategy, lightning_dgc.DGCStrategy):
+            assert strategy.hook_calls > 0, "the DGC communication hook was not called"
+            assert (
+                strategy.model._get_ddp_logging_data().get("comm_hook") is not None or strategy.hook_calls > 0
+            )
+            self.stats.append(dict(strategy.compression_stats()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="dgc")
+    p.add_argument("--density", type=float, default=None)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    L.seed_everything(0)
+    strategy: object = args.strategy
+    if args.density is not None:
+        strategy = lightning_dgc.DGCStrategy(density=args.density)
+    probe = HookProbe()
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=args.max_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+    )  # fmt: skip
+    model = Regression(optimizer=args.optimizer, momentum=args.momentum)
+    trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=True))
+    rank = trainer.global_rank
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(params, f"{args.out}.rank{rank}.params.pt")
+    summary = {
+        "rank": rank,
+        "strategy": type(trainer.strategy).__name__,
+        "hook_calls": getattr(trainer.strategy, "hook_calls", 0),
+        "stats": probe.stats,
+        "losses": probe.losses,
+        "optimizer_momentum": [g["momentum"] for g in trainer.optimizers[0].param_groups if "momentum" in g],
+        "world_size": trainer.world_size,
+        "pid": os.getpid(),
+    }
+    with open(f"{args.out}.rank{rank}.json", "w") as f:
+        json.dump(summary, f)
+
+
+if __name__ == "__main__":
+    main()

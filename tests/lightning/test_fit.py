@@ -1,0 +1,44 @@
+"""``Trainer(strategy="dgc")`` with 2 real CPU processes through Lightning's own popen launcher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.lightning.run import params, results, run_script
+
+pytestmark = pytest.mark.slow
+
+
+def test_fit_with_strategy_string_registers_and_calls_the_hook(tmp_path) -> None:
+    out = tmp_path / "dgc"
+    run_script("fit_script.py", out, "--strategy", "dgc", "--max-steps", "40")
+    summary = results(out)
+    for s in summary:
+        assert s["strategy"] == "DGCStrategy" and s["world_size"] == 2
+        assert s["hook_calls"] >= 40  # one call per bucket per step
+        assert s["optimizer_momentum"] == [0.0], "SGD momentum should have been taken over by DGC"
+        last = s["stats"][-1]
+        assert last["density"] == 0.001
+        assert last["compression_ratio"] > 5
+        assert last["bytes_sent"] < last["dense_bytes"]
+    assert summary[0]["pid"] != summary[1]["pid"]
+    assert torch.equal(params(out, 0), params(out, 1)), "ranks ended with different parameters"
+    losses = summary[0]["losses"]
+    assert sum(losses[-10:]) < sum(losses[:10])
+
+
+def test_density_one_through_lightning_equals_ddp(tmp_path) -> None:
+    """Same seed, same data: DGCStrategy(density=1) with plain SGD ends where strategy='ddp' does."""
+    run_script("fit_script.py", tmp_path / "ddp", "--strategy", "ddp", "--momentum", "0", "--max-steps", "15")
+    run_script("fit_script.py", tmp_path / "dgc", "--density", "1.0", "--momentum", "0", "--max-steps", "15")
+    torch.testing.assert_close(params(tmp_path / "dgc", 0), params(tmp_path / "ddp", 0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["rmsprop"])
+def test_optimizer_with_its_own_momentum_is_rejected(tmp_path, optimizer: str) -> None:
+    proc = run_script(
+        "fit_script.py", tmp_path / "bad", "--optimizer", optimizer, "--max-steps", "2", check=False
+    )
+    assert proc.returncode != 0
+    assert "would apply it a second time" in proc.stderr

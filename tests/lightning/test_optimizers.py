@@ -1,0 +1,63 @@
+"""The optimizer contract (momentum never applied twice), on a 1-process Trainer (world size 1, gloo)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_dgc import DGCStrategy
+from tests.lightning.fit_script import Regression, dataset
+
+
+class _Configurable(Regression):
+    def __init__(self, make_optimizer) -> None:
+        super().__init__()
+        self._make_optimizer = make_optimizer
+
+    def configure_optimizers(self):
+        return self._make_optimizer(self.parameters())
+
+
+def _fit(strategy: DGCStrategy, make_optimizer, steps: int = 3) -> L.Trainer:
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_Configurable(make_optimizer), DataLoader(dataset(64), batch_size=16))
+    return trainer
+
+
+def test_sgd_momentum_and_weight_decay_are_taken_over() -> None:
+    strategy = DGCStrategy(density=0.01)
+    trainer = _fit(strategy, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4))
+    group = trainer.optimizers[0].param_groups[0]
+    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.0, False, 0.0)
+    settings = set(strategy.dgc_state.param_settings.values())
+    assert len(settings) == 1
+    s = settings.pop()
+    assert (s.momentum, s.nesterov, s.weight_decay) == (0.9, True, 1e-4)
+    assert strategy.hook_calls > 0
+    assert strategy.compression_stats()["step"] == 3
+
+
+def test_momentum_in_both_places_is_rejected() -> None:
+    with pytest.raises(ValueError, match="Momentum would be applied twice"):
+        _fit(DGCStrategy(momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+
+
+def test_adam_with_momentum_correction_is_rejected() -> None:
+    with pytest.raises(ValueError, match="momentum would be applied twice"):
+        _fit(DGCStrategy(momentum=0.9), lambda p: torch.optim.Adam(p, lr=1e-3))
+
+
+def test_adam_with_error_feedback_only_trains() -> None:
+    strategy = DGCStrategy(density=0.05)
+    _fit(strategy, lambda p: torch.optim.Adam(p, lr=1e-3))
+    assert strategy.compression_stats()["values_sent"] > 0
+
+
+def test_sgd_with_dampening_is_rejected() -> None:
+    with pytest.raises(ValueError, match="dampening"):
+        _fit(DGCStrategy(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1))
