@@ -75,6 +75,15 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
     return out
 
 
+def gather_object(obj: object, dst: int = 0, group: dist.ProcessGroup | None = None) -> list[object] | None:
+    """Every rank's ``obj`` on rank ``dst`` (``None`` elsewhere); blocking, for checkpoints only."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[object] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
 def world_size_and_rank(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """``(world_size, rank)`` of ``group``, or ``(1, 0)`` when torch.distributed is not initialised."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -9,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_dgc.comm import VALUE_DTYPES, world_size_and_rank
@@ -254,14 +253,31 @@ class DGCState:
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore memory, step and generator. The density stays as configured (arguments and callbacks own it)."""
         self.step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.config.density = check_density(state["config"]["density"])
         self.memory.load_state_dict(state["memory"], device)
         if "generator" in state:
             self.generator.set_state(state["generator"])
         self._plans.clear()
 
 
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[dict[str, Any], bool]:
+    """This rank's state from a checkpoint entry ``{"world_size": N, "ranks": [state_0, ...]}``.
+
+    Same world size: rank r gets exactly what rank r saved. Another world size M: every new rank
+    gets the *mean* of the N saved momentum and velocity buffers. The update still owed to the model,
+    ``sum(v_r) / N``, is then preserved exactly (``M * mean / M``), while per-rank detail is lost; the
+    sampling generator restarts from the seed. Returns ``(state, redistributed)``.
+    """
+    ranks = saved["ranks"]
+    if int(saved["world_size"]) == world_size:
+        return ranks[rank], False
+    first = ranks[0]
+    memory: dict[str, dict[str, Tensor]] = {"momentum": {}, "velocity": {}}
+    for kind in memory:
+        for name in first["memory"][kind]:
+            memory[kind][name] = torch.stack([r["memory"][kind][name] for r in ranks]).mean(0)
+    merged = {k: v for k, v in first.items() if k not in ("memory", "generator", "rank")}
+    merged["memory"] = memory
+    return merged, True

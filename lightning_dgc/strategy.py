@@ -23,9 +23,12 @@ from typing_extensions import override
 
 from lightning_dgc import comm
 from lightning_dgc.hook import dgc_hook
-from lightning_dgc.state import DGCConfig, DGCState, ParamSettings, Selection, ValueDType
+from lightning_dgc.state import DGCConfig, DGCState, ParamSettings, Selection, ValueDType, state_for_rank
 
 log = logging.getLogger(__name__)
+
+#: Key of the per-rank exchange state in Lightning checkpoints.
+CHECKPOINT_KEY = "lightning_dgc"
 
 
 class DGCStrategy(DDPStrategy):
@@ -117,6 +120,7 @@ class DGCStrategy(DDPStrategy):
             **kwargs,
         )
         self._dgc_state: DGCState | None = None
+        self._checkpoint_entry: dict[str, Any] | None = None  # restored in setup(), once the state exists
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
 
     # -- public API ------------------------------------------------------------------------------
@@ -175,6 +179,7 @@ class DGCStrategy(DDPStrategy):
             return
         self._take_over_optimizers()
         self._check_ranks_agree()
+        self._restore_exchange_state()
 
     def _take_over_optimizers(self) -> None:
         """Move SGD momentum and weight decay into the hook; reject optimizers that would apply momentum twice."""
@@ -286,6 +291,57 @@ class DGCStrategy(DDPStrategy):
             f"{type(self).__name__}: non-finite gradients at step {self._dgc_state.step - 1}; the optimizer step was"
             " skipped on every rank and the compression memory was left as it was before the step."
         )
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    @property
+    def algorithm(self) -> str:
+        """Name stored with the exchange state in checkpoints (a checkpoint of another algorithm is refused)."""
+        return self.strategy_name
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Gather every rank's memory into the checkpoint that rank 0 writes (all ranks call this)."""
+        if self._dgc_state is not None:
+            ranks = comm.gather_object(self._dgc_state.state_dict())
+            checkpoint[CHECKPOINT_KEY] = {
+                "algorithm": self.algorithm,
+                "world_size": self.world_size,
+                "ranks": ranks,
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict)
+        # Lightning restores the model before setup(); the exchange state is applied once it exists.
+        self._checkpoint_entry = checkpoint.get(CHECKPOINT_KEY)
+        if self._checkpoint_entry is None and "optimizer_states" in checkpoint:
+            rank_zero_warn(
+                f"The checkpoint holds no {type(self).__name__} state (it was written by another strategy):"
+                " training resumes with empty momentum and residual buffers."
+            )
+        elif self._checkpoint_entry is not None and self._checkpoint_entry.get("algorithm") != self.algorithm:
+            found = self._checkpoint_entry.get("algorithm")
+            raise ValueError(
+                f"This checkpoint holds the exchange state of {found!r}, not {self.algorithm!r}: its residuals mean"
+                f" something else here. Resume with strategy={found!r}, or delete the checkpoint's"
+                f" {CHECKPOINT_KEY!r} entry to start {self.algorithm!r} with empty buffers."
+            )
+
+    def _restore_exchange_state(self) -> None:
+        entry, self._checkpoint_entry = self._checkpoint_entry, None
+        if entry is None:
+            return
+        state, redistributed = state_for_rank(entry, self.world_size, self.global_rank)
+        if redistributed:
+            rank_zero_warn(
+                f"The checkpoint was written by {entry['world_size']} ranks and is resumed by {self.world_size}:"
+                " every rank starts from the mean of the saved momentum and residual buffers, which keeps the"
+                " pending update of the whole group and drops per-rank detail."
+            )
+        self.dgc_state.load_state_dict(state, self.root_device)
 
     @classmethod
     @override

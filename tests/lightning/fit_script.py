@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -70,6 +72,34 @@ class HookProbe(L.Callback):
             self.stats.append(dict(strategy.compression_stats()))
 
 
+class MemoryDump(L.Callback):
+    """Saves this rank's committed DGC memory when training starts (after a resume) and ends."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+
+    def _dump(self, trainer, tag: str) -> None:
+        state = trainer.strategy.dgc_state
+        torch.save(state.memory.state_dict(), f"{self.prefix}.rank{trainer.global_rank}.{tag}.pt")
+
+    def on_train_start(self, trainer, pl_module):
+        self._dump(trainer, "start")
+
+    def on_train_end(self, trainer, pl_module):
+        self._dump(trainer, "end")
+
+
+class KillRank(L.Callback):
+    """SIGKILLs one rank mid-epoch, as a crashed node would be."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="dgc")
@@ -77,7 +107,13 @@ def main() -> None:
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out", required=True)
+    p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every n steps (0: off)")
+    p.add_argument("--resume", default=None, help="checkpoint path (or 'last') to resume from")
+    p.add_argument("--save-ckpt", default=None, help="trainer.save_checkpoint here after fit")
+    p.add_argument("--dump-memory", action="store_true")
+    p.add_argument("--kill", default=None, help="RANK:STEP to SIGKILL")
     args = p.parse_args()
 
     L.seed_everything(0)
@@ -85,12 +121,30 @@ def main() -> None:
     if args.density is not None:
         strategy = lightning_dgc.DGCStrategy(density=args.density)
     probe = HookProbe()
+    callbacks: list[L.Callback] = [probe]
+    if args.ckpt_every:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=f"{args.out}.ckpts",
+                every_n_train_steps=args.ckpt_every,
+                save_last=True,
+                save_top_k=-1,
+            )
+        )
+    if args.dump_memory:
+        callbacks.append(MemoryDump(args.out))
+    if args.kill:
+        kill_rank, kill_step = map(int, args.kill.split(":"))
+        callbacks.append(KillRank(kill_rank, kill_step))
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, max_steps=args.max_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+        strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps, logger=False,
+        enable_checkpointing=bool(args.ckpt_every), enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks,
     )  # fmt: skip
     model = Regression(optimizer=args.optimizer, momentum=args.momentum)
-    trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=True))
+    trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=True), ckpt_path=args.resume)
+    if args.save_ckpt:
+        trainer.save_checkpoint(args.save_ckpt)
     rank = trainer.global_rank
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.save(params, f"{args.out}.rank{rank}.params.pt")
@@ -102,6 +156,7 @@ def main() -> None:
         "losses": probe.losses,
         "optimizer_momentum": [g["momentum"] for g in trainer.optimizers[0].param_groups if "momentum" in g],
         "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
         "pid": os.getpid(),
     }
     with open(f"{args.out}.rank{rank}.json", "w") as f:

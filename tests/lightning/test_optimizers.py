@@ -31,7 +31,9 @@ def _fit(strategy: DGCStrategy, make_optimizer, steps: int = 3) -> L.Trainer:
 
 def test_sgd_momentum_and_weight_decay_are_taken_over() -> None:
     strategy = DGCStrategy(density=0.01)
-    trainer = _fit(strategy, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4))
+    trainer = _fit(
+        strategy, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
+    )
     group = trainer.optimizers[0].param_groups[0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.0, False, 0.0)
     settings = set(strategy.dgc_state.param_settings.values())

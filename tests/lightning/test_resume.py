@@ -1,0 +1,96 @@
+"""Resume keeps every rank's memory: real checkpoints on disk, fresh processes, direct buffer comparison."""
+
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+
+from tests.lightning.run import results, run_script
+
+pytestmark = pytest.mark.slow
+
+
+def _memory(prefix, rank: int, tag: str) -> dict:
+    return torch.load(f"{prefix}.rank{rank}.{tag}.pt", weights_only=True)
+
+
+def _assert_memory_equal(a: dict, b: dict) -> None:
+    for kind in ("momentum", "velocity"):
+        assert a[kind].keys() == b[kind].keys()
+        for name in a[kind]:
+            assert torch.equal(a[kind][name], b[kind][name]), f"{kind}/{name} differs"
+
+
+def test_each_rank_gets_its_own_memory_back_bit_for_bit(tmp_path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    ckpt = tmp_path / "step10.ckpt"
+    run_script("fit_script.py", first, "--max-steps", "10", "--dump-memory", "--save-ckpt", str(ckpt))
+    # The checkpoint holds both ranks' buffers and loads without unpickling arbitrary objects.
+    saved = torch.load(ckpt, weights_only=True)
+    entry = saved["lightning_dgc"]
+    assert entry["algorithm"] == "dgc" and entry["world_size"] == 2 and len(entry["ranks"]) == 2
+    for r in range(2):
+        _assert_memory_equal(entry["ranks"][r]["memory"], _memory(first, r, "end"))
+    velocity = entry["ranks"][0]["memory"]["velocity"]
+    assert any(not torch.equal(velocity[n], entry["ranks"][1]["memory"]["velocity"][n]) for n in velocity)
+
+    run_script("fit_script.py", second, "--max-steps", "14", "--dump-memory", "--resume", str(ckpt))
+    for r in range(2):
+        _assert_memory_equal(_memory(second, r, "start"), _memory(first, r, "end"))
+    assert all(s["global_step"] == 14 for s in results(second))
+
+
+def test_resume_on_another_world_size_gives_every_rank_the_mean(tmp_path) -> None:
+    first, single = tmp_path / "first", tmp_path / "single"
+    ckpt = tmp_path / "two_ranks.ckpt"
+    run_script("fit_script.py", first, "--max-steps", "6", "--dump-memory", "--save-ckpt", str(ckpt))
+    proc = run_script(
+        "fit_script.py", single, "--devices", "1", "--max-steps", "8", "--dump-memory", "--resume", str(ckpt)
+    )
+    assert "resumed by 1" in proc.stderr + proc.stdout
+    restored = _memory(single, 0, "start")
+    saved = [_memory(first, r, "end") for r in range(2)]
+    for kind in ("momentum", "velocity"):
+        for name, t in restored[kind].items():
+            torch.testing.assert_close(t, (saved[0][kind][name] + saved[1][kind][name]) / 2)
+
+
+def test_killed_rank_resumes_from_last_checkpoint_and_finishes(tmp_path) -> None:
+    run = tmp_path / "run"
+    proc = run_script(
+        "fit_script.py",
+        run,
+        "--max-steps",
+        "20",
+        "--ckpt-every",
+        "5",
+        "--kill",
+        "1:12",
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode != 0, "the run should have died with its rank"
+    ckpts = sorted(glob.glob(f"{run}.ckpts/*.ckpt"))
+    assert any("last" in c for c in ckpts), ckpts
+    last = torch.load(f"{run}.ckpts/last.ckpt", weights_only=True)
+    assert last["global_step"] == 10 and len(last["lightning_dgc"]["ranks"]) == 2
+    resumed = tmp_path / "resumed"
+    run_script(
+        "fit_script.py", resumed, "--max-steps", "20", "--dump-memory", "--resume", f"{run}.ckpts/last.ckpt"
+    )
+    assert all(s["global_step"] == 20 for s in results(resumed))
+    for r in range(2):
+        _assert_memory_equal(_memory(resumed, r, "start"), last["lightning_dgc"]["ranks"][r]["memory"])
+
+
+def test_checkpoint_of_plain_ddp_resumes_with_empty_memory(tmp_path) -> None:
+    ckpt = tmp_path / "ddp.ckpt"
+    run_script(
+        "fit_script.py", tmp_path / "ddp", "--strategy", "ddp", "--max-steps", "4", "--save-ckpt", str(ckpt)
+    )
+    proc = run_script(
+        "fit_script.py", tmp_path / "dgc", "--max-steps", "6", "--dump-memory", "--resume", str(ckpt)
+    )
+    assert "holds no DGCStrategy state" in proc.stderr + proc.stdout
