@@ -187,6 +187,7 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     stats.numel += buffer.numel()
     stats.selection_ms += selection_s * 1e3
     stats.buckets += 1
+    stats.density = cfg.density
 
     def decompress(_: object) -> Tensor:
         # Step 5: decompress.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -119,6 +119,7 @@ class StepStats:
     numel: int = 0
     selection_ms: float = 0.0
     buckets: int = 0
+    density: float = 0.0  # the density the step was compressed with
 
     @property
     def bytes_sent(self) -> int:
@@ -140,6 +141,8 @@ class DGCState:
     grad_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        # A copy: schedules change the density of this run, never the caller's configuration object.
+        self.config = replace(self.config)
         self.world_size, self.rank = world_size_and_rank(self.process_group)
         self.generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rank)
         self.memory = ResidualMemory()
@@ -178,7 +181,10 @@ class DGCState:
 
     @density.setter
     def density(self, value: float) -> None:
-        self.config.density = check_density(value)
+        value = check_density(value)
+        if value != self.config.density:
+            self.config.density = value
+            self._plans.clear()  # plans (and their payload buffers) are per density
 
     @property
     def value_dtype(self) -> torch.dtype:
@@ -226,7 +232,7 @@ class DGCState:
             "padding_bytes": s.padding_bytes,
             "dense_bytes": s.dense_bytes,
             "compression_ratio": s.dense_bytes / s.bytes_sent if s.bytes_sent else float("inf"),
-            "density": self.config.density,
+            "density": s.density,
             "values_sent": s.values_sent,
             "numel": s.numel,
             "selection_ms": s.selection_ms,

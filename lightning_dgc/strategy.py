@@ -23,7 +23,15 @@ from typing_extensions import override
 
 from lightning_dgc import comm
 from lightning_dgc.hook import dgc_hook
-from lightning_dgc.state import DGCConfig, DGCState, ParamSettings, Selection, ValueDType, state_for_rank
+from lightning_dgc.state import (
+    DGCConfig,
+    DGCState,
+    ParamSettings,
+    Selection,
+    ValueDType,
+    check_density,
+    state_for_rank,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +150,7 @@ class DGCStrategy(DDPStrategy):
         if self._dgc_state is not None:
             self._dgc_state.density = value
         else:
-            self._dgc_config.density = value
-            self._dgc_config.validate()
+            self._dgc_config.density = check_density(value)
 
     def compression_stats(self) -> dict[str, float | int | bool]:
         """Statistics of the last optimizer step on this rank (see :meth:`DGCState.compression_stats`)."""

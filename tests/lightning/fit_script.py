@@ -14,6 +14,7 @@ import signal
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,15 +25,33 @@ class Regression(L.LightningModule):
     """A small MLP on a learnable synthetic task: big enough that its weights are compressed."""
 
     def __init__(
-        self, optimizer: str = "sgd", lr: float = 0.05, momentum: float = 0.9, weight_decay: float = 0.0
+        self,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        inf_at: tuple[int, int] | None = None,
+        manual: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.automatic_optimization = not manual
 
-    def training_step(self, batch, batch_idx):
+    def _loss(self, batch):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
+        if self.hparams.inf_at == (self.global_rank, self.global_step):
+            loss = loss * float("inf")  # a forced overflow on one rank
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
         self.log("train_loss", loss, sync_dist=False)
         return loss
 
@@ -55,21 +74,38 @@ def dataset(n: int = 512) -> TensorDataset:
 
 
 class HookProbe(L.Callback):
-    """Asserts during the run that the compression hook is registered and called, and records the stats."""
+    """Asserts during the run that the compression hook is registered and called; records per-batch facts."""
 
     def __init__(self) -> None:
         self.stats: list[dict] = []
         self.losses: list[float] = []
+        self.records: list[dict] = []
+        self._before: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._before = torch.cat([p.detach().float().reshape(-1) for p in pl_module.parameters()])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy
         self.losses.append(float(outputs["loss"]))
+        after = torch.cat([p.detach().float().reshape(-1) for p in pl_module.parameters()])
+        record = {
+            "global_step": trainer.global_step,
+            "update_norm": float(torch.linalg.vector_norm(after - self._before)),
+            "params_finite": bool(torch.isfinite(after).all()),
+        }
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            record["scale"] = float(scaler.get_scale())
         if isinstance(strategy, lightning_dgc.DGCStrategy):
-            assert strategy.hook_calls > 0, "the DGC communication hook was not called"
-            assert (
-                strategy.model._get_ddp_logging_data().get("comm_hook") is not None or strategy.hook_calls > 0
-            )
+            if trainer.global_step > 0:  # after the first optimizer step (accumulation delays it)
+                assert strategy.hook_calls > 0, "the DGC communication hook was not called"
             self.stats.append(dict(strategy.compression_stats()))
+            buffers = strategy.dgc_state.memory.buffers.values()
+            record["hook_calls"] = strategy.hook_calls
+            record["velocity_sum"] = sum(float(b.velocity.double().abs().sum()) for b in buffers)
+            record["momentum_sum"] = sum(float(b.momentum.double().abs().sum()) for b in buffers)
+        self.records.append(record)
 
 
 class MemoryDump(L.Callback):
@@ -114,12 +150,25 @@ def main() -> None:
     p.add_argument("--save-ckpt", default=None, help="trainer.save_checkpoint here after fit")
     p.add_argument("--dump-memory", action="store_true")
     p.add_argument("--kill", default=None, help="RANK:STEP to SIGKILL")
+    p.add_argument("--inf-at", default=None, help="RANK:STEP whose loss is multiplied by inf")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--fp16-scaler", action="store_true", help="16-mixed with a GradScaler on CPU")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip-val", type=float, default=None)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--manual", action="store_true")
+    p.add_argument("--mismatch", action="store_true", help="rank 1 builds the strategy with another density")
+    p.add_argument("--local-clip", type=float, default=None)
     args = p.parse_args()
 
     L.seed_everything(0)
     strategy: object = args.strategy
-    if args.density is not None:
-        strategy = lightning_dgc.DGCStrategy(density=args.density)
+    if args.mismatch:  # LOCAL_RANK is set by Lightning's launcher in the re-executed rank-1 process
+        args.density = 0.001 if os.environ.get("LOCAL_RANK", "0") == "0" else 0.002
+    if args.density is not None or args.local_clip is not None:
+        strategy = lightning_dgc.DGCStrategy(
+            density=args.density if args.density is not None else 0.001, local_clip_norm=args.local_clip
+        )
     probe = HookProbe()
     callbacks: list[L.Callback] = [probe]
     if args.ckpt_every:
@@ -136,17 +185,29 @@ def main() -> None:
     if args.kill:
         kill_rank, kill_step = map(int, args.kill.split(":"))
         callbacks.append(KillRank(kill_rank, kill_step))
+    plugins = []
+    if (
+        args.fp16_scaler
+    ):  # Lightning maps '16-mixed' to bf16 on CPU; CPU autocast and GradScaler do support fp16
+        plugins.append(
+            MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+        )
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps, logger=False,
+        precision=None if plugins else args.precision, plugins=plugins or None,
+        accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip_val,
         enable_checkpointing=bool(args.ckpt_every), enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )  # fmt: skip
-    model = Regression(optimizer=args.optimizer, momentum=args.momentum)
+    inf_at = tuple(map(int, args.inf_at.split(":"))) if args.inf_at else None
+    model = Regression(
+        optimizer=args.optimizer, momentum=args.momentum, lr=args.lr, inf_at=inf_at, manual=args.manual
+    )
     trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=True), ckpt_path=args.resume)
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     rank = trainer.global_rank
-    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    params = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     torch.save(params, f"{args.out}.rank{rank}.params.pt")
     summary = {
         "rank": rank,
@@ -154,6 +215,8 @@ def main() -> None:
         "hook_calls": getattr(trainer.strategy, "hook_calls", 0),
         "stats": probe.stats,
         "losses": probe.losses,
+        "records": probe.records,
+        "param_dtype": str(next(model.parameters()).dtype),
         "optimizer_momentum": [g["momentum"] for g in trainer.optimizers[0].param_groups if "momentum" in g],
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
