@@ -6,12 +6,22 @@ Importing the package registers the strategy names ``"dgc"`` and ``"dgc_spawn"``
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dgc.callbacks import CompressionMonitor, SparsityWarmup, warmup_density
 from lightning_dgc.hook import dgc_hook
 from lightning_dgc.state import DGCConfig, DGCState
 from lightning_dgc.strategy import DGCStrategy
 
 __version__ = "0.1.0"
 
-__all__ = ["DGCConfig", "DGCState", "DGCStrategy", "dgc_hook", "__version__"]
+__all__ = [
+    "CompressionMonitor",
+    "DGCConfig",
+    "DGCState",
+    "DGCStrategy",
+    "SparsityWarmup",
+    "__version__",
+    "dgc_hook",
+    "warmup_density",
+]
 
 DGCStrategy.register_strategies(StrategyRegistry)

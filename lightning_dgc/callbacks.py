@@ -1,0 +1,304 @@
+"""Lightning callbacks for DGC: the sparsity warm-up and the compression monitor.
+
+What changes over training (the density in force) and what is reported (bytes on the wire,
+compression ratio, residual size) live here rather than in the strategy, so that the strategy
+stays a plain exchange with one ``density`` knob.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_dgc.state import check_density
+
+Interval = Literal["epoch", "step"]
+
+#: The DGC paper's warm-up (Lin et al., 2018, Sec. 3.3): sparsity 75%, 93.75%, 98.4375%, 99.6% in
+#: epochs 0-3, i.e. the density shrinks exponentially (by 4x per epoch) before the final 99.9%.
+PAPER_WARMUP_DENSITIES: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004)
+
+
+def warmup_density(
+    epoch: int,
+    step: int,
+    final_density: float,
+    densities: Sequence[float] | None = None,
+    interval: Interval = "epoch",
+    dense_epochs: int = 0,
+    steps_per_epoch: int | None = None,
+) -> float:
+    """The density in force at ``epoch`` / optimizer ``step``: a pure function, so it survives resume.
+
+    Args:
+        epoch: the current epoch (``trainer.current_epoch``), counted from 0.
+        step: optimizer steps done so far (``trainer.global_step``): the index of the step about to run.
+        final_density: the density once the warm-up is over (the strategy's configured density).
+        densities: the warm-up, one density per epoch (``interval="epoch"``) or per optimizer step
+            (``interval="step"``). ``None`` is the paper's schedule :data:`PAPER_WARMUP_DENSITIES`
+            (per epoch), never sparser than ``final_density``: with ``final_density=0.01`` it is
+            0.25, 0.0625, 0.015625, 0.01, ...
+        interval: what one entry of ``densities`` lasts: an epoch or an optimizer step.
+        dense_epochs: epochs of density 1.0 (plain dense averaging) before the warm-up starts; the
+            warm-up is shifted by them.
+        steps_per_epoch: optimizer steps per epoch; needed only for ``interval="step"`` with
+            ``dense_epochs > 0``, where the step schedule starts after ``dense_epochs * steps_per_epoch``.
+    """
+    if interval not in ("epoch", "step"):
+        raise ValueError(f"`interval` must be 'epoch' or 'step', got {interval!r}.")
+    if dense_epochs < 0:
+        raise ValueError(f"`dense_epochs` must be >= 0, got {dense_epochs!r}.")
+    if epoch < dense_epochs:
+        return 1.0
+    if densities is None:
+        if interval != "epoch":
+            raise ValueError(
+                "The paper's warm-up is per epoch; pass an explicit `densities` list to warm up per step."
+            )
+        index = epoch - dense_epochs
+        if index < len(PAPER_WARMUP_DENSITIES):
+            return max(PAPER_WARMUP_DENSITIES[index], final_density)
+        return final_density
+    if interval == "epoch":
+        index = epoch - dense_epochs
+    else:
+        if dense_epochs and steps_per_epoch is None:
+            raise ValueError("`steps_per_epoch` is needed to shift a per-step warm-up by `dense_epochs`.")
+        index = max(0, step - dense_epochs * (steps_per_epoch or 0))
+    return float(densities[index]) if index < len(densities) else final_density
+
+
+def _has_property(strategy: object, name: str) -> bool:
+    return isinstance(getattr(type(strategy), name, None), property)
+
+
+class SparsityWarmup(L.Callback):
+    """Raise the sparsity gradually at the start of training (DGC's "warm-up training").
+
+    Early gradients change fast, and sending only 0.1% of them from the first step delays
+    convergence; the paper starts at 75% sparsity and raises it exponentially to 99.9% over the
+    first four epochs. By default this callback applies density 0.25, 0.0625, 0.015625 and 0.004 in
+    epochs 0-3 and the strategy's configured density (e.g. ``DGCStrategy(density=0.001)``, read once
+    when the callback is first set up with that strategy) from epoch 4 on.
+
+    The density in force is a pure function of ``(trainer.current_epoch, trainer.global_step)``
+    (:func:`warmup_density`): it needs no callback state in checkpoints, is right after a resume,
+    and every rank applies the same density at the same optimizer step. It is applied by setting
+    ``trainer.strategy.density`` in ``on_train_epoch_start`` and, for ``interval="step"``, in
+    ``on_train_batch_start`` (under gradient accumulation all batches of one optimizer step see
+    the same ``global_step``, hence the same density).
+
+    Args:
+        densities: the warm-up densities, one per epoch or per optimizer step (see ``interval``), each
+            in (0, 1]; ``None`` is the paper's schedule. After the list the strategy's density applies.
+            An empty list means no warm-up (only ``dense_epochs``).
+        interval: ``"epoch"`` (default) or ``"step"``: what one entry of ``densities`` lasts. A
+            per-step warm-up needs an explicit ``densities`` list.
+        dense_epochs: epochs of density 1.0 before the warm-up (the schedule starts after them). With
+            ``interval="step"`` the optimizer steps per epoch are taken from the Trainer
+            (``ceil(num_training_batches / accumulate_grad_batches)``), so the train loader needs a length.
+
+    Example::
+
+        Trainer(strategy=DGCStrategy(density=0.001), callbacks=[SparsityWarmup()])
+    """
+
+    def __init__(
+        self,
+        densities: list[float] | None = None,
+        interval: Interval = "epoch",
+        dense_epochs: int = 0,
+    ) -> None:
+        if interval not in ("epoch", "step"):
+            raise ValueError(f"`interval` must be 'epoch' or 'step', got {interval!r}.")
+        if densities is None and interval == "step":
+            raise ValueError(
+                "The paper's warm-up is per epoch; pass `densities=[...]` (one per optimizer step) to warm up"
+                " per step with interval='step'."
+            )
+        if isinstance(dense_epochs, bool) or not isinstance(dense_epochs, int) or dense_epochs < 0:
+            raise ValueError(f"`dense_epochs` must be an integer >= 0, got {dense_epochs!r}.")
+        self.densities = (
+            None
+            if densities is None
+            else [check_density(d, f"densities[{i}]") for i, d in enumerate(densities)]
+        )
+        self.interval: Interval = interval
+        self.dense_epochs = dense_epochs
+        self.final_density: float | None = None
+        self._strategy: object | None = None  # the strategy final_density was read from
+
+    def density_at(self, epoch: int, step: int, steps_per_epoch: int | None = None) -> float:
+        """The density this callback applies at ``epoch`` / optimizer ``step`` (after :meth:`setup`)."""
+        if self.final_density is None:
+            raise RuntimeError(
+                "SparsityWarmup reads the final density from the strategy in `setup`; call it first."
+            )
+        return warmup_density(
+            epoch,
+            step,
+            self.final_density,
+            self.densities,
+            self.interval,
+            self.dense_epochs,
+            steps_per_epoch,
+        )
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        if not _has_property(strategy, "density"):
+            raise TypeError(
+                f"SparsityWarmup changes the density of a DGC exchange, but the Trainer's strategy is"
+                f' {type(strategy).__name__}, which has none. Use `Trainer(strategy="dgc")` (or'
+                " `strategy=DGCStrategy(...)`) with this callback."
+            )
+        # Read once per strategy: the warm-up itself changes `strategy.density`, so a second `fit`
+        # with the same Trainer must not take a warm-up value for the final one.
+        if strategy is not self._strategy:
+            self.final_density = check_density(strategy.density, "strategy.density")
+            self._strategy = strategy
+
+    def _steps_per_epoch(self, trainer: L.Trainer) -> int | None:
+        if self.interval != "step" or not self.dense_epochs:
+            return None
+        batches = trainer.num_training_batches
+        if not math.isfinite(batches):
+            raise ValueError(
+                "SparsityWarmup(interval='step', dense_epochs>0) needs the number of steps per epoch, but the"
+                " train dataloader has no length. Use `dense_epochs=0` and put the dense steps (1.0) at the"
+                " start of `densities` instead."
+            )
+        return math.ceil(int(batches) / trainer.accumulate_grad_batches)
+
+    def _apply(self, trainer: L.Trainer) -> float:
+        density = self.density_at(trainer.current_epoch, trainer.global_step, self._steps_per_epoch(trainer))
+        if trainer.strategy.density != density:
+            trainer.strategy.density = density
+        return density
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        density = self._apply(trainer)
+        if self.interval == "epoch":
+            rank_zero_info(f"SparsityWarmup: density {density:g} in epoch {trainer.current_epoch}.")
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.interval == "step":
+            self._apply(trainer)
+
+
+class CompressionMonitor(L.Callback):
+    """Log what the gradient exchange puts on the wire, to the Trainer's logger(s) (TensorBoard by default).
+
+    Every ``log_every_n_steps`` optimizer steps (after the step, in ``on_train_batch_end``; under
+    gradient accumulation only after batches that ran an optimizer step), global rank 0 logs, at
+    ``step=trainer.global_step``, the statistics of the last optimizer step from
+    ``trainer.strategy.compression_stats()``. The values are rank 0's own: no collective is issued
+    (every rank sends payloads of the same size, so the byte counts hold for every rank).
+
+    Scalars (``prefix`` is ``"compression/"`` by default):
+
+    * ``compression/density``: the density in force, the fraction of each compressed tensor's
+      values sent per step (changes under :class:`SparsityWarmup`).
+    * ``compression/ratio``: dense bytes / bytes actually sent, counting indices, values, padding
+      and the tensors averaged dense; what DGC saves on the wire (1 = nothing saved).
+    * ``compression/bytes_sent``: bytes this rank put on the wire in the step (sparse payloads
+      plus dense all-reduce).
+    * ``compression/dense_bytes``: bytes plain DDP would have all-reduced for the same gradients.
+    * ``compression/selection_ms``: milliseconds spent selecting the top-k values in the step (rank 0).
+    * ``compression/residual_norm``: L2 norm of the gradient held back in the local memory (all
+      velocities of rank 0); a steadily growing value means the density is too low to keep up.
+    * ``compression/buildup_factor`` (DEFT only, when the strategy reports it): how many times
+      more values were selected in total than the target ``density * numel`` (gradient build-up).
+    * ``compression/max_rank_selection_ms`` (DEFT only, when reported): the slowest rank's
+      selection time, the one that holds the step back.
+
+    Args:
+        log_every_n_steps: log after every this many optimizer steps (when ``global_step`` is a
+            multiple of it); ``None`` uses the Trainer's ``log_every_n_steps`` (0 there: no logging).
+        prefix: prepended to every scalar name.
+    """
+
+    #: TensorBoard name (after the prefix) -> key of ``compression_stats()``; missing keys are skipped.
+    SCALARS: dict[str, str] = {
+        "density": "density",
+        "ratio": "compression_ratio",
+        "bytes_sent": "bytes_sent",
+        "dense_bytes": "dense_bytes",
+        "selection_ms": "selection_ms",
+        "buildup_factor": "buildup_factor",
+        "max_rank_selection_ms": "max_rank_selection_ms",
+    }
+
+    def __init__(self, log_every_n_steps: int | None = None, prefix: str = "compression/") -> None:
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool)
+            or not isinstance(log_every_n_steps, int)
+            or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"`log_every_n_steps` must be an integer >= 1 or None, got {log_every_n_steps!r}."
+            )
+        self.log_every_n_steps = log_every_n_steps
+        self.prefix = prefix
+        self._every = log_every_n_steps or 1
+        self._last_seen_step: Any = (
+            None  # stats["step"] of the last batch end: a new value = a new optimizer step
+        )
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not callable(getattr(trainer.strategy, "compression_stats", None)):
+            raise TypeError(
+                f"CompressionMonitor reads `compression_stats()` from the strategy, but"
+                f' {type(trainer.strategy).__name__} has none. Use `Trainer(strategy="dgc")` (or'
+                " `strategy=DGCStrategy(...)`) with this callback."
+            )
+        every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        self._every = int(every)  # 0 (Trainer(log_every_n_steps=0)) turns logging off
+        if not trainer.loggers:
+            rank_zero_warn(
+                "CompressionMonitor: the Trainer has no logger (logger=False); nothing will be logged."
+            )
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._last_seen_step = None
+
+    def metrics(self, trainer: L.Trainer, stats: dict[str, Any]) -> dict[str, float]:
+        """The scalars to log for ``stats`` (one optimizer step's ``compression_stats()``)."""
+        out = {self.prefix + name: float(stats[key]) for name, key in self.SCALARS.items() if key in stats}
+        if not stats.get("bytes_sent"):  # nothing was sent: the ratio is infinite, not worth a point
+            out.pop(self.prefix + "ratio", None)
+        dgc_state = getattr(trainer.strategy, "dgc_state", None)
+        if dgc_state is not None:
+            out[self.prefix + "residual_norm"] = float(dgc_state.residual_norm())
+        return out
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stats = trainer.strategy.compression_stats()
+        if not stats or stats.get("step") == self._last_seen_step:
+            return  # no optimizer step finished since the last batch (gradient accumulation)
+        self._last_seen_step = stats.get("step")
+        if (
+            not trainer.is_global_zero
+            or not trainer.loggers
+            or not self._every
+            or trainer.global_step % self._every
+        ):
+            return
+        metrics = self.metrics(trainer, stats)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
