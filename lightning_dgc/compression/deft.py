@@ -1,0 +1,156 @@
+"""DEFT's partitioned top-k selection: each worker selects only inside the fragments it owns.
+
+With the plan from :mod:`lightning_dgc.partition` (fragments, their owners and a ``k_l`` per fragment),
+every gradient element is examined by exactly one worker, so the selection work per worker shrinks by
+about the number of workers, and the selections of different workers never overlap: the union of all
+workers' indices has exactly ``sum(k_l)`` distinct elements, with no duplicates to merge after the
+all-gather.
+
+Both functions here run on the hot path of every optimizer step, on the device of the gradient: they
+launch a few kernels per owned fragment, never synchronise with the host, and accept an optional
+``workspace`` tensor so the caller can reuse one scratch buffer across steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_dgc.partition import Fragment
+
+__all__ = ["deft_select", "fragment_norms"]
+
+
+def _as_int_list(values: Sequence[int] | Tensor) -> list[int]:
+    return [int(v) for v in (values.tolist() if isinstance(values, Tensor) else values)]
+
+
+def _scratch(workspace: Tensor | None, numel: int, like: Tensor, dtype: torch.dtype) -> Tensor:
+    """The first ``numel`` elements of ``workspace``, or a fresh buffer if none was given."""
+    if workspace is None:
+        return torch.empty(numel, dtype=dtype, device=like.device)
+    if workspace.dim() != 1 or workspace.dtype != dtype or workspace.device != like.device:
+        raise ValueError(
+            f"workspace must be a 1-D {dtype} tensor on {like.device}, got a {workspace.dim()}-D "
+            f"{workspace.dtype} tensor on {workspace.device}"
+        )
+    if workspace.numel() < numel:
+        raise ValueError(
+            f"workspace holds {workspace.numel()} elements but {numel} are needed; pass a larger one"
+        )
+    return workspace[:numel]
+
+
+def deft_select(
+    velocity_flat: Tensor,
+    fragments: Sequence[Fragment],
+    owners: Sequence[int],
+    ks: Sequence[int] | Tensor,
+    rank: int,
+    *,
+    workspace: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Select the top-``k_l`` elements by magnitude of every fragment owned by ``rank``.
+
+    Selection is exact (``torch.topk`` on the magnitudes of the fragment), so each owned fragment
+    contributes exactly its ``k_l`` elements, and they are that fragment's largest in magnitude (ties
+    broken by ``torch.topk``). Fragments owned by other ranks are not read at all.
+
+    Args:
+        velocity_flat: The flat, error-compensated gradient (DGC's velocity) of the bucket, 1-D.
+        fragments: The fragments tiling it, from :func:`lightning_dgc.partition.fragment_layers`.
+        owners: Owning rank of each fragment, from :func:`lightning_dgc.partition.lpt_assign`.
+        ks: Elements to select per fragment, from :func:`lightning_dgc.partition.allocate_k`; a
+            ``k_l`` of 0 selects nothing.
+        rank: The rank doing the selection.
+        workspace: Optional scratch of ``velocity_flat``'s dtype and device with at least as many
+            elements as the longest owned fragment, reused for the magnitudes instead of allocating.
+
+    Returns:
+        ``(indices, values)``: int64 positions in ``velocity_flat``, grouped by fragment in fragment
+        order (unsorted within a fragment), and ``velocity_flat`` at those positions (signed).
+    """
+    if velocity_flat.dim() != 1:
+        raise ValueError(
+            f"velocity_flat must be 1-D, got shape {tuple(velocity_flat.shape)}; flatten it first"
+        )
+    k_list = _as_int_list(ks)
+    owner_list = _as_int_list(owners)
+    if not len(fragments) == len(owner_list) == len(k_list):
+        raise ValueError(
+            f"got {len(fragments)} fragments, {len(owner_list)} owners and {len(k_list)} k values; "
+            "pass one of each per fragment"
+        )
+    owned = [i for i, owner in enumerate(owner_list) if owner == rank and k_list[i] > 0]
+    for i in owned:
+        fragment = fragments[i]
+        if k_list[i] > fragment.numel:
+            raise ValueError(f"k={k_list[i]} exceeds the {fragment.numel} elements of fragment {fragment}")
+        if fragment.stop > velocity_flat.numel():
+            raise ValueError(
+                f"fragment {fragment} ends past the {velocity_flat.numel()} elements of the vector"
+            )
+
+    count = sum(k_list[i] for i in owned)
+    indices = torch.empty(count, dtype=torch.int64, device=velocity_flat.device)
+    if count == 0:
+        return indices, velocity_flat.new_empty(0)
+
+    magnitude = _scratch(
+        workspace, max(fragments[i].numel for i in owned), velocity_flat, velocity_flat.dtype
+    )
+    top_magnitudes = velocity_flat.new_empty(max(k_list[i] for i in owned))  # only needed as an out=
+    position = 0
+    for i in owned:
+        fragment, k = fragments[i], k_list[i]
+        fragment_magnitude = torch.abs(
+            velocity_flat[fragment.offset : fragment.stop], out=magnitude[: fragment.numel]
+        )
+        chosen = indices[position : position + k]
+        torch.topk(fragment_magnitude, k, sorted=False, out=(top_magnitudes[:k], chosen))
+        chosen.add_(fragment.offset)  # fragment-local positions to positions in the flat vector
+        position += k
+    return indices, velocity_flat[indices]
+
+
+def fragment_norms(
+    velocity_flat: Tensor, fragments: Sequence[Fragment], *, workspace: Tensor | None = None
+) -> Tensor:
+    """L2 norm of ``velocity_flat`` inside each fragment, the input of DEFT's k allocation.
+
+    When the fragments are consecutive (as :func:`lightning_dgc.partition.fragment_layers` makes them)
+    the norms take one elementwise square and one segmented sum, whatever the number of fragments;
+    otherwise one norm per fragment. Squares are accumulated in float32 (float64 for a float64
+    vector) so that half-precision gradients do not overflow.
+
+    Args:
+        velocity_flat: The flat, error-compensated gradient of the bucket, 1-D.
+        fragments: The fragments to measure.
+        workspace: Optional scratch of the accumulation dtype (float32, or float64 for a float64
+            vector) on the vector's device, at least as long as the span the fragments cover; it
+            receives the squares instead of a fresh buffer.
+
+    Returns:
+        One norm per fragment, float32 (float64 for a float64 vector), on the vector's device.
+    """
+    if velocity_flat.dim() != 1:
+        raise ValueError(
+            f"velocity_flat must be 1-D, got shape {tuple(velocity_flat.shape)}; flatten it first"
+        )
+    accumulate = torch.float64 if velocity_flat.dtype == torch.float64 else torch.float32
+    if not fragments:
+        return torch.zeros(0, dtype=accumulate, device=velocity_flat.device)
+    start, stop = fragments[0].offset, fragments[-1].stop
+    if stop > velocity_flat.numel():
+        raise ValueError(f"fragments end at {stop}, past the {velocity_flat.numel()} elements of the vector")
+    consecutive = all(a.stop == b.offset for a, b in zip(fragments[:-1], fragments[1:], strict=True))
+    if not consecutive:
+        return torch.stack(
+            [torch.linalg.vector_norm(velocity_flat[f.offset : f.stop], dtype=accumulate) for f in fragments]
+        )
+    squares = _scratch(workspace, stop - start, velocity_flat, accumulate)
+    squares.copy_(velocity_flat[start:stop]).square_()
+    lengths = torch.tensor([f.numel for f in fragments], dtype=torch.int64, device=velocity_flat.device)
+    return torch.segment_reduce(squares, "sum", lengths=lengths).sqrt_()
