@@ -1,4 +1,4 @@
-"""The DDP communication hook of DGC.
+"""The DDP communication hooks of DGC and DEFT.
 
 ``dgc_hook(state, bucket)`` replaces DDP's dense all-reduce of one gradient bucket. Steps:
 
@@ -11,17 +11,21 @@
 6. **update memory**: stage the scratch buffers and the sent indices; the strategy commits them
    (or discards them if any rank saw inf/NaN) once the whole backward pass is done.
 
+``deft_hook(state, bucket)`` shares steps 1, 2, 5 and 6 and replaces 3-4 with DEFT's partitioned
+selection (see its docstring).
+
 A tensor is handled in one of three ways, decided once per bucket layout and density (the *plan*):
 ``sparse`` (compressed), ``full`` (density so high that sending everything dense is cheaper: the
 velocity is all-reduced and cleared, which is what selecting every index means) and ``dense``
 (too small to compress: plain averaging, then the optimizer's momentum in the hook).
 
-DDP checks the hook's annotations literally, so this module does not use postponed annotations.
+DDP checks the hooks' annotations literally, so this module does not use postponed annotations.
 """
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -30,7 +34,9 @@ from torch import Tensor
 
 from lightning_dgc import comm
 from lightning_dgc.compression import sampled_topk, topk_indices
-from lightning_dgc.memory import clip_by_norm_, momentum_correction
+from lightning_dgc.compression.deft import deft_select, fragment_norms
+from lightning_dgc.memory import _Buffers, clip_by_norm_, momentum_correction
+from lightning_dgc.partition import Fragment, allocate_k, fragment_layers, lpt_assign, selection_cost
 from lightning_dgc.state import DGCState, ParamSettings
 
 Kind = Literal["sparse", "full", "dense"]
@@ -52,9 +58,16 @@ class _Plan:
     entries: list[_Entry]
     k_total: int
     dense_numel: int
-    payload: Tensor  # this rank's payload (uint8), reused every step
-    gathered: Tensor  # every rank's payload, concatenated (gloo wants a flat output), reused
     dense_bytes: int  # what DDP would send for this bucket
+    payload: Tensor  # DGC: this rank's payload (uint8), reused every step
+    gathered: Tensor  # DGC: every rank's payload, concatenated (gloo wants a flat output), reused
+    # DEFT only: the fragments of the sparse tensors (offsets into their concatenation) and, per
+    # fragment, its entry; computed once per layout.
+    fragments: list[Fragment] = field(default_factory=list)
+    fragment_entry: list[_Entry] = field(default_factory=list)
+    layers: list[tuple[_Entry, list[tuple[int, Fragment]]]] = field(
+        default_factory=list
+    )  # fragments by layer
 
 
 def tensor_kind(numel: int, ndim: int, k: int, state: DGCState) -> Kind:
@@ -72,9 +85,9 @@ def values_per_step(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(density * numel)))
 
 
-def _plan(state: DGCState, bucket: dist.GradBucket) -> _Plan:
+def _plan(state: DGCState, bucket: dist.GradBucket, partitioned: bool) -> _Plan:
     params = bucket.parameters()
-    key = (tuple(id(p) for p in params), state.config.density, state.config.value_dtype)
+    key = (partitioned, tuple(id(p) for p in params), state.config.density, state.config.value_dtype)
     plan = state._plans.get(key)
     if plan is not None:
         return plan
@@ -94,139 +107,117 @@ def _plan(state: DGCState, bucket: dist.GradBucket) -> _Plan:
     buffer = bucket.buffer()
     if offset != buffer.numel():
         raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {offset}.")
-    nbytes = comm.payload_nbytes(k_total, state.value_dtype)
-    payload = torch.zeros(nbytes, dtype=torch.uint8, device=buffer.device)
-    gathered = torch.empty(state.world_size * nbytes, dtype=torch.uint8, device=buffer.device)
-    plan = _Plan(entries, k_total, dense_numel, payload, gathered, buffer.numel() * buffer.element_size())
+    nbytes = 0 if partitioned else comm.payload_nbytes(k_total, state.value_dtype)
+    plan = _Plan(
+        entries,
+        k_total,
+        dense_numel,
+        buffer.numel() * buffer.element_size(),
+        payload=torch.zeros(nbytes, dtype=torch.uint8, device=buffer.device),
+        gathered=torch.empty(state.world_size * nbytes, dtype=torch.uint8, device=buffer.device),
+    )
+    if partitioned:
+        sparse = [e for e in entries if e.kind == "sparse"]
+        plan.fragments = fragment_layers(
+            [e.name for e in sparse], [e.numel for e in sparse], state.world_size
+        )
+        by_name = {e.name: e for e in sparse}
+        plan.fragment_entry = [by_name[f.name] for f in plan.fragments]
+        for i, f in enumerate(plan.fragments):
+            if not plan.layers or plan.layers[-1][0].name != f.name:
+                plan.layers.append((by_name[f.name], []))
+            plan.layers[-1][1].append((i, _rebased(f)))
     state._plans[key] = plan
     return plan
 
 
-def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Compress, exchange and decompress one DDP bucket (see the module docstring for the steps)."""
-    plan = _plan(state, bucket)
-    buffer = bucket.buffer()
-    device = buffer.device
-    world = state.world_size
+@dataclass
+class _Prepared:
+    """Result of steps 1-2 for one bucket."""
+
+    grads: Tensor  # the bucket as fp32 (the buffer itself when it is fp32)
+    locally_finite: bool
+    dense_parts: list[Tensor]  # in entry order: gradients of dense tensors, velocities of full ones
+    sparse: list[tuple[_Entry, _Buffers]]  # compressed tensors with their compensated scratch buffers
+
+
+def _prepare(state: DGCState, plan: _Plan, buffer: Tensor) -> _Prepared:
+    """Steps 1-2: unscale, clip, weight decay, momentum correction into scratch buffers."""
     cfg = state.config
     grads = buffer if buffer.dtype == torch.float32 else buffer.float()
-
-    # Step 1: prepare. A non-finite local gradient is not let into the memory: this rank sends NaN
-    # instead, so that every rank sees a non-finite result and skips the step consistently.
+    # A non-finite local gradient is not let into the memory: this rank sends NaN instead, so that
+    # every rank sees a non-finite result and skips the step consistently.
     locally_finite = bool(torch.isfinite(grads.sum()))
     if locally_finite and state.grad_scale != 1.0:
         grads.mul_(1.0 / state.grad_scale)
-    clip = cfg.local_clip_norm / math.sqrt(world) if cfg.local_clip_norm is not None else None
-
-    dense_parts: list[Tensor] = []
-    sparse_indices: list[Tensor] = []
-    sparse_values: list[Tensor] = []
-    selection_s = 0.0
+    clip = cfg.local_clip_norm / math.sqrt(state.world_size) if cfg.local_clip_norm is not None else None
+    prepared = _Prepared(grads, locally_finite, [], [])
     for e in plan.entries:
         g = grads[e.offset : e.offset + e.numel]
-        if locally_finite:
-            if clip is not None:
-                clip_by_norm_(g, clip)
-            if e.settings.weight_decay:
-                g.add_(e.param.detach().reshape(-1).float(), alpha=e.settings.weight_decay)
-        if e.kind == "dense":
-            dense_parts.append(g)
-            continue
-        buf = state.memory.get(e.name, e.numel, device)
         if not locally_finite:
-            if e.kind == "full":
-                dense_parts.append(torch.full_like(g, float("nan")))
+            prepared.dense_parts.extend([torch.full_like(g, math.nan)] if e.kind != "sparse" else [])
             continue
-        # Step 2: compensate (into scratch buffers; the committed state stays untouched).
+        if clip is not None:
+            clip_by_norm_(g, clip)
+        if e.settings.weight_decay:
+            g.add_(e.param.detach().reshape(-1).float(), alpha=e.settings.weight_decay)
+        if e.kind == "dense":
+            prepared.dense_parts.append(g)
+            continue
+        buf = state.memory.get(e.name, e.numel, buffer.device)
+        s = e.settings
         momentum_correction(
-            g, buf.momentum, buf.velocity, e.settings.momentum, e.settings.nesterov,
-            buf.momentum_next, buf.velocity_next,
-        )  # fmt: skip
+            g, buf.momentum, buf.velocity, s.momentum, s.nesterov, buf.momentum_next, buf.velocity_next
+        )
         if e.kind == "full":
-            dense_parts.append(buf.velocity_next)
+            prepared.dense_parts.append(buf.velocity_next)
             state.memory.stage(e.name, None, cfg.momentum_masking)
-            continue
-        # Step 3: select exactly k.
-        t0 = time.perf_counter()
-        if cfg.selection == "exact":
-            idx = topk_indices(buf.velocity_next, e.k)
         else:
-            idx = sampled_topk(buf.velocity_next, e.k, cfg.sample_ratio, state.generator)
-        selection_s += time.perf_counter() - t0
-        sparse_indices.append(idx + e.offset)
-        sparse_values.append(buf.velocity_next.index_select(0, idx))
-        state.memory.stage(e.name, idx, cfg.momentum_masking)
+            prepared.sparse.append((e, buf))
+    return prepared
 
-    if plan.k_total:
-        if locally_finite:
-            comm.pack_into(
-                plan.payload, torch.cat(sparse_indices), torch.cat(sparse_values), state.value_dtype
-            )
-        else:
-            plan.payload.zero_()
-            comm.payload_values(plan.payload, plan.k_total, state.value_dtype).fill_(float("nan"))
-    dense = torch.cat(dense_parts) if dense_parts else None
-    if dense is not None and not locally_finite:
-        dense = torch.full_like(dense, float("nan"))
 
-    # Step 4: exchange (same collectives, same sizes, same order on every rank).
-    futures = []
-    if plan.k_total:
-        futures.append(comm.all_gather_payload(plan.payload, plan.gathered, state.process_group))
+def _select(state: DGCState, values: Tensor, k: int) -> Tensor:
+    if state.config.selection == "exact":
+        return topk_indices(values, k)
+    return sampled_topk(values, k, state.config.sample_ratio, state.generator)
+
+
+def _decompress(
+    state: DGCState,
+    plan: _Plan,
+    buffer: Tensor,
+    dense: Tensor | None,
+    sparse_indices: Tensor | None,
+    sparse_values: Tensor | None,
+) -> Tensor:
+    """Step 5: the averaged update of the bucket, in the bucket's dtype; records finiteness."""
+    world = state.world_size
+    result = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+    finite = torch.ones((), dtype=torch.bool, device=buffer.device)
+    if sparse_indices is not None and sparse_values is not None:
+        values = sparse_values.float()
+        finite &= torch.isfinite(values).all()
+        result.index_add_(0, sparse_indices, values)
     if dense is not None:
-        futures.append(comm.all_reduce_sum(dense, state.process_group))
-
-    stats = state._current
-    stats.payload_bytes += plan.payload.numel()
-    stats.padding_bytes += plan.payload.numel() - plan.k_total * (
-        comm.INDEX_BYTES + state.value_dtype.itemsize
-    )
-    stats.dense_exchange_bytes += dense.numel() * dense.element_size() if dense is not None else 0
-    stats.dense_bytes += plan.dense_bytes
-    stats.values_sent += plan.k_total + plan.dense_numel
-    stats.numel += buffer.numel()
-    stats.selection_ms += selection_s * 1e3
-    stats.buckets += 1
-    stats.density = cfg.density
-
-    def decompress(_: object) -> Tensor:
-        # Step 5: decompress.
-        result = torch.zeros(buffer.numel(), dtype=torch.float32, device=device)
-        finite = torch.ones((), dtype=torch.bool, device=device)
-        if plan.k_total:
-            indices, values = comm.unpack(plan.gathered.view(world, -1), plan.k_total, state.value_dtype)
-            values = values.float()
-            finite &= torch.isfinite(values).all()
-            result.index_add_(0, indices, values)
-        if dense is not None:
-            finite &= torch.isfinite(dense).all()
-            pos = 0
-            for e in plan.entries:
-                if e.kind == "sparse":
-                    continue
-                part = dense[pos : pos + e.numel]
+        finite &= torch.isfinite(dense).all()
+        pos = 0
+        for e in plan.entries:
+            if e.kind != "sparse":
+                result[e.offset : e.offset + e.numel].copy_(dense[pos : pos + e.numel])
                 pos += e.numel
-                out = result[e.offset : e.offset + e.numel]
-                out.copy_(part)
-        result.div_(world)
-        for e in plan.entries:  # dense momentum works on the average, so it runs after the division
-            if e.kind == "dense" and e.settings.momentum:
-                _apply_dense_momentum(state, e, result[e.offset : e.offset + e.numel])
-        # Step 6: the memory update was staged above; finite decides commit or discard.
-        state.note_finite(finite)
-        if state.grad_scale != 1.0:
-            result.mul_(state.grad_scale)
-        return result if buffer.dtype == torch.float32 else result.to(buffer.dtype)
-
-    if not futures:
-        return comm.completed(decompress(None))
-    if len(futures) == 1:
-        return futures[0].then(lambda f: decompress(f.value()))
-    return torch.futures.collect_all(futures).then(decompress)
+    result.div_(world)
+    for e in plan.entries:  # momentum of dense tensors works on the average
+        if e.kind == "dense" and e.settings.momentum:
+            _apply_dense_momentum(state, e, result[e.offset : e.offset + e.numel])
+    state.note_finite(finite)  # Step 6: finiteness decides commit or discard of the staged memory
+    if state.grad_scale != 1.0:
+        result.mul_(state.grad_scale)
+    return result if buffer.dtype == torch.float32 else result.to(buffer.dtype)
 
 
 def _apply_dense_momentum(state: DGCState, e: _Entry, avg: Tensor) -> None:
-    """SGD momentum on a densely averaged tensor, in place: ``buf' = m buf + g``; ``d = buf'`` or Nesterov ``g + m buf'``.
+    """SGD momentum on a densely averaged tensor, in place: ``buf' = m buf + g``; ``d = buf'`` (Nesterov ``g + m buf'``).
 
     The inputs are identical on every rank, so the buffers stay identical too. The new buffer is
     staged like any other memory update, so a skipped step leaves it untouched.
@@ -241,3 +232,185 @@ def _apply_dense_momentum(state: DGCState, e: _Entry, avg: Tensor) -> None:
         avg.copy_(buf.momentum_next)
     buf.velocity_next.zero_()
     state.memory.stage(e.name, None, False)
+
+
+def _exchange_dense(state: DGCState, prepared: _Prepared) -> tuple[Tensor | None, list[torch.futures.Future]]:
+    dense = torch.cat(prepared.dense_parts) if prepared.dense_parts else None
+    if dense is None:
+        return None, []
+    return dense, [comm.all_reduce_sum(dense, state.process_group)]
+
+
+def _record(state: DGCState, plan: _Plan, buffer: Tensor, payload_bytes: int, padding: int, dense: Tensor | None,
+            selection_s: float, control_bytes: int = 0) -> None:  # fmt: skip
+    stats = state._current
+    stats.payload_bytes += payload_bytes + control_bytes
+    stats.control_bytes += control_bytes
+    stats.padding_bytes += padding
+    stats.dense_exchange_bytes += dense.numel() * dense.element_size() if dense is not None else 0
+    stats.dense_bytes += plan.dense_bytes
+    stats.values_sent += plan.k_total + plan.dense_numel
+    stats.k_target += plan.k_total
+    stats.numel += buffer.numel()
+    stats.selection_ms += selection_s * 1e3
+    stats.buckets += 1
+    stats.density = state.config.density
+
+
+def _then(futures: list[torch.futures.Future], fn: Callable[[], Tensor]) -> torch.futures.Future:
+    if not futures:
+        return comm.completed(fn())
+    if len(futures) == 1:
+        return futures[0].then(lambda _: fn())
+    return torch.futures.collect_all(futures).then(lambda _: fn())
+
+
+def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Compress, exchange and decompress one DDP bucket with DGC (see the module docstring)."""
+    plan = _plan(state, bucket, partitioned=False)
+    buffer = bucket.buffer()
+    prepared = _prepare(state, plan, buffer)  # Steps 1-2
+
+    # Step 3: select exactly k per compressed tensor; what is sent is staged for clearing.
+    selection_s = 0.0
+    indices: list[Tensor] = []
+    values: list[Tensor] = []
+    for e, buf in prepared.sparse:
+        t0 = time.perf_counter()
+        idx = _select(state, buf.velocity_next, e.k)
+        selection_s += time.perf_counter() - t0
+        indices.append(idx + e.offset)
+        values.append(buf.velocity_next.index_select(0, idx))
+        state.memory.stage(e.name, idx, state.config.momentum_masking)
+    if plan.k_total:
+        if prepared.locally_finite:
+            comm.pack_into(plan.payload, torch.cat(indices), torch.cat(values), state.value_dtype)
+        else:
+            plan.payload.zero_()
+            comm.payload_values(plan.payload, plan.k_total, state.value_dtype).fill_(math.nan)
+
+    # Step 4: exchange (same collectives, same sizes, same order on every rank).
+    futures = []
+    if plan.k_total:
+        futures.append(comm.all_gather_payload(plan.payload, plan.gathered, state.process_group))
+    dense, dense_futures = _exchange_dense(state, prepared)
+    futures += dense_futures
+    state._current.rank_selected += plan.k_total if prepared.locally_finite else 0
+    raw = plan.k_total * (comm.INDEX_BYTES + state.value_dtype.itemsize)
+    _record(state, plan, buffer, plan.payload.numel(), plan.payload.numel() - raw, dense, selection_s)
+
+    def decompress() -> Tensor:  # Steps 5-6
+        if not plan.k_total:
+            return _decompress(state, plan, buffer, dense, None, None)
+        idx, vals = comm.unpack(plan.gathered.view(state.world_size, -1), plan.k_total, state.value_dtype)
+        state._current.union_values += int(torch.unique(idx).numel())  # gradient build-up
+        return _decompress(state, plan, buffer, dense, idx, vals)
+
+    return _then(futures, decompress)
+
+
+def deft_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DEFT (Yoon and Oh, ICPP 2023): partitioned selection with no gradient build-up.
+
+    Steps 1-2 as DGC (error feedback, or DGC's momentum correction when enabled). Then:
+
+    3a. **norms**: L2 norm of every fragment of the compensated gradient; their squares are
+        all-reduced (with every rank's previous selection time in the same small vector), so every
+        rank holds identical norms: ranks derive the same plan without a leader or a broadcast.
+    3b. **plan**: k shared among fragments in proportion to their norms (total = what DGC sends),
+        fragments packed onto ranks by LPT on ``n_l log2 k_l``, rotated by the step counter.
+    3c. **select**: each rank selects top-k only inside its own fragments.
+    4.  **exchange**: each fragment owns a fixed slot range of the union (known to all ranks from the
+        plan); ranks write their indices into their slots and one int32 all-reduce (sum) gives the
+        union, with no duplicates. Every rank then all-reduces its own velocity at the union. The
+        volume is about k whatever the number of ranks.
+    5-6. decompress as DGC; every rank clears the union from its memory (its values there were sent).
+    """
+    plan = _plan(state, bucket, partitioned=True)
+    buffer = bucket.buffer()
+    device = buffer.device
+    prepared = _prepare(state, plan, buffer)  # Steps 1-2
+    world, rank = state.world_size, state.rank
+    k_total, frags = plan.k_total, plan.fragments
+
+    # Step 3a: norms of the fragments (+ selection times), summed over ranks.
+    exchange = torch.zeros(len(frags) + world, dtype=torch.float64, device=device)
+    velocity = {e.name: buf.velocity_next for e, buf in prepared.sparse}
+    if prepared.locally_finite and frags:
+        norms = torch.cat([fragment_norms(velocity[e.name], [f for _, f in fs]) for e, fs in plan.layers])
+        exchange[: len(frags)] = norms.double().square()
+    elif frags:
+        exchange[: len(frags)] = math.nan
+    exchange[len(frags) + rank] = state.last_selection_ms
+    if world > 1:
+        dist.all_reduce(exchange, group=state.process_group)
+    state._current.rank_selection_ms = exchange[len(frags) :].tolist()
+
+    # Step 3b: the identical plan on every rank.
+    selection_s = 0.0
+    union = torch.zeros(k_total, dtype=torch.int32, device=device)
+    values = torch.zeros(k_total, dtype=state.value_dtype, device=device)
+    if k_total:
+        norms = exchange[: len(frags)].sqrt().cpu()
+        sizes = [f.numel for f in frags]
+        ks = allocate_k(norms, sizes, k_total).tolist()
+        owners = lpt_assign(selection_cost(sizes, ks), world, rotation=state.step)
+        state._current.plans.append((ks, owners))
+        slot_starts = [0]
+        for k in ks:
+            slot_starts.append(slot_starts[-1] + k)
+
+        # Step 3c: select only in this rank's fragments; write bucket offsets into their slots. A rank
+        # with a non-finite gradient still fills its slots with valid (arbitrary) indices.
+        t0 = time.perf_counter()
+        selected = 0
+        for entry, fs in plan.layers:
+            mine = [(i, f) for i, f in fs if owners[i] == rank]
+            if not mine:
+                continue
+            if prepared.locally_finite:
+                idx, _ = deft_select(
+                    velocity[entry.name], [f for _, f in mine], [rank] * len(mine), [ks[i] for i, _ in mine], rank,
+                    selector=lambda v, k: _select(state, v, k),
+                )  # fmt: skip
+            else:
+                idx = torch.cat([torch.arange(ks[i], device=device) + f.offset for i, f in mine])
+            pos = 0
+            for i, _ in mine:
+                union[slot_starts[i] : slot_starts[i + 1]] = idx[pos : pos + ks[i]] + entry.offset
+                pos += ks[i]
+            selected += pos
+        selection_s = time.perf_counter() - t0
+        state._current.rank_selected += selected
+
+        # Step 4: the union of indices (disjoint slots: the sum is a merge), then values at the union.
+        if world > 1:
+            dist.all_reduce(union, group=state.process_group)
+        for entry, fs in plan.layers:
+            lo, hi = slot_starts[fs[0][0]], slot_starts[fs[-1][0] + 1]
+            local_idx = union[lo:hi].long() - entry.offset
+            if prepared.locally_finite:
+                buf = state.memory.get(entry.name, entry.numel, device)
+                values[lo:hi] = buf.velocity_next.index_select(0, local_idx)
+                state.memory.stage(entry.name, local_idx, state.config.momentum_masking)
+            else:
+                values[lo:hi] = math.nan
+
+    futures = [comm.all_reduce_sum(values, state.process_group)] if k_total else []
+    dense, dense_futures = _exchange_dense(state, prepared)
+    futures += dense_futures
+    state._current.union_values += int(torch.unique(union).numel()) if k_total else 0  # k: no build-up
+    _record(state, plan, buffer, k_total * (comm.INDEX_BYTES + state.value_dtype.itemsize), 0, dense,
+            selection_s, control_bytes=exchange.numel() * exchange.element_size())  # fmt: skip
+
+    def decompress() -> Tensor:  # Steps 5-6
+        if not k_total:
+            return _decompress(state, plan, buffer, dense, None, None)
+        return _decompress(state, plan, buffer, dense, union, values)
+
+    return _then(futures, decompress)
+
+
+def _rebased(f: Fragment) -> Fragment:
+    """The fragment with its offset inside its own layer (selection runs on the layer's buffer)."""
+    return Fragment(f.name, f.layer_offset, f.numel, f.layer_offset)

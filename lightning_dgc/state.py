@@ -120,6 +120,12 @@ class StepStats:
     selection_ms: float = 0.0
     buckets: int = 0
     density: float = 0.0  # the density the step was compressed with
+    control_bytes: int = 0  # DEFT: the norms (and selection times) exchanged to agree on a plan
+    k_target: int = 0  # values the density asks for (sum of k over compressed tensors)
+    union_values: int = 0  # distinct indices in the union of all ranks' selections
+    rank_selected: int = 0  # values this rank selected itself
+    rank_selection_ms: list[float] = field(default_factory=list)  # DEFT: every rank's previous selection
+    plans: list[tuple[list[int], list[int]]] = field(default_factory=list)  # DEFT: (k, owner) per fragment
 
     @property
     def bytes_sent(self) -> int:
@@ -150,6 +156,7 @@ class DGCState:
         self.param_settings: dict[str, ParamSettings] = {}
         self.step = 0
         self.skipped_steps = 0
+        self.last_selection_ms = 0.0  # this rank's selection time in the previous step (DEFT shares it)
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._current = StepStats()
         self._last: StepStats | None = None
@@ -210,6 +217,7 @@ class DGCState:
         else:
             self.memory.discard()
             self.skipped_steps += 1
+        self.last_selection_ms = self._current.selection_ms
         self._last, self._current = self._current, StepStats()
         self._last_finite = finite
         self.step += 1
@@ -236,10 +244,22 @@ class DGCState:
             "values_sent": s.values_sent,
             "numel": s.numel,
             "selection_ms": s.selection_ms,
+            "control_bytes": s.control_bytes,
+            "k": s.k_target,
+            "union_values": s.union_values,
+            "buildup_factor": s.union_values / s.k_target if s.k_target else 1.0,
+            "rank_selected": s.rank_selected,
             "buckets": s.buckets,
             "step": self.step,
             "finite": self._last_finite,
-        }
+        } | (
+            {
+                "rank_selection_ms": list(s.rank_selection_ms),
+                "max_rank_selection_ms": max(s.rank_selection_ms),
+            }
+            if s.rank_selection_ms
+            else {}
+        )
 
     def residual_norm(self) -> float:
         return self.memory.residual_norm()

@@ -13,7 +13,7 @@ launch a few kernels per owned fragment, never synchronise with the host, and ac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -51,12 +51,15 @@ def deft_select(
     rank: int,
     *,
     workspace: Tensor | None = None,
+    selector: Callable[[Tensor, int], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Select the top-``k_l`` elements by magnitude of every fragment owned by ``rank``.
 
-    Selection is exact (``torch.topk`` on the magnitudes of the fragment), so each owned fragment
-    contributes exactly its ``k_l`` elements, and they are that fragment's largest in magnitude (ties
-    broken by ``torch.topk``). Fragments owned by other ranks are not read at all.
+    By default selection is exact (``torch.topk`` on the magnitudes of the fragment), so each owned
+    fragment contributes exactly its ``k_l`` elements, and they are that fragment's largest in
+    magnitude (ties broken by ``torch.topk``). ``selector(values, k)`` may replace it (for example
+    DGC's sampled threshold); it must return exactly ``k`` distinct positions within ``values``.
+    Fragments owned by other ranks are not read at all.
 
     Args:
         velocity_flat: The flat, error-compensated gradient (DGC's velocity) of the bucket, 1-D.
@@ -105,6 +108,11 @@ def deft_select(
     position = 0
     for i in owned:
         fragment, k = fragments[i], k_list[i]
+        if selector is not None:
+            indices[position : position + k] = selector(velocity_flat[fragment.offset : fragment.stop], k)
+            indices[position : position + k] += fragment.offset
+            position += k
+            continue
         fragment_magnitude = torch.abs(
             velocity_flat[fragment.offset : fragment.stop], out=magnitude[: fragment.numel]
         )

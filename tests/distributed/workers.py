@@ -10,12 +10,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_dgc import DGCConfig, DGCState, dgc_hook
+from lightning_dgc import DGCConfig, DGCState, deft_hook, dgc_hook
 from lightning_dgc.compression import topk_indices
 
 
-def make_model(seed: int = 0) -> nn.Module:
+def make_model(seed: int = 0, wide: bool = False) -> nn.Module:
     torch.manual_seed(seed)
+    if wide:  # several compressed layers of different sizes, one large enough to be split among ranks
+        return nn.Sequential(
+            nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(),
+            nn.Linear(32, 4),
+        )  # fmt: skip
     # 64x32 and 32x64 weights are compressed (>= 1024 values); the biases are averaged dense.
     return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
 
@@ -42,9 +47,11 @@ def train(
     take_over: bool = False,
     bucket_cap_mb: float = 25.0,
     poison: tuple[int, int] | None = None,
+    hook: str = "dgc",
+    wide: bool = False,
 ) -> dict[str, Any]:
     """Train the toy model; optionally through the DGC hook. Returns per-step params and stats."""
-    model = make_model()
+    model = make_model(wide=wide)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     sgd = dict(sgd or {"lr": 0.1})
     state = None
@@ -59,9 +66,9 @@ def train(
             )
             for name, _ in model.named_parameters():
                 state.param_settings[name] = s
-        ddp.register_comm_hook(state, dgc_hook)
+        ddp.register_comm_hook(state, {"dgc": dgc_hook, "deft": deft_hook}[hook])
     opt = torch.optim.SGD(model.parameters(), **sgd)
-    params, losses, stats, finite, memory = [], [], [], [], []
+    params, losses, stats, finite, memory, plans_agree = [], [], [], [], [], []
     for step in range(steps):
         x, y = batch(rank, step)
         opt.zero_grad()
@@ -74,12 +81,23 @@ def train(
             finite.append(ok)
             stats.append(state.compression_stats())
             memory.append(state.memory.state_dict())
+            plans = state._last.plans if state._last is not None else []
+            everyone: list[Any] = [None] * world_size
+            dist.all_gather_object(everyone, plans)
+            plans_agree.append(all(p == plans for p in everyone))
             if not ok:
                 continue
         opt.step()
         params.append(flat_params(model))
         losses.append(loss.item())
-    return {"params": params, "losses": losses, "stats": stats, "finite": finite, "memory": memory}
+    return {
+        "params": params,
+        "losses": losses,
+        "stats": stats,
+        "finite": finite,
+        "memory": memory,
+        "plans_agree": plans_agree,
+    }
 
 
 def train_many(rank: int, world_size: int, *, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -42,3 +42,19 @@ def test_optimizer_with_its_own_momentum_is_rejected(tmp_path, optimizer: str) -
     )
     assert proc.returncode != 0
     assert "would apply it a second time" in proc.stderr
+
+
+def test_fit_with_deft_shares_selection_without_buildup(tmp_path) -> None:
+    out = tmp_path / "deft"
+    run_script("fit_script.py", out, "--strategy", "deft", "--max-steps", "40")
+    summary = results(out)
+    for s in summary:
+        assert s["strategy"] == "DEFTStrategy" and s["hook_calls"] >= 40
+        assert s["optimizer_momentum"] == [0.9], "DEFT leaves momentum to the optimizer"
+        last = s["stats"][-1]
+        assert last["buildup_factor"] == 1.0 and last["compression_ratio"] > 5
+        assert len(last["rank_selection_ms"]) == 2 and last["max_rank_selection_ms"] >= 0
+    assert sum(s["stats"][-1]["rank_selected"] for s in summary) == summary[0]["stats"][-1]["k"]
+    assert torch.equal(params(out, 0), params(out, 1))
+    losses = summary[0]["losses"]
+    assert sum(losses[-10:]) < sum(losses[:10])
