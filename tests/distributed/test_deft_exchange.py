@@ -12,7 +12,11 @@ pytestmark = pytest.mark.slow
 
 
 def _ranks_identical(per_rank: list[dict]) -> bool:
-    return all(torch.equal(a, b) for r in per_rank[1:] for a, b in zip(per_rank[0]["params"], r["params"], strict=True))
+    return all(
+        torch.equal(a, b)
+        for r in per_rank[1:]
+        for a, b in zip(per_rank[0]["params"], r["params"], strict=True)
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -95,3 +95,11 @@ def test_non_finite_gradient_on_one_rank_skips_step_everywhere() -> None:
                 assert torch.equal(t, after[kind][name]), f"{kind} of {name} changed by a skipped step"
         assert all(torch.isfinite(p).all() for p in r["params"])
     _assert_ranks_identical(results)
+
+
+def test_local_clipping_bounds_each_rank_contribution() -> None:
+    """Each rank clips every tensor to c / sqrt(N) before accumulation, so the average is at most that long."""
+    clip = 0.01
+    for norms in run_ranks(workers.clipped_grad_norms, clip=clip, density=1.0):
+        assert max(norms) <= clip / 2**0.5 * (1 + 1e-5)
+        assert max(norms) > 0.5 * clip / 2**0.5, "clipping should be active, not the gradients tiny"

@@ -147,3 +147,20 @@ def sparse_reference(rank: int, world_size: int, *, steps: int, density: float) 
                 p -= 0.1 * p.grad
                 rp.copy_(p)
     return {"max_err": max_err, "stats": state.compression_stats()}
+
+
+def clipped_grad_norms(rank: int, world_size: int, *, clip: float, density: float) -> list[float]:
+    """Per-tensor norms of the averaged gradients DDP writes back, with DGC's local clipping on."""
+    model = make_model()
+    ddp = DDP(model)
+    state = DGCState(config=DGCConfig(density=density, local_clip_norm=clip))
+    state.register_parameters(model.named_parameters())
+    ddp.register_comm_hook(state, dgc_hook)
+    norms: list[float] = []
+    for step in range(3):
+        x, y = batch(rank, step)
+        model.zero_grad()
+        (100.0 * nn.functional.mse_loss(ddp(x), y)).backward()  # large gradients: clipping must bite
+        state.finish_step()
+        norms += [float(p.grad.norm()) for p in model.parameters()]
+    return norms
