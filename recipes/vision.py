@@ -1,0 +1,320 @@
+"""Image classification recipe: ResNets on CIFAR-10 and ImageNet (DGC paper, section 5.1).
+
+* :class:`ImageClassifier`: cross-entropy training with momentum SGD and a step schedule (Gross &
+  Wilber 2016, as in the paper), top-1 accuracy from torchmetrics.
+* :class:`CIFAR10DataModule`: the original python pickle batches, downloaded and checked when
+  missing; augmentation (4-pixel padded random crop, horizontal flip, per-channel normalisation)
+  in plain torch, so CIFAR needs no torchvision.
+* :class:`ImageNetDataModule`: ``train/`` and ``val/`` class folders read with torchvision (the
+  optional ``vision`` extra), imported only when this DataModule is set up.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics.classification import MulticlassAccuracy
+
+from recipes.download import DatasetNotFoundError, download_file, extract_tar
+from recipes.resnet import build_resnet
+
+__all__ = ["CIFAR10DataModule", "CIFAR10_MEAN", "CIFAR10_STD", "ImageClassifier", "ImageNetDataModule"]
+
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+CIFAR10_FOLDER = "cifar-10-batches-py"
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class ImageClassifier(L.LightningModule):
+    """A ResNet trained with cross-entropy and momentum SGD on a step schedule.
+
+    Args:
+        arch: ``resnet20``/``32``/``44``/``56``/``110`` (CIFAR, 6n+2 layers), ``resnet8`` (tests)
+            or ``resnet50`` (ImageNet bottleneck network).
+        num_classes: 10 for CIFAR-10, 1000 for ImageNet.
+        shortcut: CIFAR shortcut option, ``"A"`` (identity + zero padding, the paper's) or ``"B"``.
+        base_width: channels of the first CIFAR stage (paper: 16, giving 16/32/64).
+        lr: learning rate for the whole batch of one optimizer step (all processes together).
+        momentum: SGD momentum (DGC's momentum correction assumes the same value).
+        nesterov: use Nesterov momentum.
+        weight_decay: L2 penalty.
+        milestones: epochs at which the learning rate is multiplied by ``gamma``.
+        gamma: step-decay factor.
+        warmup_epochs: epochs of linear learning-rate warm-up from ``lr / (warmup_epochs + 1)``
+            (Goyal et al. 2017); 0 disables it. Useful when ``lr`` is scaled up for many processes.
+    """
+
+    def __init__(
+        self,
+        arch: str = "resnet20",
+        num_classes: int = 10,
+        shortcut: Literal["A", "B"] = "A",
+        base_width: int = 16,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 1e-4,
+        milestones: Sequence[int] = (81, 122),
+        gamma: float = 0.1,
+        warmup_epochs: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.network = build_resnet(arch, num_classes, shortcut, base_width)
+        self.train_accuracy = MulticlassAccuracy(num_classes, average="micro")
+        self.val_accuracy = MulticlassAccuracy(num_classes, average="micro")
+        self.test_accuracy = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.network(images)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, labels = batch
+        logits = self(images)
+        loss = F.cross_entropy(logits, labels)
+        self.train_accuracy(logits, labels)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", self.train_accuracy, on_step=False, on_epoch=True)
+        return loss
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str, accuracy: MulticlassAccuracy) -> None:
+        images, labels = batch
+        logits = self(images)
+        self.log(f"{stage}_loss", F.cross_entropy(logits, labels), sync_dist=True)
+        accuracy(logits, labels)
+        self.log(f"{stage}_acc", accuracy, prog_bar=True)
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_accuracy)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_accuracy)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        optimizer = torch.optim.SGD(
+            self.parameters(),
+            lr=hp.lr,
+            momentum=hp.momentum,
+            nesterov=hp.nesterov,
+            weight_decay=hp.weight_decay,
+        )
+        milestones, gamma, warmup = sorted(hp.milestones), hp.gamma, hp.warmup_epochs
+
+        def factor(epoch: int) -> float:
+            if epoch < warmup:
+                return (epoch + 1) / (warmup + 1)
+            return gamma ** sum(epoch >= milestone for milestone in milestones)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+
+
+class CIFARImages(Dataset[tuple[Tensor, Tensor]]):
+    """CIFAR images held as one uint8 tensor, normalised (and augmented for training) per item."""
+
+    def __init__(self, images: Tensor, labels: Tensor, augment: bool) -> None:
+        self.images, self.labels, self.augment = images, labels, augment
+        self.mean = torch.tensor(CIFAR10_MEAN).view(3, 1, 1)
+        self.std = torch.tensor(CIFAR10_STD).view(3, 1, 1)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        image = self.images[index].float().div_(255)
+        if self.augment:  # torchvision's RandomCrop(32, padding=4) + RandomHorizontalFlip, in torch
+            size = image.shape[-1]
+            padded = F.pad(image, (4, 4, 4, 4))
+            top, left = torch.randint(0, 9, (2,)).tolist()
+            image = padded[:, top : top + size, left : left + size]
+            if torch.rand(()) < 0.5:
+                image = image.flip(-1)
+        return (image - self.mean) / self.std, self.labels[index]
+
+
+def load_cifar_batch(path: str | Path) -> tuple[Tensor, Tensor]:
+    """Read one original CIFAR-10 pickle batch: ``b"data"`` (N x 3072 uint8, CHW) and ``b"labels"``."""
+    with open(path, "rb") as f:
+        batch = pickle.load(f, encoding="bytes")
+    images = torch.as_tensor(batch[b"data"], dtype=torch.uint8).reshape(-1, 3, 32, 32)
+    return images, torch.as_tensor(batch[b"labels"], dtype=torch.long)
+
+
+class CIFAR10DataModule(L.LightningDataModule):
+    """CIFAR-10 from the original python batches in ``<root>/cifar-10-batches-py/``.
+
+    Training reads every ``data_batch_*`` file present (the official set has five), validation and
+    test the ``test_batch`` (the paper reports accuracy on the 10,000 test images). When the
+    folder is missing and ``download`` is set, the official archive is fetched, checked against its
+    MD5 and unpacked; offline, the error says where to put the files.
+
+    Args:
+        root: folder that holds (or will hold) ``cifar-10-batches-py/``.
+        batch_size: images per batch *per process* (the global batch is this times the number of
+            processes).
+        num_workers: DataLoader worker processes.
+        download: fetch the archive when the files are missing.
+        augment: random crop and flip on the training set.
+    """
+
+    def __init__(
+        self,
+        root: str = "data",
+        batch_size: int = 128,
+        num_workers: int = 2,
+        download: bool = True,
+        augment: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.root = Path(root)
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.download, self.augment = download, augment
+        self.train_set: CIFARImages | None = None
+        self.val_set: CIFARImages | None = None
+
+    @property
+    def folder(self) -> Path:
+        return self.root / CIFAR10_FOLDER
+
+    def _present(self) -> bool:
+        return (self.folder / "test_batch").is_file() and any(self.folder.glob("data_batch_*"))
+
+    def prepare_data(self) -> None:
+        """Download and unpack the archive if the batches are missing (runs on one process per node)."""
+        if self._present():
+            return
+        hint = (
+            f"Download {CIFAR10_URL} by hand and unpack it so that {self.folder}/data_batch_1 .. data_batch_5 "
+            f"and {self.folder}/test_batch exist, or point --data.root at the folder holding {CIFAR10_FOLDER}/."
+        )
+        if not self.download:
+            raise DatasetNotFoundError(f"CIFAR-10 not found in {self.folder} and download=False. {hint}")
+        archive = download_file(CIFAR10_URL, self.root / "cifar-10-python.tar.gz", CIFAR10_MD5, hint)
+        extract_tar(archive, self.root)
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self._present():
+            self.prepare_data()  # a DataModule used without a Trainer still finds (or fetches) its data
+        if stage in (None, "fit") and self.train_set is None:
+            parts = [load_cifar_batch(path) for path in sorted(self.folder.glob("data_batch_*"))]
+            images, labels = (torch.cat(tensors) for tensors in zip(*parts, strict=True))
+            self.train_set = CIFARImages(images, labels, self.augment)
+        if self.val_set is None:
+            self.val_set = CIFARImages(*load_cifar_batch(self.folder / "test_batch"), augment=False)
+
+    def _loader(self, dataset: Dataset[Any] | None, shuffle: bool) -> DataLoader[Any]:
+        if dataset is None:
+            raise RuntimeError("Call setup() before asking for a DataLoader.")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
+
+
+class ImageNetDataModule(L.LightningDataModule):
+    """ImageNet (ILSVRC-2012) from ``<root>/train/<class>/*.JPEG`` and ``<root>/val/<class>/*.JPEG``.
+
+    Uses torchvision's ``ImageFolder`` and the standard augmentation (random-resized crop + flip for
+    training; resize to 256/224 of the crop size and centre crop for validation). ImageNet cannot
+    be downloaded automatically (its licence requires registration at image-net.org).
+
+    Args:
+        root: folder holding ``train/`` and ``val/``.
+        batch_size: images per batch per process.
+        num_workers: DataLoader worker processes (JPEG decoding is the usual bottleneck).
+        image_size: training crop size.
+    """
+
+    def __init__(
+        self, root: str = "data/imagenet", batch_size: int = 32, num_workers: int = 8, image_size: int = 224
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.root = Path(root)
+        self.batch_size, self.num_workers, self.image_size = batch_size, num_workers, image_size
+        self.train_set: Dataset[Any] | None = None
+        self.val_set: Dataset[Any] | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        try:
+            from torchvision import datasets, transforms
+        except ImportError as error:
+            raise ImportError(
+                "ImageNetDataModule needs torchvision: pip install 'lightning-dgc[vision]'."
+            ) from error
+        for split in ("train", "val"):
+            if not (self.root / split).is_dir():
+                raise DatasetNotFoundError(
+                    f"ImageNet not found: {self.root / split} is missing. Download ILSVRC-2012 from "
+                    "https://image-net.org (registration required) and arrange it as "
+                    f"{self.root}/train/<wnid>/*.JPEG and {self.root}/val/<wnid>/*.JPEG, "
+                    "or point --data.root at such a folder."
+                )
+        normalize = transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)
+        train = transforms.Compose(
+            [
+                transforms.RandomResizedCrop(self.image_size),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                normalize,
+            ]
+        )
+        val = transforms.Compose(
+            [
+                transforms.Resize(round(self.image_size * 256 / 224)),
+                transforms.CenterCrop(self.image_size),
+                transforms.ToTensor(),
+                normalize,
+            ]
+        )
+        if stage in (None, "fit"):
+            self.train_set = datasets.ImageFolder(str(self.root / "train"), transform=train)
+        self.val_set = datasets.ImageFolder(str(self.root / "val"), transform=val)
+
+    def _loader(self, dataset: Dataset[Any] | None, shuffle: bool) -> DataLoader[Any]:
+        if dataset is None:
+            raise RuntimeError("Call setup() before asking for a DataLoader.")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)

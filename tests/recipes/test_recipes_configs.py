@@ -1,0 +1,114 @@
+"""Every task YAML, alone and stacked with every algorithm YAML, parses with the recipes CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+from recipes.__main__ import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TASKS = sorted(path.stem for path in (REPO_ROOT / "configs").glob("*.yaml"))
+ALGORITHMS = sorted(path.stem for path in (REPO_ROOT / "configs" / "algo").glob("*.yaml"))
+CPU_TASKS = [task for task in TASKS if task.endswith("_cpu")]
+#: The lightning_dgc classes the algorithm YAMLs may name (the package's public API).
+LIGHTNING_DGC_NAMES = {"DGCStrategy", "DEFTStrategy", "SparsityWarmup", "CompressionMonitor"}
+
+
+def lightning_dgc_names(algorithm: str | None) -> set[str]:
+    if algorithm is None:
+        return set()
+    text = (REPO_ROOT / "configs" / "algo" / f"{algorithm}.yaml").read_text()
+    return set(re.findall(r"class_path:\s*lightning_dgc\.(\w+)", text))
+
+
+@pytest.fixture(autouse=True)
+def repo_root_and_clean_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(sys, "argv", ["recipes"])  # pytest's own flags are not the CLI's
+
+
+def test_the_expected_configs_exist() -> None:
+    assert {
+        "cifar10_resnet20",
+        "cifar10_resnet110",
+        "imagenet_resnet50",
+        "ptb_lstm",
+        "librispeech_deepspeech",
+    } <= set(TASKS)
+    assert {"cifar10_resnet20_cpu", "ptb_lstm_cpu", "librispeech_deepspeech_cpu"} <= set(TASKS)
+    assert set(ALGORITHMS) == {"ddp", "dgc", "dgc_warmup", "deft"}
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
+def test_every_yaml_starts_with_its_launch_command(path: Path) -> None:
+    first_line = path.read_text().splitlines()[0]
+    assert first_line.startswith("# python -m recipes fit --config configs/")
+    assert f"configs/{path.relative_to(REPO_ROOT / 'configs')}" in first_line
+    assert isinstance(yaml.safe_load(path.read_text()), dict)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_algorithm_yamls_name_only_the_public_classes(algorithm: str) -> None:
+    assert lightning_dgc_names(algorithm) <= LIGHTNING_DGC_NAMES
+
+
+@pytest.mark.parametrize("algorithm", [None, *ALGORITHMS], ids=lambda a: a or "plain")
+@pytest.mark.parametrize("task", TASKS)
+def test_config_pair_parses(task: str, algorithm: str | None) -> None:
+    args = ["fit", "--config", f"configs/{task}.yaml"]
+    if algorithm is not None:
+        args += ["--config", f"configs/algo/{algorithm}.yaml"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main([*args, "--print_config"])
+    assert exit_info.value.code == 0
+    config = yaml.safe_load(out.getvalue())
+    assert config["model"]["class_path"].startswith("recipes.")
+    assert config["data"]["class_path"].startswith("recipes.")
+    if algorithm == "ddp":
+        assert config["trainer"]["strategy"] == "ddp"
+    elif algorithm is not None:
+        assert config["trainer"]["strategy"]["init_args"]["density"] == 0.001
+
+
+@pytest.mark.parametrize("algorithm", [None, *ALGORITHMS], ids=lambda a: a or "plain")
+@pytest.mark.parametrize("task", CPU_TASKS)
+def test_cpu_config_pair_instantiates(task: str, algorithm: str | None, tmp_path: Path) -> None:
+    """Model, DataModule and Trainer (with its strategy and callbacks) build; nothing is launched."""
+    args = ["--config", f"configs/{task}.yaml", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    if algorithm is not None:
+        args += ["--config", f"configs/algo/{algorithm}.yaml"]
+    cli = main(args, run=False)
+    assert cli.trainer.num_devices == 2
+    assert isinstance(cli.trainer.progress_bar_callback, RichProgressBar)
+    assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == task
+    if algorithm is not None:
+        assert isinstance(cli.trainer.strategy, DDPStrategy)
+        callbacks = {type(callback).__name__ for callback in cli.trainer.callbacks}
+        assert lightning_dgc_names(algorithm) - {"DGCStrategy", "DEFTStrategy"} <= callbacks
+
+
+def test_progress_bar_can_be_disabled(tmp_path: Path) -> None:
+    args = ["--config", "configs/ptb_lstm_cpu.yaml", "--trainer.enable_progress_bar=false"]
+    cli = main([*args, f"--trainer.logger.init_args.save_dir={tmp_path}"], run=False)
+    assert cli.trainer.progress_bar_callback is None
+
+
+def test_default_logger_without_a_task_logger(tmp_path: Path) -> None:
+    config = yaml.safe_load((REPO_ROOT / "configs" / "ptb_lstm_cpu.yaml").read_text())
+    del config["trainer"]["logger"]
+    path = tmp_path / "no_logger.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = main(["--config", str(path)], run=False)
+    assert isinstance(cli.trainer.logger, TensorBoardLogger)
+    assert Path(cli.trainer.logger.save_dir).name == "lightning_logs"
