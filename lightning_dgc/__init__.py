@@ -8,6 +8,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dgc.callbacks import CompressionMonitor, SparsityWarmup, warmup_density
 from lightning_dgc.hook import deft_hook, dgc_hook
+from lightning_dgc.perfmodel import Network, Profile, predict
+from lightning_dgc.profiler import ExchangeProfiler
 from lightning_dgc.state import DGCConfig, DGCState
 from lightning_dgc.strategy import DEFTStrategy, DGCStrategy
 
@@ -19,10 +21,14 @@ __all__ = [
     "DGCConfig",
     "DGCState",
     "DGCStrategy",
+    "ExchangeProfiler",
+    "Network",
+    "Profile",
     "SparsityWarmup",
     "__version__",
     "deft_hook",
     "dgc_hook",
+    "predict",
     "warmup_density",
 ]
 
