@@ -5,22 +5,143 @@ top ``density`` fraction on a small random sample, keeps every value above it, a
 exactly among those candidates when too many pass (hierarchical selection). Unlike the authors'
 code, the result here always holds exactly ``k`` indices, so every rank sends a payload of the
 same size and a plain all-gather suffices.
+
+Whatever the sample, the result is the exact top-k set (up to ties at the k-th magnitude): every
+value at or above the threshold is a candidate and the re-selection among them is exact, and when too
+few pass, the threshold is lowered or exact top-k runs. The sample only decides how fast that is.
+
+The threshold pass is the only step that reads the whole tensor, so it decides the speed. On the
+CPU it runs in numpy on zero-copy views of the tensors (``torch.ge`` + ``torch.nonzero`` run at a
+fraction of memory bandwidth there): tensors up to ``DIRECT_NUMEL`` values get their magnitudes
+computed once into a reused buffer; larger ones are compared chunk by chunk with cache-sized
+scratch, and the few candidates are found by scanning the byte mask 8 bytes at a time. Tensors
+under ``EXACT_NUMEL`` values skip sampling (exact top-k is cheaper there). On other devices (and for
+dtypes numpy lacks) the same steps run in torch. Scratch buffers live in a
+:class:`SelectionWorkspace` reused across calls (the calling thread's own unless one is passed).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_dgc.compression.topk import topk_among, topk_indices
+
+__all__ = [
+    "CHUNK",
+    "DIRECT_NUMEL",
+    "EXACT_NUMEL",
+    "MAX_LOWERINGS",
+    "MIN_SAMPLES",
+    "THRESHOLD_MARGIN",
+    "SelectionWorkspace",
+    "default_workspace",
+    "sampled_topk",
+]
 
 #: Fewest values drawn for the sample, so that small tensors still get a usable threshold.
 MIN_SAMPLES = 256
 #: How many times the threshold is lowered (each time to a lower sample quantile) before giving up
 #: on sampling and running exact top-k; every lowering at least doubles the expected candidates.
 MAX_LOWERINGS = 4
+
+#: The first threshold is set this many standard deviations (of the number of sampled values above
+#: the k-th largest magnitude, about Poisson) *below* the plain estimate: at the plain estimate about
+#: half of all tensors come up short and need a second pass over the whole tensor; with the margin
+#: that happens for a few in a thousand, at the price of more candidates (1.6-3x k for typical
+#: tensors), among which the exact re-selection is cheap.
+THRESHOLD_MARGIN = 3.0
+#: Tensors with fewer values go straight to exact top-k: sampling's fixed cost (a dozen small
+#: operations) exceeds a ``torch.topk`` over so few values, and the result would be the exact top-k
+#: anyway. About where both cost the same on CPU.
+EXACT_NUMEL = 1 << 15
+#: Up to this many values, the CPU pass computes the magnitudes of the whole tensor at once (they
+#: stay in cache, and a few large operations cost less than many small ones); above, it goes chunk
+#: by chunk and never writes the magnitudes to memory.
+DIRECT_NUMEL = 1 << 20
+#: Values per chunk of the CPU threshold pass: the chunk's scratch stays in the L2 cache.
+CHUNK = 1 << 17
+
+#: Dtypes whose threshold pass runs in numpy on CPU (numpy has no bfloat16; its float16 is slow).
+_NUMPY_DTYPES = (torch.float32, torch.float64)
+
+Backend = Literal["auto", "numpy", "torch"]
+
+
+class SelectionWorkspace:
+    """Scratch buffers for :func:`sampled_topk`, reused across tensors and steps.
+
+    One workspace serves any number of tensors selected one after the other (a selection never
+    keeps a reference into it), so a run needs one per thread, not one per tensor. The buffers grow
+    to the largest tensor seen and are then reused: a fresh multi-megabyte buffer can cost more than
+    the pass that fills it (page faults), which is what this object saves.
+
+    Holds, for the CPU (numpy) pass, a candidate mask of one byte per value, one flag byte per 8
+    values and magnitudes (of a whole tensor up to ``DIRECT_NUMEL`` values, else of one chunk); for
+    the torch pass, one magnitude tensor per device and dtype.
+    """
+
+    def __init__(self) -> None:
+        self._mask: np.ndarray | None = None
+        self._flags: np.ndarray | None = None
+        self._floats: dict[np.dtype, np.ndarray] = {}
+        self._magnitudes: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def mask(self, numel: int) -> tuple[np.ndarray, np.ndarray]:
+        """A ``bool`` array of ``8 * ceil(numel / 8)`` values and one of ``ceil(numel / 8)`` (views)."""
+        words = -(-numel // 8)
+        if self._mask is None or self._flags is None or self._flags.size < words:
+            self._mask, self._flags = _new_mask(words)
+        return self._mask[: 8 * words], self._flags[:words]
+
+    def floats(self, numel: int, dtype: np.dtype) -> np.ndarray:
+        """An array of ``numel`` values of ``dtype`` (a view; at most ``max(DIRECT_NUMEL, CHUNK)``)."""
+        buffer = self._floats.get(dtype)
+        if buffer is None or buffer.size < numel:
+            buffer = self._floats[dtype] = np.empty(max(numel, CHUNK), dtype=dtype)
+        return buffer[:numel]
+
+    def magnitudes(self, like: Tensor, numel: int) -> Tensor:
+        """A 1-D tensor of ``numel`` elements with ``like``'s dtype and device (a view)."""
+        key = (like.device, like.dtype)
+        buffer = self._magnitudes.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._magnitudes[key] = buffer
+        return buffer[:numel]
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers (for memory accounting)."""
+        arrays = [a for a in (self._mask, self._flags) if a is not None] + list(self._floats.values())
+        return sum(a.nbytes for a in arrays) + sum(
+            t.numel() * t.element_size() for t in self._magnitudes.values()
+        )
+
+
+def _new_mask(words: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.empty(8 * words, dtype=np.bool_), np.empty(words, dtype=np.bool_)
+
+
+_thread_local = threading.local()
+
+
+def default_workspace() -> SelectionWorkspace:
+    """The calling thread's own :class:`SelectionWorkspace`, used by the CPU pass when none is passed.
+
+    Fresh scratch on every call would cost about as much as the pass itself (page faults on new
+    memory), so callers that pass nothing still reuse buffers. It holds about ``1.1 * n`` bytes
+    for the largest CPU tensor ``n`` selected from on this thread, plus up to ``DIRECT_NUMEL``
+    magnitudes; pass an explicit workspace to control that memory instead.
+    """
+    workspace = getattr(_thread_local, "workspace", None)
+    if workspace is None:
+        workspace = _thread_local.workspace = SelectionWorkspace()
+    return workspace
 
 
 def sampled_topk(
@@ -29,31 +150,185 @@ def sampled_topk(
     sample_ratio: float = 0.01,
     generator: torch.Generator | None = None,
     magnitudes: Tensor | None = None,
+    *,
+    workspace: SelectionWorkspace | None = None,
+    backend: Backend = "auto",
 ) -> Tensor:
-    """Indices (int64) of exactly ``k`` entries of the 1-D ``values`` with (near-)largest magnitude.
+    """Indices (int64) of exactly ``k`` entries of the 1-D ``values`` with the largest magnitudes.
 
-    Steps:
-    1. draw ``max(sample_ratio * n, MIN_SAMPLES)`` positions uniformly (with replacement) and take
-       the magnitude of the ``ceil(k * samples / n)``-th largest sampled value as the threshold;
-    2. every value at or above the threshold is a candidate;
-    3. more than ``k`` candidates: exact top-k among the candidates (the result is then the exact
+    Tensors with fewer than ``EXACT_NUMEL`` values go to exact top-k directly. Otherwise:
+    1. draw ``s = max(sample_ratio * n, MIN_SAMPLES)`` positions uniformly (with replacement); about
+       ``mu = k * s / n`` sampled magnitudes lie above the k-th largest magnitude of the tensor, so
+       the ``ceil(mu + THRESHOLD_MARGIN * sqrt(mu))``-th largest sampled magnitude is the threshold
+       (the margin makes a threshold above the k-th largest magnitude rare);
+    2. every value whose magnitude is at or above the threshold is a candidate;
+    3. at least ``k`` candidates: exact top-k among the candidates (the result is then the exact
        top-k of the tensor, since every value above the threshold is a candidate);
-       fewer than ``k``: lower the threshold to a lower sample quantile and retry, at most
-       ``MAX_LOWERINGS`` times, then fall back to exact top-k over the whole tensor.
+       fewer than ``k``: lower the threshold to a lower sample quantile (doubling the rank) and
+       retry, at most ``MAX_LOWERINGS`` times, then fall back to exact top-k over the whole tensor.
 
-    ``magnitudes`` may pass a precomputed ``values.abs()`` (a preallocated buffer) to save a pass.
+    Args:
+        values: The 1-D tensor to select from (DGC's velocity); it is only read.
+        k: How many indices to return; ``k >= numel`` returns every index in order, ``k <= 0`` none.
+        sample_ratio: Fraction of the values sampled to estimate the threshold, in (0, 1].
+        generator: Source of the sample positions (a CPU generator works for any device).
+        magnitudes: Optional precomputed ``values.abs()`` (for example a preallocated buffer the
+            caller filled anyway); the threshold pass then reads it instead of ``values``.
+        workspace: The :class:`SelectionWorkspace` whose buffers are reused; by default the calling
+            thread's own (:func:`default_workspace`) on the CPU path, fresh tensors on the torch path.
+        backend: ``"auto"`` (numpy for float32/float64 CPU tensors, torch otherwise), ``"numpy"``
+            or ``"torch"``. Both give the same indices for the same generator state (up to ties at
+            the k-th largest magnitude, which they may break differently).
+
+    Returns:
+        ``k`` distinct int64 indices into ``values`` (unsorted), on ``values``' device.
     """
     n = values.numel()
-    if k >= n or k <= 0:
+    if k >= n or k <= 0 or n < EXACT_NUMEL:
         return topk_indices(values, k)
-    mags = values.abs() if magnitudes is None else magnitudes
+    if backend == "auto" and magnitudes is None:  # the hot path, without a call
+        use_numpy = values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES and values.dim() == 1
+    else:
+        use_numpy = _use_numpy(values, magnitudes, backend)
     num_samples = min(n, max(math.ceil(n * sample_ratio), MIN_SAMPLES))
-    positions = torch.randint(0, n, (num_samples,), generator=generator, device=values.device)
-    sample = mags.index_select(0, positions)
-    sample_sorted = torch.sort(sample, descending=True).values
-    rank = max(1, math.ceil(k * num_samples / n))
+    expected = k * num_samples / n  # sampled magnitudes above the k-th largest, on average
+    rank = min(num_samples, max(1, math.ceil(expected + THRESHOLD_MARGIN * math.sqrt(expected))))
+    # Positions are drawn on the generator's device (the run's generator is a CPU one) and moved.
+    sample_device = generator.device if generator is not None else values.device
+    positions = torch.randint(0, n, (num_samples,), generator=generator, device=sample_device)
+    if use_numpy:
+        return _sampled_topk_numpy(values, k, positions, rank, magnitudes, workspace)
+    return _sampled_topk_torch(values, k, positions.to(values.device), rank, magnitudes, workspace)
+
+
+def _use_numpy(values: Tensor, magnitudes: Tensor | None, backend: Backend) -> bool:
+    numpy_ok = values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES and values.dim() == 1
+    if magnitudes is not None:
+        numpy_ok = numpy_ok and magnitudes.device.type == "cpu" and magnitudes.dtype in _NUMPY_DTYPES
+    if backend == "auto":
+        return numpy_ok
+    if backend == "numpy":
+        if not numpy_ok:
+            raise ValueError(
+                f"backend='numpy' needs a 1-D float32 or float64 CPU tensor, got a {values.dim()}-D "
+                f"{values.dtype} tensor on {values.device}; use backend='auto' or 'torch'"
+            )
+        return True
+    if backend == "torch":
+        return False
+    raise ValueError(f"backend must be 'auto', 'numpy' or 'torch', got {backend!r}")
+
+
+def _sampled_topk_numpy(
+    values: Tensor,
+    k: int,
+    positions: Tensor,
+    rank: int,
+    magnitudes: Tensor | None,
+    workspace: SelectionWorkspace | None,
+) -> Tensor:
+    """Steps 1-3 on zero-copy numpy views of CPU tensors.
+
+    Up to ``DIRECT_NUMEL`` values, the magnitudes of the whole tensor fit in cache: they are
+    computed once and the sample, the comparison and the re-selection all read them. Larger tensors
+    never get a magnitude array: see :func:`_candidates_chunked`.
+    """
+    source = values if magnitudes is None else magnitudes
+    source = source.detach() if source.requires_grad else source
+    x = source.numpy()
+    n = x.size
+    direct = n <= DIRECT_NUMEL
+    workspace = workspace if workspace is not None else default_workspace()
+    if direct:
+        mags: np.ndarray | None = np.abs(x, out=workspace.floats(n, x.dtype))
+        mask, flags = workspace.mask(n)
+        sample = mags[positions.numpy()]
+    else:
+        mags = None
+        sample = source.index_select(0, positions).abs_().numpy()  # torch gathers many faster
+    num_samples = sample.size
+    # Step 1: the rank-th largest sampled magnitude (a partial sort, in place; a full sort only if
+    # the threshold has to be lowered). Methods rather than np.* functions: fewer Python layers.
+    sample.partition(num_samples - rank)
+    threshold = sample[num_samples - rank]
+    sorted_sample: np.ndarray | None = None
     for _ in range(MAX_LOWERINGS + 1):
-        threshold = sample_sorted[min(rank, num_samples) - 1]
+        # Step 2: the candidates, in increasing order.
+        if mags is not None:
+            np.greater_equal(mags, threshold, out=mask[:n])
+            candidates = _scan_mask(mask, flags, n) if n > CHUNK else mask[:n].nonzero()[0]
+        else:
+            candidates = _candidates_chunked(x, threshold, workspace)
+        count = candidates.size
+        if count >= k:  # Step 3: exact top-k among the candidates
+            if count > k:
+                candidate_mags = mags[candidates] if mags is not None else np.abs(x[candidates])
+                candidates = candidates[candidate_mags.argpartition(count - k)[count - k :]]
+            if candidates.dtype != np.int64:
+                candidates = candidates.astype(np.int64)
+            return torch.from_numpy(candidates)
+        if rank >= num_samples:
+            break
+        rank = min(2 * rank, num_samples)
+        if sorted_sample is None:
+            sorted_sample = np.sort(sample)
+        threshold = sorted_sample[num_samples - rank]
+    return topk_indices(values, k)
+
+
+def _candidates_chunked(x: np.ndarray, threshold: np.floating, workspace: SelectionWorkspace) -> np.ndarray:
+    """Positions of every value of ``x`` with magnitude at least ``threshold``, in increasing order.
+
+    Chunk by chunk, ``|x|`` goes into a cache-sized scratch and its comparison with the threshold
+    into the reused byte mask, so the only traffic to memory is reading ``x`` and writing one byte
+    per value; :func:`_scan_mask` then finds the few candidates.
+    """
+    n = x.size
+    mask, flags = workspace.mask(n)  # 8 * ceil(n / 8) bytes, and ceil(n / 8)
+    scratch = workspace.floats(CHUNK, x.dtype)
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        magnitude = np.abs(x[start:stop], out=scratch[: stop - start])
+        np.greater_equal(magnitude, threshold, out=mask[start:stop])
+    return _scan_mask(mask, flags, n)
+
+
+def _scan_mask(mask: np.ndarray, flags: np.ndarray, n: int) -> np.ndarray:
+    """Positions of the true bytes among the first ``n`` of ``mask`` (``8 * len(flags)`` bytes).
+
+    Scans 8 bytes at a time (a uint64 view) into ``flags`` and expands only the words holding a
+    candidate: with candidates a fraction of a per cent of the values, that is several times
+    cheaper than ``np.flatnonzero`` on the byte mask, which looks at every byte.
+    """
+    mask[n:] = False  # the tail of the last word
+    np.not_equal(mask.view(np.uint64), 0, out=flags)
+    hit_words = flags.nonzero()[0]
+    hits = np.flatnonzero(mask.reshape(-1, 8)[hit_words])  # positions within the hit words
+    return hit_words[hits >> 3] * 8 + (hits & 7)
+
+
+def _sampled_topk_torch(
+    values: Tensor,
+    k: int,
+    positions: Tensor,
+    rank: int,
+    magnitudes: Tensor | None,
+    workspace: SelectionWorkspace | None,
+) -> Tensor:
+    """Steps 1-3 in torch (any device); no host synchronisation except reading the candidate count."""
+    n = values.numel()
+    if magnitudes is not None:
+        mags = magnitudes
+    elif workspace is not None:
+        mags = torch.abs(values, out=workspace.magnitudes(values, n))
+    else:
+        mags = values.abs()
+    sample = mags.index_select(0, positions)
+    num_samples = sample.numel()
+    # The thresholds of every lowering at once: the top (rank << MAX_LOWERINGS) samples, sorted.
+    top = torch.topk(sample, min(num_samples, rank << MAX_LOWERINGS), sorted=True).values
+    for _ in range(MAX_LOWERINGS + 1):
+        threshold = top[min(rank, num_samples) - 1]
         candidates = torch.nonzero(mags >= threshold).squeeze(1)
         if candidates.numel() >= k:
             return topk_among(mags, candidates, k)
