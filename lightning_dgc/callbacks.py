@@ -217,8 +217,9 @@ class CompressionMonitor(L.Callback):
     * ``compression/selection_ms``: milliseconds spent selecting the top-k values in the step (rank 0).
     * ``compression/residual_norm``: L2 norm of the gradient held back in the local memory (all
       velocities of rank 0); a steadily growing value means the density is too low to keep up.
-    * ``compression/buildup_factor`` (DEFT only, when the strategy reports it): how many times
-      more values were selected in total than the target ``density * numel`` (gradient build-up).
+    * ``compression/buildup_factor``: distinct indices in the union of all ranks' selections divided
+      by k, the values the density asks for (gradient build-up: 1 for DEFT, up to the number of
+      ranks for DGC).
     * ``compression/max_rank_selection_ms`` (DEFT only, when reported): the slowest rank's
       selection time, the one that holds the step back.
 
