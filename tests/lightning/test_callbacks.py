@@ -131,7 +131,7 @@ def test_per_step_warmup_after_dense_epoch_under_gradient_accumulation() -> None
     logged = logger.compression()
     assert [step for step, _ in logged] == [1, 2, 3, 4, 5, 6]  # not once per batch
     assert [m["compression/density"] for _, m in logged] == per_step
-    assert all(set(m) == {f"compression/{n}" for n in SCALARS} for _, m in logged)
+    assert all(set(m) == {f"compression/{n}" for n in (*SCALARS, "buildup_factor")} for _, m in logged)
     assert logged[0][1]["compression/ratio"] == pytest.approx(1.0, rel=0.05)  # density 1: all sent dense
     assert logged[-1][1]["compression/ratio"] > 5
 
