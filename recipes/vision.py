@@ -153,7 +153,37 @@ def load_cifar_batch(path: str | Path) -> tuple[Tensor, Tensor]:
     return images, torch.as_tensor(batch[b"labels"], dtype=torch.long)
 
 
-class CIFAR10DataModule(L.LightningDataModule):
+class _ImageDataModule(L.LightningDataModule):
+    """Loaders shared by the image DataModules: ``train_set`` shuffled, ``val_set`` for val and test."""
+
+    batch_size: int
+    num_workers: int
+    train_set: Dataset[Any] | None = None
+    val_set: Dataset[Any] | None = None
+
+    def _loader(self, dataset: Dataset[Any] | None, shuffle: bool) -> DataLoader[Any]:
+        if dataset is None:
+            raise RuntimeError("Call setup() before asking for a DataLoader.")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        return self._loader(self.val_set, shuffle=False)
+
+
+class CIFAR10DataModule(_ImageDataModule):
     """CIFAR-10 from the original python batches in ``<root>/cifar-10-batches-py/``.
 
     Training reads every ``data_batch_*`` file present (the official set has five), validation and
@@ -216,29 +246,8 @@ class CIFAR10DataModule(L.LightningDataModule):
         if self.val_set is None:
             self.val_set = CIFARImages(*load_cifar_batch(self.folder / "test_batch"), augment=False)
 
-    def _loader(self, dataset: Dataset[Any] | None, shuffle: bool) -> DataLoader[Any]:
-        if dataset is None:
-            raise RuntimeError("Call setup() before asking for a DataLoader.")
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
 
-    def train_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.val_set, shuffle=False)
-
-
-class ImageNetDataModule(L.LightningDataModule):
+class ImageNetDataModule(_ImageDataModule):
     """ImageNet (ILSVRC-2012) from ``<root>/train/<class>/*.JPEG`` and ``<root>/val/<class>/*.JPEG``.
 
     Uses torchvision's ``ImageFolder`` and the standard augmentation (random-resized crop + flip for
@@ -297,24 +306,3 @@ class ImageNetDataModule(L.LightningDataModule):
         if stage in (None, "fit"):
             self.train_set = datasets.ImageFolder(str(self.root / "train"), transform=train)
         self.val_set = datasets.ImageFolder(str(self.root / "val"), transform=val)
-
-    def _loader(self, dataset: Dataset[Any] | None, shuffle: bool) -> DataLoader[Any]:
-        if dataset is None:
-            raise RuntimeError("Call setup() before asking for a DataLoader.")
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.train_set, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.val_set, shuffle=False)
-
-    def test_dataloader(self) -> DataLoader[Any]:
-        return self._loader(self.val_set, shuffle=False)
