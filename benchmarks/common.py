@@ -1,0 +1,731 @@
+"""Helpers shared by the benchmark scripts (slow links, overhead, parity, report).
+
+* Output: a rich console, tables, JSON files under ``benchmarks/results/`` stamped with the
+  environment they were measured in, and optional matplotlib figures.
+* Strategies by name (``ddp``, ``powersgd``, ``dgc``, ``deft``, ``dgc_dense``), including
+  :class:`CommHookDDPStrategy`, a ``DDPStrategy`` that registers a DDP communication hook on the CPU
+  too (stock Lightning registers hooks on CUDA only and silently drops them elsewhere, so
+  ``DDPStrategy(ddp_comm_hook=powerSGD_hook)`` on CPU would measure plain DDP).
+* Synthetic workloads (ResNet-20/110 on CIFAR-shaped images, the CPU-sized PTB LSTM) and
+  :func:`train_steps`, which runs real Lightning training steps under one strategy and times them
+  with :class:`StepTimer` (batch start to batch end, i.e. forward, backward, exchange, optimizer).
+* Process helpers: :func:`run_command` (bounded, kills its own process group on timeout or
+  Ctrl-C), :func:`free_port`.
+* :class:`RunRecorder`, a callback the parity benchmark adds to recipe runs through the CLI: it
+  writes the final validation metrics and the compression counters of the run to a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+#: Strategy names of the speed benchmarks, in the order they are reported.
+SPEED_STRATEGIES = ("ddp", "powersgd", "dgc", "deft")
+#: Density of ``dgc`` / ``deft`` in the speed benchmarks (the paper's 99.9% sparsity).
+DENSITY = 0.001
+#: PowerSGD settings: rank 2 (Vogels et al. 2019 use rank 1-4), compression from the 3rd step on.
+POWERSGD_RANK = 2
+POWERSGD_START_ITER = 2
+
+
+# -- output ----------------------------------------------------------------------------------------
+def console() -> Any:
+    from rich.console import Console
+
+    return Console(width=max(160, int(os.environ.get("COLUMNS", "0") or 0)))
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], caption: str = "") -> None:
+    """Print a rich table (every cell formatted with :func:`fmt`)."""
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption or None, caption_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*(fmt(cell) for cell in row))
+    console().print(table)
+
+
+def fmt(value: Any) -> str:
+    """Short text for a table cell: floats to 3-4 significant digits, ``None`` as a dash."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf"
+        if value == 0:
+            return "0"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 100:
+            return f"{value:.1f}"
+        if abs(value) >= 1:
+            return f"{value:.3g}" if abs(value) < 10 else f"{value:.2f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def environment() -> dict[str, Any]:
+    """Where and with what a figure was measured (stored with every result file)."""
+    import lightning
+    import torch
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "git_commit": commit,
+        "argv": sys.argv,
+    }
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``benchmarks/results/<name>`` with an ``environment`` entry added; returns the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    payload = {**payload, "environment": environment()}
+    path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    console().print(f"[green]wrote[/green] {path.relative_to(REPO)}")
+    return path
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot with the Agg backend, or ``None`` when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig: Any, name: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    console().print(f"[green]wrote[/green] {path.relative_to(REPO)}")
+    return path
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+# -- processes ---------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def python() -> str:
+    """The interpreter running the benchmarks (the project's venv when started from it)."""
+    return sys.executable
+
+
+def worker_env(threads: int = 1, **extra: str) -> dict[str, str]:
+    """Environment of a benchmark worker: one compute thread, no inherited launcher variables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "NODE_RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "GROUP_RANK",
+            "RANK",
+            "LOCAL_WORLD_SIZE",
+            "GLOO_SOCKET_IFNAME",
+        )
+    }
+    env.update(
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(extra)
+    return env
+
+
+def distributed_env(
+    node_rank: int, world_size: int, master_addr: str, master_port: int, **extra: str
+) -> dict[str, str]:
+    """Lightning's multi-node variables for one process per node (``Trainer(num_nodes=W, devices=1)``)."""
+    return worker_env(
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+        NODE_RANK=str(node_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK="0",
+        **extra,
+    )
+
+
+def start(cmd: Sequence[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own process group, stdout and stderr to ``log``."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(log, "wb")  # noqa: SIM115  (closed by the child's exit; the parent keeps no reference)
+    try:
+        return subprocess.Popen(
+            list(cmd), env=env, cwd=REPO, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    finally:
+        handle.close()
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """End ``proc`` and its process group (only processes this script started)."""
+    if proc.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def wait_all(
+    procs: Sequence[subprocess.Popen[bytes]], timeout_s: float, grace_s: float = 10.0
+) -> list[int | None]:
+    """Wait for every process up to ``timeout_s`` in total; stop the ones still running (and on Ctrl-C).
+
+    If one process fails, the others are given a short grace period and then stopped (a distributed
+    peer would otherwise wait for it until the collective timeout). Returns the exit codes (``None``
+    for a process that was stopped).
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                return codes
+            if any(c not in (None, 0) for c in codes):
+                deadline = min(deadline, time.monotonic() + 10)
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            stop(p, grace_s)
+    return [p.returncode if p.returncode is not None and p.returncode >= 0 else None for p in procs]
+
+
+def run_command(
+    cmd: Sequence[str], env: dict[str, str], log: Path, timeout_s: float, grace_s: float = 10.0
+) -> tuple[int | None, float]:
+    """Run one command (bounded by ``timeout_s``); returns (exit code or ``None`` if stopped, seconds).
+
+    On timeout or Ctrl-C the command gets SIGTERM and ``grace_s`` seconds to clean up, then SIGKILL.
+    """
+    t0 = time.perf_counter()
+    (code,) = wait_all([start(cmd, env, log)], timeout_s, grace_s)
+    return code, time.perf_counter() - t0
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# -- strategies --------------------------------------------------------------------------------------
+def _ddp_base() -> type:
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return DDPStrategy
+
+
+def comm_hook_strategy_class() -> type:
+    """:class:`CommHookDDPStrategy`, built lazily so that importing this module stays cheap."""
+    global CommHookDDPStrategy
+    if CommHookDDPStrategy is None:
+        from lightning.pytorch.strategies.ddp import _register_ddp_comm_hook
+        from torch.nn.parallel import DistributedDataParallel
+
+        class _CommHookDDPStrategy(_ddp_base()):  # type: ignore[misc]
+            """``DDPStrategy`` that registers ``ddp_comm_hook`` on every device type, CPU included.
+
+            Lightning's ``DDPStrategy._register_ddp_hooks`` registers the hook only when the root
+            device is CUDA; on CPU the hook would be dropped without a word and the run would be
+            plain DDP. lightning_dgc's strategies register theirs on every device; this does the
+            same for torch's stock hooks (PowerSGD here), so that the comparison is fair.
+            """
+
+            def _register_ddp_hooks(self) -> None:
+                assert isinstance(self.model, DistributedDataParallel)
+                if self._ddp_comm_hook is None:
+                    return
+                _register_ddp_comm_hook(
+                    model=self.model,
+                    ddp_comm_state=self._ddp_comm_state,
+                    ddp_comm_hook=self._ddp_comm_hook,
+                    ddp_comm_wrapper=self._ddp_comm_wrapper,
+                )
+                self.hook_registered = True
+
+        _CommHookDDPStrategy.__name__ = _CommHookDDPStrategy.__qualname__ = "CommHookDDPStrategy"
+        CommHookDDPStrategy = _CommHookDDPStrategy
+    return CommHookDDPStrategy
+
+
+CommHookDDPStrategy: type | None = None
+
+
+class SerializedHookState:
+    """State of :func:`serialized`: the wrapped hook's own state and the previous bucket's future."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.pending: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"inner": self.inner, "pending": None}
+
+
+def serialized(hook: Any) -> Any:
+    """Wrap a DDP comm hook so that a bucket's exchange starts only after the previous bucket's ended.
+
+    torch's PowerSGD hook issues its follow-up all-reduces (P, then Q) from future callbacks. With
+    gloo and more than one DDP bucket those callbacks of different buckets run concurrently, so the
+    ranks enqueue the collectives in different orders: a collective mismatch ("Received data size
+    doesn't match expected size") or a hang. Waiting for the previous bucket's future in the
+    autograd thread restores one order on every rank (with one bucket nothing changes); the
+    exchange still overlaps the rest of the backward pass.
+    """
+
+    def serialized_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
+        if state.pending is not None:
+            state.pending.wait()
+        state.pending = hook(state.inner, bucket)
+        if bucket.is_last():
+            future, state.pending = state.pending, None
+            return future
+        return state.pending
+
+    serialized_hook.__name__ = f"serialized_{getattr(hook, '__name__', 'hook')}"
+    return serialized_hook
+
+
+def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0) -> Any:
+    """A Lightning strategy for 2+ processes on the CPU (gloo), by benchmark name.
+
+    ``ddp``: stock DDP. ``powersgd``: DDP with torch's PowerSGD hook (rank :data:`POWERSGD_RANK`, error
+    feedback, warm start, compression from step :data:`POWERSGD_START_ITER`). ``dgc`` / ``deft``:
+    lightning_dgc at ``density``. ``dgc_dense``: ``dgc`` at density 1 (the exchange's overhead alone).
+    """
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_dgc import DEFTStrategy, DGCStrategy
+
+    timeout = timedelta(seconds=timeout_s)
+    common = {"process_group_backend": "gloo", "timeout": timeout}
+    if name == "ddp":
+        return DDPStrategy(**common)
+    if name == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=POWERSGD_RANK,
+            start_powerSGD_iter=POWERSGD_START_ITER,
+        )
+        return comm_hook_strategy_class()(
+            ddp_comm_state=SerializedHookState(state),
+            ddp_comm_hook=serialized(powerSGD_hook.powerSGD_hook),
+            **common,
+        )
+    if name == "dgc":
+        return DGCStrategy(density=density, **common)
+    if name == "dgc_dense":
+        return DGCStrategy(density=1.0, **common)
+    if name == "deft":
+        return DEFTStrategy(density=density, **common)
+    raise ValueError(f"unknown strategy {name!r}; expected one of ddp, powersgd, dgc, dgc_dense, deft")
+
+
+def powersgd_bytes(module: Any, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Bytes per step and worker that torch's ``powerSGD_hook`` all-reduces for ``module``'s gradients.
+
+    Its own rule: a gradient of more than one dimension, viewed as ``shape[0] x rest``, is sent as
+    the factors P (``n x rank``) and Q (``m x rank``) when that is ``min_compression_rate`` times
+    smaller; every other gradient is all-reduced uncompressed (fp32).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    elements = 0
+    for p in module.parameters():
+        if p.dim() > 1:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            compress, _, compressed = _should_compress(n, m, min(n, m, rank), min_compression_rate)
+            elements += compressed if compress else p.numel()
+        else:
+            elements += p.numel()
+    return int(elements * 4)
+
+
+# -- workloads -----------------------------------------------------------------------------------------
+#: What each synthetic workload is, for the tables: model, input, per-process batch.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "resnet110": {"what": "ResNet-110 (CIFAR, option A), 32x32x3 images", "batch_size": 16},
+    "resnet20": {"what": "ResNet-20 (CIFAR, option A), 32x32x3 images", "batch_size": 32},
+    "lstm": {
+        "what": "PTB LSTM, 2x200 units, tied 10k vocabulary (configs/ptb_lstm_cpu.yaml), BPTT 35",
+        "batch_size": 20,
+    },
+}
+
+
+def _repeated_batch_loader(batch: tuple[Any, ...], batches: int) -> Any:
+    """A DataLoader whose every item is ``batch`` (already batched), ``batches`` items long.
+
+    The same tensors every step: no data loading or augmentation in the timed region, and under a
+    ``DistributedSampler`` each process simply gets ``batches / world_size`` of them.
+    """
+    from torch.utils.data import DataLoader, Dataset
+
+    class Repeated(Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return batches
+
+        def __getitem__(self, index: int) -> tuple[Any, ...]:
+            return batch
+
+    return DataLoader(Repeated(), batch_size=None, shuffle=False)
+
+
+def build_workload(
+    model: str, batch_size: int, batches: int, seed: int = 0
+) -> tuple[Any, Any, dict[str, Any]]:
+    """(LightningModule, train DataLoader, extra Trainer arguments) for a synthetic workload."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if model in ("resnet20", "resnet110"):
+        from recipes.vision import ImageClassifier
+
+        module = ImageClassifier(arch=model, num_classes=10)
+        images = torch.randn(batch_size, 3, 32, 32, generator=g)
+        labels = torch.randint(0, 10, (batch_size,), generator=g)
+        return module, _repeated_batch_loader((images, labels), batches), {}
+    if model == "lstm":
+        from recipes.language import WordLanguageModel
+
+        class SpeedLanguageModel(WordLanguageModel):
+            """The recipe's LSTM with plain SGD (its plateau scheduler needs a validation loop)."""
+
+            def configure_optimizers(self) -> Any:
+                return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+        module = SpeedLanguageModel(
+            vocab_size=10_000, embedding_dim=200, hidden_size=200, num_layers=2, dropout=0.2, lr=20.0
+        )
+        tokens = torch.randint(0, 10_000, (batch_size, 36), generator=g)
+        loader = _repeated_batch_loader((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()), batches)
+        return module, loader, {"gradient_clip_val": 0.25}
+    raise ValueError(f"unknown workload {model!r}; expected one of {sorted(WORKLOADS)}")
+
+
+class StepTimer(L.Callback):
+    """Wall time of every training batch, from ``on_train_batch_start`` to ``on_train_batch_end``.
+
+    That span holds forward, backward (with DDP's overlapped exchange), the end of the exchange
+    and the optimizer step: what a step costs, without data loading.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t0 = 0.0
+        self.stats: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.times.append(time.perf_counter() - self._t0)
+        stats = getattr(trainer.strategy, "compression_stats", None)
+        if callable(stats):
+            self.stats.append(dict(stats()))
+
+
+def train_steps(
+    model: str,
+    strategy: str,
+    batch_size: int,
+    warmup: int,
+    steps: int,
+    num_nodes: int = 1,
+    seed: int = 0,
+    density: float = DENSITY,
+) -> dict[str, Any]:
+    """Run ``warmup + steps`` real training steps; returns the timed steps and what was exchanged.
+
+    ``strategy="single"`` is one process without any exchange (``num_nodes`` must be 1); anything
+    else is :func:`make_strategy` over ``num_nodes`` processes of one device each, connected through
+    Lightning's environment variables (see :func:`distributed_env`).
+    """
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    L.seed_everything(seed, verbose=False)
+    if strategy == "single":
+        num_nodes = 1
+    module, loader, extra = build_workload(model, batch_size, (warmup + steps) * num_nodes, seed)
+    timer = StepTimer()
+    if strategy == "single":
+        # This process trains alone (in a 2-process launch, each process does, at the same time).
+        strategy_obj: Any = "auto"
+    else:
+        strategy_obj = make_strategy(strategy, density=density)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        num_nodes=num_nodes,
+        strategy=strategy_obj,
+        max_steps=warmup + steps,
+        max_epochs=1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        **extra,
+    )
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=loader)
+    wall = time.perf_counter() - t0
+    timed = timer.times[warmup:]
+    numel = sum(p.numel() for p in module.parameters())
+    result: dict[str, Any] = {
+        "model": model,
+        "strategy": strategy,
+        "world_size": trainer.world_size,
+        "batch_size": batch_size,
+        "warmup_steps": warmup,
+        "steps": len(timed),
+        "step_times_s": timed,
+        "step_time_s": median(timed),
+        "fit_wall_s": wall,
+        "parameters": numel,
+        "dense_bytes": numel * 4,
+        "hook_registered": bool(getattr(trainer.strategy, "hook_registered", False))
+        or getattr(trainer.strategy, "hook_calls", 0) > 0,
+    }
+    if timer.stats and timer.stats[-1]:
+        last = timer.stats[-1]
+        result["bytes_sent"] = last.get("bytes_sent")
+        result["compression_ratio"] = last.get("compression_ratio")
+        result["selection_ms"] = median(
+            [s["selection_ms"] for s in timer.stats[warmup:] if "selection_ms" in s]
+        )
+        result["compression_stats"] = {k: v for k, v in last.items() if isinstance(v, (int, float, bool))}
+    elif strategy in ("ddp", "single"):
+        result["bytes_sent"] = numel * 4 if strategy == "ddp" else 0
+    elif strategy == "powersgd":
+        result["bytes_sent"] = powersgd_bytes(module, POWERSGD_RANK)
+    return result
+
+
+# -- parity ------------------------------------------------------------------------------------------------
+class RunRecorder(L.Callback):
+    """Write a recipe run's validation metrics and exchange counters to ``path`` (global rank 0).
+
+    Added by :mod:`benchmarks.parity` to ``python -m recipes fit`` through a generated config, so the
+    recipes need no hook of their own. After every validation (not the sanity check) the floats in
+    ``trainer.callback_metrics`` are appended to ``history``; every optimizer step's
+    ``compression_stats()`` (when the strategy has them) is summed, so the reported compression
+    ratio is the run's total dense bytes / total bytes sent, warm-up included.
+
+    Args:
+        path: JSON file to write (rewritten after every validation, so a stopped run keeps its last state).
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self.history: list[dict[str, float]] = []
+        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "selection_ms": 0.0}
+        self.densities: list[float] = []
+        self._last_step: Any = None
+        self._t0 = time.perf_counter()
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stats_fn = getattr(trainer.strategy, "compression_stats", None)
+        if not callable(stats_fn):
+            return
+        stats = stats_fn()
+        if not stats or stats.get("step") == self._last_step:
+            return
+        self._last_step = stats.get("step")
+        self.totals["steps"] += 1
+        self.totals["bytes_sent"] += int(stats["bytes_sent"])
+        self.totals["dense_bytes"] += int(stats["dense_bytes"])
+        self.totals["selection_ms"] += float(stats.get("selection_ms", 0.0))
+        if not self.densities or self.densities[-1] != stats.get("density"):
+            self.densities.append(float(stats.get("density", 1.0)))
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking:
+            return
+        metrics = {}
+        for key, value in trainer.callback_metrics.items():
+            try:
+                metrics[key] = float(value)
+            except (TypeError, ValueError):
+                continue
+        self.history.append({"epoch": trainer.current_epoch, "step": trainer.global_step, **metrics})
+        self._write(trainer)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._write(trainer, finished=True)
+
+    def _write(self, trainer: Any, finished: bool = False) -> None:
+        if not trainer.is_global_zero:
+            return
+        totals = dict(self.totals)
+        if totals["bytes_sent"]:
+            totals["compression_ratio"] = totals["dense_bytes"] / totals["bytes_sent"]
+        payload = {
+            "finished": finished,
+            "global_step": trainer.global_step,
+            "world_size": trainer.world_size,
+            "strategy": type(trainer.strategy).__name__,
+            "train_wall_s": time.perf_counter() - self._t0,
+            "final": self.history[-1] if self.history else {},
+            "history": self.history,
+            "compression": totals if totals["steps"] else None,
+            "densities": self.densities,
+        }
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(self.path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        tmp.replace(self.path)
+
+
+# -- worker entry ------------------------------------------------------------------------------------------
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """One benchmark process: run each strategy in turn (``--rounds`` times, interleaved), save JSON.
+
+    ``python -m benchmarks.common --model resnet110 --strategies ddp,dgc --num-nodes 2 --out run.json``
+    with Lightning's environment variables set (:func:`distributed_env`); every process writes
+    ``<out stem>.rank<R>.json``. The process group is created by the first ``Trainer`` and reused by
+    the following ones, so every strategy runs over the same connection.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.common", description=worker_main.__doc__)
+    parser.add_argument("--model", required=True, choices=sorted(WORKLOADS))
+    parser.add_argument(
+        "--strategies", required=True, help="comma-separated: single, ddp, powersgd, dgc, deft, dgc_dense"
+    )
+    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--once", default="", help="comma-separated strategies run once, after the rounds")
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--density", type=float, default=DENSITY)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    rank = int(os.environ.get("NODE_RANK", "0"))
+    runs: list[dict[str, Any]] = []
+    schedule = [(r, s) for r in range(args.rounds) for s in args.strategies.split(",")]
+    schedule += [(args.rounds, s) for s in args.once.split(",") if s]
+    import torch.distributed as dist
+
+    for round_index, strategy in schedule:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # start every run together (a "single" run too: both processes train at once)
+        run = train_steps(
+            args.model,
+            strategy,
+            args.batch_size,
+            args.warmup,
+            args.steps,
+            args.num_nodes,
+            density=args.density,
+        )
+        run["round"] = round_index
+        runs.append(run)
+        print(
+            f"rank {rank} round {round_index} {strategy}: median step {run['step_time_s']:.4f} s", flush=True
+        )
+    out = args.out.with_name(f"{args.out.stem}.rank{rank}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"rank": rank, "runs": runs}, indent=2, default=_json_default) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,498 @@
+"""Accuracy parity on real data: the recipes under ``ddp``, ``dgc`` (with SparsityWarmup) and ``deft``.
+
+    .venv/bin/python -m benchmarks.parity --quick          # a few minutes: small budgets, indicative only
+    .venv/bin/python -m benchmarks.parity --full           # the CPU configs' own schedules (hours)
+    .venv/bin/python -m benchmarks.parity --tasks ptb --algos ddp,dgc --data-root /work/shared/data
+
+Each run is the recipes' Lightning CLI in a subprocess, two processes on the CPU (the CPU configs'
+``devices: 2``), same seed (the configs' ``seed_everything: 42``) and same budget for every
+algorithm::
+
+    python -m recipes fit --config configs/<task>_cpu.yaml --config configs/algo/<algo>.yaml \\
+        --config <generated callbacks.yaml> --data.root <data> --trainer.max_epochs E \\
+        --trainer.limit_train_batches N ...
+
+The generated config (saved under ``benchmarks/results/parity_configs/``) replaces the algorithm
+YAML's callback list with the same callbacks plus :class:`benchmarks.common.RunRecorder`, which
+writes the validation metrics and the run's total exchanged bytes to JSON. For ``dgc`` it holds
+the paper's warm-up (densities 0.25, 0.0625, 0.015625, 0.004, then 0.001): per epoch, as in
+``configs/algo/dgc_warmup.yaml``, when the run has at least 8 epochs, otherwise per optimizer step
+with each stage lasting 5% of the run (a short run would otherwise never leave the warm-up).
+
+Tasks (data from ``--data-root``, default ``../shared/data`` relative to the repository):
+
+* ``cifar10``: ResNet-20 on the CIFAR-10 subset (10,000 training images, 2,000 test images); top-1
+  on the test batch; target |dgc - ddp| and |deft - ddp| <= 0.5 percentage points.
+* ``ptb``: the CPU-sized PTB LSTM (2 x 200); validation perplexity; target within 2 % of ddp.
+* ``digits``: the CPU-sized DeepSpeech on spoken digits (``train-digits`` / ``test-digits``); CER
+  (and WER); target within 1 percentage point of ddp. The learning rate is 3e-3 for every
+  algorithm (the config's 3e-4 is LibriSpeech's, for far longer runs).
+
+Quick mode trains each run for 60-170 optimizer steps (2-10% of the CPU configs' schedules): the
+figures show the methods side by side on real data, early in training, where sparse updates still
+lag dense ones; they say little about final accuracy. Runs are deterministic (same seed, same
+result when repeated); ``--full`` (or ``--epochs``/``--batches``) trains longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+CONFIG_DIR = common.RESULTS / "parity_configs"
+ALGOS = ("ddp", "dgc", "deft")
+PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    what: str
+    config: str
+    data_subdir: str
+    metric: str  # key in trainer.callback_metrics
+    metric_label: str
+    higher_is_better: bool
+    tolerance: float  # absolute (fraction) or relative, see `relative`
+    relative: bool
+    quick: tuple[int, int]  # (epochs, train batches per epoch)
+    full: tuple[int, int | None]  # (epochs, train batches per epoch; None = all)
+    extra_metrics: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+
+
+TASKS: dict[str, Task] = {
+    "cifar10": Task(
+        name="cifar10",
+        what="ResNet-20, CIFAR-10 subset (10k train / 2k test), batch 2 x 64",
+        config="configs/cifar10_resnet20_cpu.yaml",
+        data_subdir="cifar10-subset",
+        metric="val_acc",
+        metric_label="top-1",
+        higher_is_better=True,
+        tolerance=0.005,
+        relative=False,
+        quick=(1, 60),
+        full=(10, None),
+        overrides=("--data.download", "false"),
+    ),
+    "ptb": Task(
+        name="ptb",
+        what="PTB LSTM 2 x 200, tied (configs/ptb_lstm_cpu.yaml), batch 2 x 20, BPTT 35",
+        config="configs/ptb_lstm_cpu.yaml",
+        data_subdir="ptb",
+        metric="val_ppl",
+        metric_label="perplexity",
+        higher_is_better=False,
+        tolerance=0.02,
+        relative=True,
+        quick=(1, 60),
+        full=(4, None),
+        overrides=("--data.download", "false"),
+    ),
+    "digits": Task(
+        name="digits",
+        what="DeepSpeech 2 x 128 bi-GRU, spoken digits (2,700 train / 300 test), batch 2 x 8",
+        config="configs/librispeech_deepspeech_cpu.yaml",
+        data_subdir="librispeech-digits",
+        metric="val_cer",
+        metric_label="CER",
+        higher_is_better=False,
+        tolerance=0.01,
+        relative=False,
+        quick=(1, None),
+        full=(10, None),
+        extra_metrics=("val_wer",),
+        overrides=(
+            "--data.train_subset",
+            "train-digits",
+            "--data.val_subset",
+            "test-digits",
+            "--data.test_subset",
+            "test-digits",
+            "--data.download",
+            "false",
+            "--model.lr",
+            "0.003",
+        ),  # fmt: skip
+    ),
+}
+
+
+def callbacks_yaml(algo: str, record_path: Path, epochs: int, steps_per_epoch: int | None) -> str:
+    """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder), as YAML text."""
+    lines = ["trainer:", "  callbacks:"]
+    if algo == "dgc":
+        lines.append("    - class_path: lightning_dgc.SparsityWarmup")
+        if epochs < 8:
+            total = epochs * (steps_per_epoch or 0)
+            stage = max(1, math.ceil(0.05 * total))
+            densities = [d for d in PAPER_WARMUP for _ in range(stage)]
+            lines += ["      init_args:", "        interval: step", f"        densities: {densities}"]
+    if algo in ("dgc", "deft"):
+        lines.append("    - class_path: lightning_dgc.CompressionMonitor")
+    lines += [
+        "    - class_path: benchmarks.common.RunRecorder",
+        "      init_args:",
+        f"        path: {json.dumps(str(record_path))}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def algo_config(algo: str) -> str:
+    return {
+        "ddp": "configs/algo/ddp.yaml",
+        "dgc": "configs/algo/dgc_warmup.yaml",
+        "deft": "configs/algo/deft.yaml",
+    }[algo]
+
+
+def steps_per_epoch_estimate(task: Task, batches: int | None) -> int | None:
+    if batches is not None:
+        return batches
+    return {"cifar10": 79, "ptb": 634, "digits": 170}.get(task.name)
+
+
+RUNS_DIR = common.RESULTS / "parity_runs"
+
+
+def command(
+    task: Task,
+    algo: str,
+    data_root: Path,
+    epochs: int,
+    batches: int | None,
+    workdir: Path,
+    name: str = "parity",
+) -> tuple[list[str], Path]:
+    """(argv, record path) of one run; writes the run's generated config under ``parity_configs/<name>/``."""
+    record = RUNS_DIR / name / f"{task.name}_{algo}.json"
+    (CONFIG_DIR / name).mkdir(parents=True, exist_ok=True)
+    generated = CONFIG_DIR / name / f"{task.name}_{algo}.yaml"
+    budget = f"{epochs} epoch(s) x {batches or 'all'} batches"
+    generated.write_text(
+        f"# Generated by benchmarks/parity.py for {task.name} / {algo} ({budget}): the callbacks of\n"
+        f"# {algo_config(algo)} plus benchmarks.common.RunRecorder (run metrics to JSON).\n"
+        + callbacks_yaml(
+            algo, record.relative_to(common.REPO), epochs, steps_per_epoch_estimate(task, batches)
+        )
+    )
+    argv = [
+        common.python(), "-m", "recipes", "fit",
+        "--config", task.config, "--config", algo_config(algo), "--config", str(generated.relative_to(common.REPO)),
+        "--data.root", str(data_root / task.data_subdir), *task.overrides,
+        "--trainer.max_epochs", str(epochs),
+        "--trainer.num_sanity_val_steps", "0",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_checkpointing", "false",
+        "--trainer.default_root_dir", str(workdir / "root"),
+        "--trainer.logger.init_args.save_dir", str(workdir / "logs"),
+        "--trainer.logger.init_args.version", f"{task.name}_{algo}",
+    ]  # fmt: skip
+    if batches is not None:
+        argv += ["--trainer.limit_train_batches", str(batches)]
+    return argv, record
+
+
+def display_command(argv: list[str], workdir: Path) -> str:
+    """The command as a user would type it (``python`` for the interpreter, ``<tmp>`` for the scratch folder)."""
+    out = []
+    for arg in argv:
+        if arg == common.python():
+            arg = "python"
+        elif arg.startswith(str(workdir)):
+            arg = "<tmp>" + arg[len(str(workdir)) :]
+        out.append(arg)
+    return " ".join(out)
+
+
+def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | None, workdir: Path,
+            timeout_s: float, name: str = "parity") -> dict[str, Any]:  # fmt: skip
+    argv, record = command(task, algo, data_root, epochs, batches, workdir, name)
+    record.unlink(missing_ok=True)
+    log = workdir / f"{task.name}_{algo}.log"
+    code, wall = common.run_command(argv, common.worker_env(), log, timeout_s)
+    out: dict[str, Any] = {
+        "task": task.name,
+        "algo": algo,
+        "epochs": epochs,
+        "limit_train_batches": batches,
+        "command": display_command(argv, workdir),
+        "exit_code": code,
+        "wall_s": wall,
+    }
+    if record.exists():
+        rec = json.loads(record.read_text())
+        final = rec.get("final", {})
+        out.update(
+            metric=final.get(task.metric),
+            extra={m: final.get(m) for m in task.extra_metrics},
+            val_loss=final.get("val_loss"),
+            global_step=rec.get("global_step"),
+            train_wall_s=rec.get("train_wall_s"),
+            compression_ratio=(rec.get("compression") or {}).get("compression_ratio"),
+            bytes_sent=(rec.get("compression") or {}).get("bytes_sent"),
+            dense_bytes=(rec.get("compression") or {}).get("dense_bytes"),
+            densities=rec.get("densities"),
+            history=rec.get("history"),
+            finished=rec.get("finished"),
+        )
+    if code != 0 or not record.exists():
+        out["error"] = common.tail(log, 30)
+    return out
+
+
+def schedule_steps(task: Task, epochs: int, batches: int | None) -> int:
+    return epochs * (steps_per_epoch_estimate(task, batches) or 0)
+
+
+def compare(task: Task, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each compressed run against ddp: the difference and whether it is within the tolerance."""
+    base = next((r for r in runs if r["algo"] == "ddp" and r.get("metric") is not None), None)
+    out = []
+    for r in runs:
+        if r["algo"] == "ddp" or base is None or r.get("metric") is None:
+            continue
+        if task.relative:
+            diff = r["metric"] / base["metric"] - 1
+        else:
+            diff = r["metric"] - base["metric"]
+        worse = -diff if task.higher_is_better else diff  # > 0: worse than ddp
+        out.append(
+            {
+                "task": task.name,
+                "algo": r["algo"],
+                "metric": task.metric_label,
+                "ddp": base["metric"],
+                "value": r["metric"],
+                "difference": diff,
+                "worse_by": worse,
+                "tolerance": task.tolerance,
+                "relative": task.relative,
+                "met": worse <= task.tolerance,
+                "steps": r.get("global_step"),
+                "full_schedule_steps": schedule_steps(task, *task.full),
+                "warmup_densities": r.get("densities"),
+            }
+        )
+    return out
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's parity targets, one per task and compressed algorithm."""
+    out = []
+    for c in result.get("comparisons", []):
+        if c["relative"]:
+            target = f"{c['tolerance']:.0%}"
+            value = f"{c['value']:.2f} vs {c['ddp']:.2f} ({c['difference']:+.2%})"
+        else:
+            target = f"{c['tolerance'] * 100:g} pp"
+            value = f"{c['value']:.2%} vs {c['ddp']:.2%} ({c['difference'] * 100:+.2f} pp)"
+        better = "higher" if TASKS[c["task"]].higher_is_better else "lower"
+        out.append(
+            {
+                "target": f"{c['task']}: {c['algo']} {c['metric']} ({better} is better) within {target} of ddp",
+                "value": value,
+                "met": c["met"],
+                "note": _note(c, result.get("quick", True)),
+            }
+        )
+    return out
+
+
+def _note(c: dict[str, Any], quick: bool) -> str:
+    steps, full = c.get("steps"), c.get("full_schedule_steps")
+    budget = f"{steps} optimizer steps"
+    if full:
+        budget += f", {steps / full:.0%} of the CPU config's schedule ({full} steps)"
+    if c["met"]:
+        return f"after {budget}"
+    text = f"after {budget}: early in training, where sparse updates lag dense ones"
+    if c["algo"] == "deft":
+        text += " (deft.yaml has no warm-up: density 0.001 from the first step)"
+    if quick:
+        text += "; the quick budget cannot settle parity, run `python -m benchmarks.parity --full`"
+    return text
+
+
+def _metric_text(task: Task | None, value: float | None) -> Any:
+    if value is None:
+        return None
+    if task is not None and not task.relative:
+        return f"{value * 100:.2f}%"
+    return value
+
+
+def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    rows = []
+    for r in result.get("runs", []):
+        task = TASKS.get(r["task"])
+        extra = r.get("extra") or {}
+        rows.append(
+            [
+                r["task"], r["algo"], task.metric_label if task else "", _metric_text(task, r.get("metric")),
+                ", ".join(f"{k.removeprefix('val_')} {_metric_text(task, v)}" for k, v in extra.items() if v is not None),
+                r.get("global_step"), r.get("compression_ratio"), r.get("wall_s"),
+                "ok" if r.get("exit_code") == 0 else f"failed ({r.get('exit_code')})",
+            ]
+        )  # fmt: skip
+    budget = "quick" if result.get("quick") else "full"
+    out = [
+        (
+            f"Accuracy parity on real data ({budget} budget), 2 workers",
+            ["task", "algo", "metric", "value", "also", "steps", "compression ratio", "wall s", "run"],
+            rows,
+        )
+    ]
+    tgt = [[t["target"], t["value"], t["met"]] for t in targets(result)]
+    if tgt:
+        out.append(("Parity targets", ["target", "measured", "met"], tgt))
+    skipped = result.get("skipped_tasks") or []
+    if skipped:
+        out.append(
+            (
+                "Tasks skipped (time budget)",
+                ["task", "reason"],
+                [[t, "would not fit before the deadline"] for t in skipped],
+            )
+        )
+    return out
+
+
+def show(result: dict[str, Any]) -> None:
+    for title, columns, rows in tables(result):
+        common.print_table(title, columns, rows)
+
+
+def plot(result: dict[str, Any], name: str = "parity") -> None:
+    """Per task: the metric against optimizer steps (bars of the final value when there is one point)."""
+    plt = common.pyplot()
+    runs = [r for r in result.get("runs", []) if r.get("history")]
+    if plt is None or not runs:
+        return
+    tasks = list(dict.fromkeys(r["task"] for r in runs))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.4), squeeze=False)
+    for ax, task_name in zip(axes[0], tasks, strict=True):
+        task = TASKS[task_name]
+        task_runs = [r for r in runs if r["task"] == task_name]
+        if all(len(r["history"]) == 1 for r in task_runs):
+            values = [r["history"][0].get(task.metric, float("nan")) for r in task_runs]
+            bars = ax.bar(
+                [r["algo"] for r in task_runs], values, color=["C0", "C1", "C2", "C3"][: len(task_runs)]
+            )
+            ax.bar_label(bars, fmt="%.3g", fontsize=8)
+            ax.set_xlabel(f"after {task_runs[0]['history'][0]['step']} optimizer steps")
+        else:
+            for r in task_runs:
+                points = [(h["step"], h[task.metric]) for h in r["history"] if task.metric in h]
+                if points:
+                    ax.plot(*zip(*points, strict=True), marker="o", label=r["algo"])
+            ax.set_xlabel("optimizer step")
+            ax.legend(fontsize=8)
+        better = "higher" if task.higher_is_better else "lower"
+        ax.set_title(f"{task_name}: {task.metric_label} ({better} is better)")
+    common.save_figure(fig, f"{name}.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.parity", description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="small budgets (default)")
+    mode.add_argument("--full", action="store_true", help="the CPU configs' own schedules (hours)")
+    parser.add_argument("--data-root", type=Path, default=common.REPO.parent / "shared" / "data")
+    parser.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS))
+    parser.add_argument("--algos", type=lambda s: s.split(","), default=list(ALGOS))
+    parser.add_argument("--epochs", type=int, default=None, help="override the mode's epochs")
+    parser.add_argument(
+        "--batches", type=int, default=None, help="override the train batches per epoch (0: all)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="seconds per run (default: quick 600, full 36000)"
+    )
+    parser.add_argument("--name", default="parity",
+                        help="result name: writes results/<name>.json and .png (default parity)")  # fmt: skip
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="Unix time by which to finish: a task whose runs would not fit is skipped")  # fmt: skip
+    args = parser.parse_args(argv)
+    quick = not args.full
+    timeout = args.timeout or (600 if quick else 36000)
+    con = common.console()
+    if not args.data_root.is_dir():
+        reason = f"data root {args.data_root} not found (pass --data-root)"
+        con.print(f"[yellow]parity skipped: {reason}[/yellow]")
+        common.write_json(f"{args.name}.json", {"skipped": reason, "runs": []})
+        return 0
+    workdir = Path(tempfile.mkdtemp(prefix="dgc_parity_"))
+    runs: list[dict[str, Any]] = []
+    comparisons: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        for name in args.tasks:
+            task = TASKS[name]
+            epochs, batches = task.quick if quick else task.full
+            epochs = args.epochs or epochs
+            batches = (args.batches or None) if args.batches is not None else batches  # 0: every batch
+            task_runs = []
+            if args.deadline is not None:
+                # a task is run whole or not at all (a ddp run alone compares with nothing)
+                estimate = max([r["wall_s"] for r in runs] or [90.0]) * len(args.algos)
+                if time.time() + estimate > args.deadline:
+                    con.print(
+                        f"[yellow]{name}: skipped, {estimate:.0f} s of runs would pass the deadline[/yellow]"
+                    )
+                    skipped.append(name)
+                    continue
+            for algo in args.algos:
+                con.print(f"[bold]{name}[/bold] / {algo}: {epochs} epoch(s) x {batches or 'all'} batches ...")
+                run = run_one(
+                    task, algo, args.data_root.resolve(), epochs, batches, workdir, timeout, args.name
+                )
+                if "error" in run:
+                    con.print(f"[red]failed[/red]:\n{run['error']}")
+                else:
+                    con.print(
+                        f"  {task.metric_label} {_metric_text(task, run.get('metric'))}, {run['wall_s']:.0f} s"
+                    )
+                task_runs.append(run)
+            runs += task_runs
+            comparisons += compare(task, task_runs)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result = {
+        "quick": quick,
+        "data_root": str(args.data_root),
+        "tasks": {
+            n: {
+                "what": TASKS[n].what,
+                "metric": TASKS[n].metric,
+                "tolerance": TASKS[n].tolerance,
+                "relative": TASKS[n].relative,
+            }
+            for n in args.tasks
+        },  # fmt: skip
+        "runs": runs,
+        "comparisons": comparisons,
+        "skipped_tasks": skipped,
+        "wall_s": time.perf_counter() - t0,
+        "threads_per_process": int(os.environ.get("OMP_NUM_THREADS", "1") or 1),
+    }
+    show(result)
+    common.write_json(f"{args.name}.json", result)
+    plot(result, args.name)
+    return 1 if any("error" in r for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,543 @@
+"""Slow links, end to end: two workers joined by a rate-limited link, real Lightning training steps.
+
+    sudo .venv/bin/python -m benchmarks.slow_links            # 1 Gbit/s and 100 Mbit/s
+    sudo .venv/bin/python -m benchmarks.slow_links --quick    # fewer steps
+    sudo .venv/bin/python -m benchmarks.slow_links --bandwidths 100 --models lstm --strategies ddp,dgc
+
+Setup (root, ``ip`` and ``tc`` from iproute2; otherwise the benchmark is skipped with a message):
+two network namespaces joined by a veth pair, 10.77.0.1/24 and 10.77.0.2/24 (the only addresses
+used), each end's egress shaped by a token bucket (``tc qdisc ... tbf rate <R>mbit``), so the link
+is R in each direction, like full-duplex Ethernet. The achieved rate is measured with a TCP
+transfer before the runs and reported. The namespaces (and with them the veth pair) are deleted in
+a ``finally``, also on Ctrl-C or SIGTERM.
+
+Runs: one process per namespace, launched with ``ip netns exec`` and Lightning's multi-node
+variables (``MASTER_ADDR`` = 10.77.0.1, ``NODE_RANK``, ``WORLD_SIZE=2``, ``LOCAL_RANK=0``,
+``Trainer(num_nodes=2, devices=1)``, gloo bound to the veth with ``GLOO_SOCKET_IFNAME``), one
+compute thread each. Each process pair runs, in turn, every strategy (``ddp``, ``powersgd``: DDP
+with torch's PowerSGD hook registered on the CPU, ``dgc`` and ``deft`` at density 0.001) for a
+few warm-up steps and then timed steps of synthetic CIFAR / PTB batches (see
+:data:`benchmarks.common.WORKLOADS`); the step time is the median of the timed steps, each from
+batch start to batch end.
+
+Scaling efficiency = 2-worker throughput / (2 x 1-worker throughput) = t1 / t2 with the same
+per-worker batch, where t1 is the median step time of one process training alone without any
+exchange (measured once per model, no network). This machine's two workers share its cores (with
+whatever else runs on it), so the same process pair also trains both workers *independently at the
+same time* (strategy ``single``, no exchange) between the distributed runs: ``efficiency_shared_cpu``
+= that step time / t2 isolates what the exchange and the link cost from what CPU sharing costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+NAMESPACE_PREFIX = "dgcbench"
+INTERFACES = ("veth-dgc0", "veth-dgc1")
+ADDRESSES = ("10.77.0.1", "10.77.0.2")
+PREFIX_LEN = 24
+MASTER_PORT = 29517
+LINK_TEST_PORT = 29518
+DEFAULT_BANDWIDTHS = (1000, 100)
+DEFAULT_MODELS = ("resnet110", "lstm")
+RESULT_FILE = "slow_links.json"
+
+
+# -- the emulated link -------------------------------------------------------------------------------
+def missing_requirements() -> str | None:
+    """Why this benchmark cannot run here (``None`` when it can)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "creating network namespaces and tc qdiscs needs root (run with sudo)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found: install iproute2 (apt-get install -y iproute2)"
+    return None
+
+
+def _sh(*args: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+class SlowLink:
+    """Two namespaces joined by a veth pair whose ends are shaped with ``tbf``; use as a context manager.
+
+    Only the addresses :data:`ADDRESSES` are configured, inside the namespaces: nothing on the host's
+    own interfaces or routes changes. ``close()`` deletes both namespaces (which deletes the veth
+    pair); it is safe to call twice and runs on ``__exit__`` whatever happened.
+    """
+
+    def __init__(self, tag: str | None = None) -> None:
+        tag = tag or str(os.getpid())
+        self.namespaces = (f"{NAMESPACE_PREFIX}{tag}a", f"{NAMESPACE_PREFIX}{tag}b")
+        self.created: list[str] = []
+        self.rate_mbit: float | None = None
+
+    def __enter__(self) -> SlowLink:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        for ns in self.namespaces:
+            _sh("ip", "netns", "add", ns)
+            self.created.append(ns)
+        a, b = self.namespaces
+        _sh(
+            "ip",
+            "link",
+            "add",
+            INTERFACES[0],
+            "netns",
+            a,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            INTERFACES[1],
+            "netns",
+            b,
+        )
+        for ns, dev, addr in zip(self.namespaces, INTERFACES, ADDRESSES, strict=True):
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/{PREFIX_LEN}", "dev", dev)
+            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+
+    def set_rate(self, mbit: float | None) -> None:
+        """Shape both directions to ``mbit`` Mbit/s (``None``: remove the shaping)."""
+        for ns, dev in zip(self.namespaces, INTERFACES, strict=True):
+            if mbit is None:
+                _sh("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+                continue
+            # The bucket holds 2 ms at the rate (at least 64 KiB: a GSO super-packet), so the rate holds
+            # on average without bursts that a real link would not allow.
+            burst = max(64 * 1024, int(mbit * 1e6 / 8 * 0.002))
+            _sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+                "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms")  # fmt: skip
+        self.rate_mbit = mbit
+
+    def exec_prefix(self, side: int) -> list[str]:
+        return ["ip", "netns", "exec", self.namespaces[side]]
+
+    def close(self) -> None:
+        while self.created:
+            ns = self.created.pop()
+            _sh("ip", "netns", "del", ns, check=False)
+
+    def measure_mbit(self, seconds: float = 1.0, timeout_s: float = 30) -> float:
+        """Achieved TCP goodput from side 0 to side 1, in Mbit/s (one transfer of about ``seconds``)."""
+        nbytes = int((self.rate_mbit or 10_000) * 1e6 / 8 * seconds)
+        server = (
+            "import socket,time,sys\n"
+            "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+            f"s.bind(('{ADDRESSES[1]}',{LINK_TEST_PORT}));s.listen(1);s.settimeout({timeout_s})\n"
+            "c,_=s.accept();c.settimeout(" + str(timeout_s) + ");n=0;t0=None\n"
+            f"while n<{nbytes}:\n"
+            "  b=c.recv(1<<20)\n"
+            "  if not b: break\n"
+            "  t0=t0 or time.perf_counter();n+=len(b)\n"
+            "print(n*8/(time.perf_counter()-t0)/1e6)\n"
+        )
+        client = (
+            "import socket,time\n"
+            f"deadline=time.monotonic()+{timeout_s}\n"
+            "while True:\n"
+            "  try:\n"
+            f"    c=socket.create_connection(('{ADDRESSES[1]}',{LINK_TEST_PORT}),timeout=2);break\n"
+            "  except OSError:\n"
+            "    if time.monotonic()>deadline: raise\n"
+            "    time.sleep(0.1)\n"
+            f"c.sendall(b'x'*{nbytes});c.close()\n"
+        )
+        srv = subprocess.Popen(
+            [*self.exec_prefix(1), sys.executable, "-c", server],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            subprocess.run([*self.exec_prefix(0), sys.executable, "-c", client], check=True, timeout=timeout_s,
+                           capture_output=True)  # fmt: skip
+            out, err = srv.communicate(timeout=timeout_s)
+        finally:
+            if srv.poll() is None:
+                srv.kill()
+                srv.wait(timeout=5)
+        if srv.returncode != 0:
+            raise RuntimeError(f"link test failed: {err.strip()}")
+        return float(out.strip())
+
+
+# -- runs -------------------------------------------------------------------------------------------------
+def _worker_cmd(model: str, strategies: list[str], batch: int, warmup: int, steps: int, nodes: int, out: Path,
+                rounds: int = 1) -> list[str]:  # fmt: skip
+    return [
+        common.python(), "-m", "benchmarks.common", "--model", model, "--strategies", ",".join(strategies),
+        "--batch-size", str(batch), "--warmup", str(warmup), "--steps", str(steps), "--num-nodes", str(nodes),
+        "--rounds", str(rounds), "--out", str(out),
+    ]  # fmt: skip
+
+
+def merge_rounds(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per strategy (first-seen order): every round's timed steps together, their median."""
+    merged: dict[str, dict[str, Any]] = {}
+    for run in runs:
+        entry = merged.get(run["strategy"])
+        if entry is None:
+            merged[run["strategy"]] = entry = {**run, "step_times_s": [], "round_step_time_s": []}
+        entry["step_times_s"] = entry["step_times_s"] + run["step_times_s"]
+        entry["round_step_time_s"] = entry["round_step_time_s"] + [run["step_time_s"]]
+        entry["step_time_s"] = common.median(entry["step_times_s"])
+        entry["steps"] = len(entry["step_times_s"])
+    return list(merged.values())
+
+
+def one_worker(
+    model: str, batch: int, warmup: int, steps: int, workdir: Path, timeout_s: float
+) -> dict[str, Any]:
+    """Median step time of one process training alone (no exchange, no network)."""
+    out = workdir / f"single_{model}.json"
+    log = workdir / f"single_{model}.log"
+    code, _ = common.run_command(
+        _worker_cmd(model, ["single"], batch, warmup, steps, 1, out), common.worker_env(), log, timeout_s
+    )
+    result = out.with_name(f"{out.stem}.rank0.json")
+    if code != 0 or not result.exists():
+        raise RuntimeError(f"one-worker run of {model} failed ({code}):\n{common.tail(log)}")
+    return json.loads(result.read_text())["runs"][0]
+
+
+def two_workers(
+    link: SlowLink, model: str, strategies: list[str], batch: int, warmup: int, steps: int, workdir: Path, timeout_s: float,
+    rounds: int = 1,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Both processes, one per namespace, running ``strategies`` in turn (``rounds`` times); rank 0's runs."""
+    tag = f"{model}_{link.rate_mbit or 'unlimited'}"
+    out = workdir / f"pair_{tag}.json"
+    procs = []
+    for side in (0, 1):
+        env = common.distributed_env(side, 2, ADDRESSES[0], MASTER_PORT, GLOO_SOCKET_IFNAME=INTERFACES[side])
+        cmd = [*link.exec_prefix(side), *_worker_cmd(model, strategies, batch, warmup, steps, 2, out, rounds)]
+        procs.append(common.start(cmd, env, workdir / f"pair_{tag}.rank{side}.log"))
+    codes = common.wait_all(procs, timeout_s)
+    files = [out.with_name(f"{out.stem}.rank{side}.json") for side in (0, 1)]
+    if codes != [0, 0] or not files[0].exists():
+        logs = "\n".join(common.tail(workdir / f"pair_{tag}.rank{side}.log", 15) for side in (0, 1))
+        raise RuntimeError(f"2-worker run {tag} failed (exit codes {codes}):\n{logs}")
+    runs = merge_rounds(json.loads(files[0].read_text())["runs"])
+    other = {r["strategy"]: r["step_time_s"] for r in merge_rounds(json.loads(files[1].read_text())["runs"])}
+    for run in runs:
+        run["rank1_step_time_s"] = other.get(run["strategy"])
+    return runs
+
+
+def _install_sigterm() -> Any:
+    def raise_interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        return signal.signal(signal.SIGTERM, raise_interrupt)
+    except ValueError:  # not the main thread
+        return None
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="dgc_slow_links_"))
+    con = common.console()
+    pairs: list[tuple[int, str, int, list[dict[str, Any]]]] = []
+    links: list[dict[str, Any]] = []
+    alone: dict[str, list[dict[str, Any]]] = {model: [] for model in args.models}
+    errors: list[str] = []
+    previous = _install_sigterm()
+
+    def measure_alone(when: str) -> None:
+        for model in args.models:
+            batch = args.batch_size or common.WORKLOADS[model]["batch_size"]
+            run = one_worker(model, batch, args.warmup, args.steps, workdir, args.timeout)
+            alone[model].append(run)
+            con.print(
+                f"[bold]{model}[/bold]: one worker alone ({when}), batch {batch}: {run['step_time_s']:.3f} s/step"
+            )
+
+    try:
+        measure_alone("before")
+        with SlowLink() as link:
+            for mbit in args.bandwidths:
+                link.set_rate(mbit or None)
+                goodput = link.measure_mbit()
+                links.append({"bandwidth_mbit": mbit or None, "measured_goodput_mbit": goodput})
+                con.print(
+                    f"[bold]link {mbit or 'unlimited'} Mbit/s[/bold]: measured TCP goodput {goodput:.0f} Mbit/s"
+                )
+                for model in args.models:
+                    batch = args.batch_size or common.WORKLOADS[model]["batch_size"]
+                    # "single" second: the first distributed run creates the process group the barrier needs
+                    order = [*args.strategies[:1], "single", *args.strategies[1:]]
+                    con.print(f"  {model}: {', '.join(order)} ...")
+                    try:
+                        pair = two_workers(link, model, order, batch, args.warmup, args.steps, workdir, args.timeout,
+                                           args.rounds)  # fmt: skip
+                    except RuntimeError as error:
+                        errors.append(str(error))
+                        con.print(f"[red]{error}[/red]")
+                        continue
+                    pairs.append((mbit, model, batch, pair))
+                    con.print("    " + ", ".join(f"{r['strategy']} {r['step_time_s']:.3f} s" for r in pair))
+        measure_alone("after")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    one = {}
+    for model, measured in alone.items():
+        times = [t for run in measured for t in run["step_times_s"]]
+        one[model] = {
+            "step_time_s": common.median(times),
+            "step_times_s": times,
+            "runs_step_time_s": [run["step_time_s"] for run in measured],
+            "batch_size": measured[0]["batch_size"] if measured else None,
+        }
+    runs: list[dict[str, Any]] = []
+    for mbit, model, batch, pair in pairs:
+        shared = next(r["step_time_s"] for r in pair if r["strategy"] == "single")
+        t1 = one[model]["step_time_s"]
+        for run in pair:
+            if run["strategy"] == "single":
+                continue
+            t2 = run["step_time_s"]
+            runs.append(
+                {
+                    "model": model,
+                    "bandwidth_mbit": mbit or None,
+                    "strategy": run["strategy"],
+                    "batch_size": batch,
+                    "step_time_s": t2,
+                    "one_worker_step_time_s": t1,
+                    "efficiency": t1 / t2,
+                    "shared_cpu_one_worker_step_time_s": shared,
+                    "efficiency_shared_cpu": shared / t2,
+                    "throughput_samples_s": 2 * batch / t2,
+                    "one_worker_throughput_samples_s": batch / t1,
+                    "rank1_step_time_s": run.get("rank1_step_time_s"),
+                    "bytes_sent_per_step": run.get("bytes_sent"),
+                    "dense_bytes_per_step": run["dense_bytes"],
+                    "compression_ratio": run.get("compression_ratio"),
+                    "selection_ms": run.get("selection_ms"),
+                    "hook_registered": run["hook_registered"],
+                    "steps": run["steps"],
+                    "warmup_steps": run["warmup_steps"],
+                    "step_times_s": run["step_times_s"],
+                    "round_step_time_s": run["round_step_time_s"],
+                }
+            )
+    return {"runs": runs, "links": links, "one_worker": one, "errors": errors}
+
+
+# -- report --------------------------------------------------------------------------------------------
+TARGETS = (
+    ("dgc", 100, ">=", 0.90),
+    ("ddp", 100, "<", 0.60),
+)
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets at 100 Mbit/s, per model: dgc >= 90 % efficiency, ddp < 60 %."""
+    out = []
+    for run in result.get("runs", []):
+        for strategy, mbit, op, bound in TARGETS:
+            if run["strategy"] == strategy and run["bandwidth_mbit"] == mbit:
+                value = run["efficiency"]
+                met = value >= bound if op == ">=" else value < bound
+                out.append(
+                    {
+                        "target": f"{run['model']}: {strategy} efficiency at {mbit} Mbit/s {op} {bound:.0%}",
+                        "value": f"{value:.0%} (against the shared-CPU baseline: {run['efficiency_shared_cpu']:.0%})",
+                        "efficiency": value,
+                        "efficiency_shared_cpu": run["efficiency_shared_cpu"],
+                        "met": met,
+                        "note": _note(run, met, result.get("runs", [])),
+                    }
+                )
+    return out
+
+
+def _note(run: dict[str, Any], met: bool, runs: list[dict[str, Any]] | None = None) -> str:
+    """Where the step time goes, from the run's own figures (for the targets table)."""
+    alone, shared, step = (
+        run["one_worker_step_time_s"],
+        run["shared_cpu_one_worker_step_time_s"],
+        run["step_time_s"],
+    )
+    sent = run.get("bytes_sent_per_step")
+    sent = run["dense_bytes_per_step"] if sent is None and run["strategy"] == "ddp" else sent
+    parts = []
+    if sent is not None:
+        wire = sent * 8 / (run["bandwidth_mbit"] * 1e6)
+        parts.append(f"{sent / 1e6:.2f} MB/step = {wire:.3f} s of link time")
+    faster = [
+        r
+        for r in runs or []
+        if (r["model"], r["strategy"]) == (run["model"], run["strategy"])
+        and (r["bandwidth_mbit"] or math.inf) > run["bandwidth_mbit"]
+    ]
+    link_bound = None
+    if faster:
+        fast = max(faster, key=lambda r: r["bandwidth_mbit"] or math.inf)
+        parts.append(
+            f"step {fast['step_time_s']:.2f} s at {fast['bandwidth_mbit'] or 'unlimited'} Mbit/s, {step:.2f} s here"
+        )
+        link_bound = step > 1.1 * fast["step_time_s"]
+    parts.append(f"against the shared-CPU baseline {run['efficiency_shared_cpu']:.0%}")
+    if not met and run["strategy"] != "ddp":
+        if link_bound is False:
+            parts.append("so not the link")
+        parts.append(
+            f"two workers computing at once on this 2-core VM take {shared:.2f} s/step against {alone:.2f} s alone"
+            " (CPU sharing, which one machine per worker removes), and each synchronous step waits for the"
+            " slower of the two contended workers"
+        )
+    return "; ".join(parts)
+
+
+def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    """(title, columns, rows) of the benchmark's tables, for the terminal and the README."""
+    columns = [
+        "model", "link Mbit/s", "strategy", "batch", "step s", "1-worker s", "efficiency",
+        "shared-CPU 1-worker s", "efficiency (shared CPU)", "MB sent/step", "selection ms",
+    ]  # fmt: skip
+    rows = []
+    for r in result.get("runs", []):
+        sent = r.get("bytes_sent_per_step")
+        rows.append(
+            [
+                r["model"], r["bandwidth_mbit"] or "unlimited", r["strategy"], r["batch_size"], r["step_time_s"],
+                r["one_worker_step_time_s"], f"{r['efficiency']:.0%}", r["shared_cpu_one_worker_step_time_s"],
+                f"{r['efficiency_shared_cpu']:.0%}", None if sent is None else sent / 1e6, r.get("selection_ms"),
+            ]
+        )  # fmt: skip
+    out = [("Slow links: 2 workers over a shaped veth pair", columns, rows)]
+    links = [
+        [lk["bandwidth_mbit"] or "unlimited", lk["measured_goodput_mbit"]] for lk in result.get("links", [])
+    ]
+    if links:
+        out.append(
+            (
+                "Link check: TCP goodput through the shaped veth pair",
+                ["shaped to Mbit/s", "measured Mbit/s"],
+                links,
+            )
+        )
+    tgt = [[t["target"], t["value"], t["met"]] for t in targets(result)]
+    if tgt:
+        out.append(("Slow-link targets", ["target", "measured", "met"], tgt))
+    return out
+
+
+def plot(result: dict[str, Any]) -> None:
+    plt = common.pyplot()
+    runs = result.get("runs", [])
+    if plt is None or not runs:
+        return
+    models = list(dict.fromkeys(r["model"] for r in runs))
+    bandwidths = list(dict.fromkeys(r["bandwidth_mbit"] for r in runs))
+    strategies = list(dict.fromkeys(r["strategy"] for r in runs))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
+    width = 0.8 / max(1, len(strategies))
+    for ax, model in zip(axes[0], models, strict=True):
+        for i, strategy in enumerate(strategies):
+            values = [
+                next((r["efficiency"] * 100 for r in runs if (r["model"], r["bandwidth_mbit"], r["strategy"]) == (model, bw, strategy)), 0)
+                for bw in bandwidths
+            ]  # fmt: skip
+            ax.bar([j + i * width for j in range(len(bandwidths))], values, width, label=strategy)
+        ax.axhline(90, color="grey", lw=0.8, ls="--")
+        ax.set_xticks([j + width * (len(strategies) - 1) / 2 for j in range(len(bandwidths))])
+        ax.set_xticklabels([f"{bw} Mbit/s" if bw else "unlimited" for bw in bandwidths])
+        ax.set_ylabel("scaling efficiency, 2 workers (%)")
+        ax.set_title(model)
+        ax.set_ylim(0, 110)
+    axes[0][0].legend(fontsize=8)
+    common.save_figure(fig, "slow_links.png")
+
+
+def show(result: dict[str, Any]) -> None:
+    for title, columns, rows in tables(result):
+        common.print_table(title, columns, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.slow_links", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer timed steps (for run_all --quick)")
+    parser.add_argument("--bandwidths", type=lambda s: [int(x) for x in s.split(",")], default=list(DEFAULT_BANDWIDTHS),
+                        help="Mbit/s, comma-separated; 0 = no shaping (default: 1000,100)")  # fmt: skip
+    parser.add_argument("--models", type=lambda s: s.split(","), default=list(DEFAULT_MODELS))
+    parser.add_argument("--strategies", type=lambda s: s.split(","), default=list(common.SPEED_STRATEGIES))
+    parser.add_argument(
+        "--batch-size", type=int, default=None, help="per worker (default: per model, see WORKLOADS)"
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 10, quick 5)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="times each process pair runs every strategy, interleaved (default 2, quick 1)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per process pair")
+    args = parser.parse_args(argv)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
+    args.steps = args.steps if args.steps is not None else (5 if args.quick else 10)
+    args.rounds = args.rounds if args.rounds is not None else (1 if args.quick else 2)
+
+    reason = missing_requirements()
+    if reason:
+        common.console().print(f"[yellow]slow_links skipped: {reason}[/yellow]")
+        common.write_json(RESULT_FILE, {"skipped": reason, "runs": []})
+        return 0
+    t0 = time.perf_counter()
+    result = measure(args)
+    result.update(
+        wall_s=time.perf_counter() - t0,
+        quick=args.quick,
+        settings={
+            "density": common.DENSITY,
+            "powersgd_rank": common.POWERSGD_RANK,
+            "powersgd_start_iter": common.POWERSGD_START_ITER,
+            "warmup_steps": args.warmup,
+            "timed_steps": args.steps,
+            "rounds": args.rounds,
+            "threads_per_worker": 1,
+            "shaping": "tc tbf on both veth ends (burst: 2 ms at the rate, >= 64 KiB)",
+            "workloads": {m: common.WORKLOADS[m] for m in args.models},
+        },
+    )
+    show(result)
+    common.write_json(RESULT_FILE, result)
+    plot(result)
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
