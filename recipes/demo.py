@@ -1,6 +1,6 @@
 """The demo: the same small ResNet trained with 2 CPU processes under ``ddp``, ``dgc`` and ``deft``.
 
-    python -m recipes.demo [--steps 60] [--algos ddp dgc deft]
+    python -m recipes.demo [--steps 40] [--algos ddp dgc deft]
 
 It runs offline: a small CIFAR-10-format dataset (the original pickle layout, read by the real
 ``CIFAR10DataModule``) is generated into a temporary folder, with a class signal the network can
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps per algorithm")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per algorithm")
     parser.add_argument("--algos", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
     parser.add_argument("--worker", choices=ALGORITHMS, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
