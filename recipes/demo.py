@@ -42,7 +42,7 @@ def write_synthetic_cifar(
     def batch(per_class: int, label: str) -> dict[bytes, Any]:
         labels = np.repeat(np.arange(10), per_class)
         rng.shuffle(labels)
-        noise = rng.normal(0.0, 96.0, size=(labels.size, 3, 32, 32))
+        noise = rng.normal(0.0, 64.0, size=(labels.size, 3, 32, 32))
         images = np.clip(patterns[labels] + noise, 0, 255).astype(np.uint8).reshape(labels.size, 3072)
         return {
             b"batch_label": label.encode(),
