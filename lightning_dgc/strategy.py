@@ -386,7 +386,8 @@ class DEFTStrategy(DGCStrategy):
     Args:
         density: fraction of the compressed values sent per step, in (0, 1] (shared among fragments).
         momentum_correction: DGC's momentum correction instead of DEFT's plain error feedback.
-        Other arguments: as :class:`DGCStrategy`.
+        momentum: momentum correction (only with ``momentum_correction=True``).
+        **kwargs: every other argument of :class:`DGCStrategy` (and so of ``DDPStrategy``).
     """
 
     strategy_name = "deft"
@@ -396,15 +397,7 @@ class DEFTStrategy(DGCStrategy):
         self,
         density: float = 0.001,
         momentum_correction: bool = False,
-        sample_ratio: float = 0.01,
-        selection: Selection = "sampled",
-        min_compress_numel: int = 1024,
         momentum: float = 0.0,
-        nesterov: bool = False,
-        momentum_masking: bool = True,
-        local_clip_norm: float | None = None,
-        value_dtype: ValueDType = "fp32",
-        seed: int = 0,
         **kwargs: Any,
     ) -> None:
         if momentum and not momentum_correction:
@@ -413,19 +406,7 @@ class DEFTStrategy(DGCStrategy):
                 " momentum to the optimizer, or pass `DEFTStrategy(momentum_correction=True, momentum=...)`."
             )
         self.momentum_correction = momentum_correction
-        super().__init__(
-            density=density,
-            sample_ratio=sample_ratio,
-            selection=selection,
-            min_compress_numel=min_compress_numel,
-            momentum=momentum,
-            nesterov=nesterov,
-            momentum_masking=momentum_masking,
-            local_clip_norm=local_clip_norm,
-            value_dtype=value_dtype,
-            seed=seed,
-            **kwargs,
-        )
+        super().__init__(density=density, momentum=momentum, **kwargs)
 
     @override
     def _take_over_optimizers(self) -> None:
