@@ -18,6 +18,7 @@ writes the validation metrics and the run's total exchanged bytes to JSON. For `
 the paper's warm-up (densities 0.25, 0.0625, 0.015625, 0.004, then 0.001): per epoch, as in
 ``configs/algo/dgc_warmup.yaml``, when the run has at least 8 epochs, otherwise per optimizer step
 with each stage lasting 5% of the run (a short run would otherwise never leave the warm-up).
+``--algos`` also takes ``deft_warmup``: ``configs/algo/deft.yaml`` with that same warm-up added.
 
 Tasks (data from ``--data-root``, default ``../shared/data`` relative to the repository):
 
@@ -52,6 +53,8 @@ from benchmarks import common
 
 CONFIG_DIR = common.RESULTS / "parity_configs"
 ALGOS = ("ddp", "dgc", "deft")
+#: Also accepted by ``--algos``: DEFT with the same warm-up as ``dgc`` (not part of the default set).
+EXTRA_ALGOS = ("deft_warmup",)
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 
 
@@ -133,14 +136,14 @@ TASKS: dict[str, Task] = {
 def callbacks_yaml(algo: str, record_path: Path, epochs: int, steps_per_epoch: int | None) -> str:
     """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder), as YAML text."""
     lines = ["trainer:", "  callbacks:"]
-    if algo == "dgc":
+    if algo in ("dgc", "deft_warmup"):
         lines.append("    - class_path: lightning_dgc.SparsityWarmup")
         if epochs < 8:
             total = epochs * (steps_per_epoch or 0)
             stage = max(1, math.ceil(0.05 * total))
             densities = [d for d in PAPER_WARMUP for _ in range(stage)]
             lines += ["      init_args:", "        interval: step", f"        densities: {densities}"]
-    if algo in ("dgc", "deft"):
+    if algo != "ddp":
         lines.append("    - class_path: lightning_dgc.CompressionMonitor")
     lines += [
         "    - class_path: benchmarks.common.RunRecorder",
@@ -155,6 +158,7 @@ def algo_config(algo: str) -> str:
         "ddp": "configs/algo/ddp.yaml",
         "dgc": "configs/algo/dgc_warmup.yaml",
         "deft": "configs/algo/deft.yaml",
+        "deft_warmup": "configs/algo/deft.yaml",
     }[algo]
 
 
@@ -320,9 +324,9 @@ def _note(c: dict[str, Any], quick: bool) -> str:
         return f"after {budget}"
     text = f"after {budget}: early in training, where sparse updates lag dense ones"
     if c["algo"] == "deft":
-        text += " (deft.yaml has no warm-up: density 0.001 from the first step)"
+        text += " (deft.yaml has no warm-up: density 0.001 from the first step; see deft_warmup)"
     if quick:
-        text += "; the quick budget cannot settle parity, run `python -m benchmarks.parity --full`"
+        text += "; this budget cannot settle parity: train longer (`--full`)"
     return text
 
 
