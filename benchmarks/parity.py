@@ -18,7 +18,9 @@ writes the validation metrics and the run's total exchanged bytes to JSON. For `
 the paper's warm-up (densities 0.25, 0.0625, 0.015625, 0.004, then 0.001): per epoch, as in
 ``configs/algo/dgc_warmup.yaml``, when the run has at least 8 epochs, otherwise per optimizer step
 with each stage lasting 5% of the run (a short run would otherwise never leave the warm-up).
-``--algos`` also takes ``deft_warmup``: ``configs/algo/deft.yaml`` with that same warm-up added.
+``--algos`` also takes ``deft_warmup`` (``configs/algo/deft.yaml`` with that same warm-up added) and
+``deft_mc`` (the same, plus ``DEFTStrategy(momentum_correction=True)``: DGC's momentum correction
+instead of DEFT's error feedback with the optimizer's momentum).
 
 Tasks (data from ``--data-root``, default ``../shared/data`` relative to the repository):
 
@@ -53,8 +55,15 @@ from benchmarks import common
 
 CONFIG_DIR = common.RESULTS / "parity_configs"
 ALGOS = ("ddp", "dgc", "deft")
-#: Also accepted by ``--algos``: DEFT with the same warm-up as ``dgc`` (not part of the default set).
-EXTRA_ALGOS = ("deft_warmup",)
+#: name -> (algorithm YAML, extra CLI arguments, add the warm-up); the last two are variants for
+#: ``--algos`` outside the default set.
+ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
+    "ddp": ("configs/algo/ddp.yaml", (), False),
+    "dgc": ("configs/algo/dgc_warmup.yaml", (), True),
+    "deft": ("configs/algo/deft.yaml", (), False),
+    "deft_warmup": ("configs/algo/deft.yaml", (), True),
+    "deft_mc": ("configs/algo/deft.yaml", ("--trainer.strategy.init_args.momentum_correction", "true"), True),
+}
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 
 
@@ -136,7 +145,7 @@ TASKS: dict[str, Task] = {
 def callbacks_yaml(algo: str, record_path: Path, epochs: int, steps_per_epoch: int | None) -> str:
     """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder), as YAML text."""
     lines = ["trainer:", "  callbacks:"]
-    if algo in ("dgc", "deft_warmup"):
+    if ALGO_SPECS[algo][2]:
         lines.append("    - class_path: lightning_dgc.SparsityWarmup")
         if epochs < 8:
             total = epochs * (steps_per_epoch or 0)
@@ -154,12 +163,7 @@ def callbacks_yaml(algo: str, record_path: Path, epochs: int, steps_per_epoch: i
 
 
 def algo_config(algo: str) -> str:
-    return {
-        "ddp": "configs/algo/ddp.yaml",
-        "dgc": "configs/algo/dgc_warmup.yaml",
-        "deft": "configs/algo/deft.yaml",
-        "deft_warmup": "configs/algo/deft.yaml",
-    }[algo]
+    return ALGO_SPECS[algo][0]
 
 
 def steps_per_epoch_estimate(task: Task, batches: int | None) -> int | None:
@@ -195,7 +199,7 @@ def command(
     argv = [
         common.python(), "-m", "recipes", "fit",
         "--config", task.config, "--config", algo_config(algo), "--config", str(generated.relative_to(common.REPO)),
-        "--data.root", str(data_root / task.data_subdir), *task.overrides,
+        "--data.root", str(data_root / task.data_subdir), *task.overrides, *ALGO_SPECS[algo][1],
         "--trainer.max_epochs", str(epochs),
         "--trainer.num_sanity_val_steps", "0",
         "--trainer.enable_progress_bar", "false",
@@ -351,7 +355,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
                 "ok" if r.get("exit_code") == 0 else f"failed ({r.get('exit_code')})",
             ]
         )  # fmt: skip
-    budget = "quick" if result.get("quick") else "full"
+    budget = result.get("budget") or ("quick" if result.get("quick") else "full")
     out = [
         (
             f"Accuracy parity on real data ({budget} budget), 2 workers",
@@ -416,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--full", action="store_true", help="the CPU configs' own schedules (hours)")
     parser.add_argument("--data-root", type=Path, default=common.REPO.parent / "shared" / "data")
     parser.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS))
-    parser.add_argument("--algos", type=lambda s: s.split(","), default=list(ALGOS))
+    parser.add_argument(
+        "--algos", type=lambda s: s.split(","), default=list(ALGOS), help=f"of {', '.join(ALGO_SPECS)}"
+    )
     parser.add_argument("--epochs", type=int, default=None, help="override the mode's epochs")
     parser.add_argument(
         "--batches", type=int, default=None, help="override the train batches per epoch (0: all)"
@@ -475,7 +481,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result = {
-        "quick": quick,
+        "quick": quick and args.epochs is None and args.batches is None,
+        "budget": "full"
+        if args.full
+        else ("quick" if args.epochs is None and args.batches is None else "custom"),
         "data_root": str(args.data_root),
         "tasks": {
             n: {

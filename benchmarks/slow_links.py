@@ -415,10 +415,11 @@ def _note(run: dict[str, Any], met: bool, runs: list[dict[str, Any]] | None = No
     if not met and run["strategy"] != "ddp":
         if link_bound is False:
             parts.append("so not the link")
+        sharing, rest = shared - alone, step - shared
         parts.append(
-            f"two workers computing at once on this 2-core VM take {shared:.2f} s/step against {alone:.2f} s alone"
-            " (CPU sharing, which one machine per worker removes), and each synchronous step waits for the"
-            " slower of the two contended workers"
+            f"of the {step - alone:.2f} s/step over one worker alone, {sharing:.2f} s is two workers computing at"
+            f" once on this 2-core VM (CPU sharing: one machine per worker removes it) and {rest:.2f} s the"
+            " exchange's own compute and synchronisation (the hook, DDP's buckets, waiting for the slower worker)"
         )
     return "; ".join(parts)
 
