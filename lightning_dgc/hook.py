@@ -61,10 +61,9 @@ class _Plan:
     dense_bytes: int  # what DDP would send for this bucket
     payload: Tensor  # DGC: this rank's payload (uint8), reused every step
     gathered: Tensor  # DGC: every rank's payload, concatenated (gloo wants a flat output), reused
-    # DEFT only: the fragments of the sparse tensors (offsets into their concatenation) and, per
-    # fragment, its entry; computed once per layout.
+    # DEFT only, computed once per layout: the fragments of the sparse tensors (offsets into their
+    # concatenation) and, grouped by layer, each layer's entry with its fragments rebased to the layer.
     fragments: list[Fragment] = field(default_factory=list)
-    fragment_entry: list[_Entry] = field(default_factory=list)
     layers: list[tuple[_Entry, list[tuple[int, Fragment]]]] = field(
         default_factory=list
     )  # fragments by layer
@@ -122,7 +121,6 @@ def _plan(state: DGCState, bucket: dist.GradBucket, partitioned: bool) -> _Plan:
             [e.name for e in sparse], [e.numel for e in sparse], state.world_size
         )
         by_name = {e.name: e for e in sparse}
-        plan.fragment_entry = [by_name[f.name] for f in plan.fragments]
         for i, f in enumerate(plan.fragments):
             if not plan.layers or plan.layers[-1][0].name != f.name:
                 plan.layers.append((by_name[f.name], []))
@@ -135,7 +133,6 @@ def _plan(state: DGCState, bucket: dist.GradBucket, partitioned: bool) -> _Plan:
 class _Prepared:
     """Result of steps 1-2 for one bucket."""
 
-    grads: Tensor  # the bucket as fp32 (the buffer itself when it is fp32)
     locally_finite: bool
     dense_parts: list[Tensor]  # in entry order: gradients of dense tensors, velocities of full ones
     sparse: list[tuple[_Entry, _Buffers]]  # compressed tensors with their compensated scratch buffers
@@ -151,7 +148,7 @@ def _prepare(state: DGCState, plan: _Plan, buffer: Tensor) -> _Prepared:
     if locally_finite and state.grad_scale != 1.0:
         grads.mul_(1.0 / state.grad_scale)
     clip = cfg.local_clip_norm / math.sqrt(state.world_size) if cfg.local_clip_norm is not None else None
-    prepared = _Prepared(grads, locally_finite, [], [])
+    prepared = _Prepared(locally_finite, [], [])
     for e in plan.entries:
         g = grads[e.offset : e.offset + e.numel]
         if not locally_finite:
