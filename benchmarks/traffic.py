@@ -15,15 +15,16 @@ numbers are the hook's own accounting of the tensors it hands to ``torch.distrib
 Columns (bytes per step per rank, i.e. the message each rank contributes to the collectives):
 
 * ``sent``: everything the hook exchanges: ``payload + dense + control`` (``bytes_sent``).
-* ``indices+values``: the sparse part, ``k`` int32 indices and ``k`` fp32/fp16 values (DGC: the
-  all-gathered payload; DEFT: the int32 union all-reduce plus the values all-reduce).
+* ``indices+values``: the sparse part. DGC: the all-gathered payload, ``k`` fp32/fp16 values and
+  ``k`` uint16 delta codes (plus one filler code per 65535 positions of the bucket); DEFT: the int32
+  union all-reduce plus the values all-reduce.
 * ``padding``: DGC's payload padding to a multiple of 4 bytes (per bucket).
 * ``control``: DEFT's plan agreement: one float64 per fragment (norm) and per rank (selection time),
   per bucket. It grows with the number of workers; the row is for one worker, ``ctrl@8w`` is the
   same for 8 workers (``control_at`` in the JSON also has 16), from the hook's own fragmenting
   function on the measured buckets.
-* ``dense``: tensors averaged uncompressed, always fp32: every 1-D tensor (batch-norm scales and
-  shifts, biases) and tensors of fewer than 1024 values.
+* ``dense``: tensors averaged uncompressed, in the value dtype (fp16 ones pre-divided by the world
+  size): every 1-D tensor (batch-norm scales and shifts, biases) and tensors of fewer than 1024 values.
 * ``DDP``: what plain DDP all-reduces for the same buckets (fp32 gradients).
 * ``ratio``: ``DDP / sent``.
 * ``buffers``: not part of the gradient exchange, and computed from the module's buffers rather than
@@ -164,33 +165,25 @@ def what_would_close_it(rows: list[dict[str, Any]], model: nn.Module) -> list[di
     touches is recomputed: the number of kept values, bytes per kept value, and the dense part.
     """
     fp32 = next(r for r in rows if r["value_dtype"] == "fp32")
+    fp16 = next(r for r in rows if r["value_dtype"] == "fp16")
     density, ddp = fp32["density"], fp32["dense_bytes"]
-    k = fp32["k"]  # kept values of the compressed tensors
-    dense = fp32["dense_exchange_bytes"]  # fp32, uncompressed
     one_d = [p.numel() for p in model.parameters() if p.dim() <= 1]
     big_one_d = [n for n in one_d if n >= DGCConfig().min_compress_numel]
 
-    def compressed(sizes: list[int], value_bytes: int) -> int:
+    def saved(sizes: list[int], value_bytes: int) -> int:
         """Bytes saved by no longer sending ``sizes`` dense, minus what their k values cost."""
-        return sum(n * 4 for n in sizes) - sum(values_per_step(n, density) for n in sizes) * (
-            comm.INDEX_BYTES + value_bytes
-        )
+        kept = sum(values_per_step(n, density) for n in sizes)
+        return sum(n * value_bytes for n in sizes) - kept * (comm.CODE_BYTES + value_bytes)
 
     options = {
-        "fp16 values (measured above)": next(r for r in rows if r["value_dtype"] == "fp16")["bytes_sent"],
-        "fp16 values + dense part in fp16": k * (comm.INDEX_BYTES + 2) + dense // 2,
-        f"compress 1-D tensors of >= {DGCConfig().min_compress_numel} values too, fp32 values": k
-        * (comm.INDEX_BYTES + 4)
-        + dense
-        - compressed(big_one_d, 4),
-        "compress every 1-D tensor too, fp32 values": k * (comm.INDEX_BYTES + 4)
-        + dense
-        - compressed(one_d, 4),
-        "compress every 1-D tensor too, fp16 values": k * (comm.INDEX_BYTES + 2)
-        + dense
-        - compressed(one_d, 2),
-        "fp16 values, dense part accumulated and sent every 4th step": k * (comm.INDEX_BYTES + 2)
-        + dense // 4,
+        f"compress 1-D tensors of >= {DGCConfig().min_compress_numel} values too, fp32 values": fp32[
+            "bytes_sent"
+        ]
+        - saved(big_one_d, 4),
+        "compress every 1-D tensor too, fp32 values": fp32["bytes_sent"] - saved(one_d, 4),
+        "compress every 1-D tensor too, fp16 values": fp16["bytes_sent"] - saved(one_d, 2),
+        "fp32 values, dense part accumulated and sent every 4th step": fp32["bytes_sent"]
+        - fp32["dense_exchange_bytes"] * 3 // 4,
     }
     return [
         {"change": name, "bytes_sent": int(b), "ratio": ddp / b, "reaches_target": ddp / b >= TARGET_RATIO}
@@ -320,11 +313,10 @@ def target_verdict(rows: list[dict[str, Any]], breakdown: dict[str, int], model:
         f"DDP sends {dgc32['dense_bytes']:,} B.",
         f"The dense part is {dgc32['dense_exchange_bytes'] / dgc32['bytes_sent']:.0%} of what is sent: "
         f"{breakdown['one_d_bytes']:,} B of 1-D tensors (batch-norm scales/shifts, the fc bias) and "
-        f"{breakdown['small_bytes']:,} B of tensors under {DGCConfig().min_compress_numel} values, all "
-        "fp32 and averaged uncompressed.",
-        f"Even with no dense part, int32 index + fp32 value per kept value caps the ratio at "
-        f"{dgc32['dense_bytes'] / sparse:.0f}x at this density (fp16 values: "
-        f"{dgc32['dense_bytes'] / (sparse * 6 // 8):.0f}x).",
+        f"{breakdown['small_bytes']:,} B of tensors under {DGCConfig().min_compress_numel} values, "
+        "averaged uncompressed (fp32 in this row).",
+        f"Even with no dense part, a uint16 code + fp32 value per kept value caps the ratio at "
+        f"{dgc32['dense_bytes'] / sparse:.0f}x at this density.",
     ]
     options = what_would_close_it([r for r in candidates if r["hook"] == "dgc"], model)
     return {"met": met, "best_ratio": best["compression_ratio"], "best": f"{best['hook']} {best['value_dtype']}",

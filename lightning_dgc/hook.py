@@ -35,7 +35,7 @@ from torch import Tensor
 from lightning_dgc import comm
 from lightning_dgc.compression import sampled_topk, topk_indices
 from lightning_dgc.compression.deft import deft_select, fragment_norms
-from lightning_dgc.memory import _Buffers, clip_by_norm_, momentum_correction
+from lightning_dgc.memory import _Buffers, clip_each_by_norm_, momentum_correction_each
 from lightning_dgc.partition import Fragment, allocate_k, fragment_layers, lpt_assign, selection_cost
 from lightning_dgc.state import DGCState, ParamSettings
 
@@ -61,6 +61,14 @@ class _Plan:
     dense_bytes: int  # what DDP would send for this bucket
     payload: Tensor  # DGC: this rank's payload (uint8), reused every step
     gathered: Tensor  # DGC: every rank's payload, concatenated (gloo wants a flat output), reused
+    # Bucket positions of the tensors exchanged dense, in entry order (None: every tensor is, in
+    # bucket order), so that decompression places them with one index_copy_.
+    dense_index: Tensor | None = None
+    # Entries (positions in ``entries``) grouped by the setting that decides their update, so that
+    # each group runs as a few ``torch._foreach_*`` calls instead of a Python loop per tensor.
+    decay_groups: list[tuple[float, list[int]]] = field(default_factory=list)  # weight decay
+    memory_groups: list[tuple[tuple[float, bool], list[int]]] = field(default_factory=list)  # full/sparse
+    dense_momentum_groups: list[tuple[tuple[float, bool], list[int]]] = field(default_factory=list)
     # DEFT only, computed once per layout: the fragments of the sparse tensors (offsets into their
     # concatenation) and, grouped by layer, each layer's entry with its fragments rebased to the layer.
     fragments: list[Fragment] = field(default_factory=list)
@@ -106,7 +114,7 @@ def _plan(state: DGCState, bucket: dist.GradBucket, partitioned: bool) -> _Plan:
     buffer = bucket.buffer()
     if offset != buffer.numel():
         raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {offset}.")
-    nbytes = 0 if partitioned else comm.payload_nbytes(k_total, state.value_dtype)
+    nbytes = 0 if partitioned else comm.payload_nbytes(k_total, state.value_dtype, offset)
     plan = _Plan(
         entries,
         k_total,
@@ -125,8 +133,35 @@ def _plan(state: DGCState, bucket: dist.GradBucket, partitioned: bool) -> _Plan:
             if not plan.layers or plan.layers[-1][0].name != f.name:
                 plan.layers.append((by_name[f.name], []))
             plan.layers[-1][1].append((i, _rebased(f)))
+    if plan.dense_numel and plan.dense_numel != buffer.numel():
+        plan.dense_index = torch.cat(
+            [
+                torch.arange(e.offset, e.offset + e.numel, device=buffer.device)
+                for e in entries
+                if e.kind != "sparse"
+            ]
+        )
+    plan.decay_groups = _grouped(entries, lambda e: e.settings.weight_decay or None)
+    plan.memory_groups = _grouped(entries, lambda e: _momentum_key(e) if e.kind != "dense" else None)
+    plan.dense_momentum_groups = _grouped(
+        entries, lambda e: _momentum_key(e) if e.kind == "dense" and e.settings.momentum else None
+    )
     state._plans[key] = plan
     return plan
+
+
+def _momentum_key(e: _Entry) -> tuple[float, bool]:
+    return (e.settings.momentum, e.settings.nesterov)
+
+
+def _grouped(entries: list[_Entry], key: Callable[[_Entry], object]) -> list[tuple[object, list[int]]]:
+    """Positions of ``entries`` grouped by ``key`` (``None``: left out), groups in first-seen order."""
+    groups: dict[object, list[int]] = {}
+    for i, e in enumerate(entries):
+        k = key(e)
+        if k is not None:
+            groups.setdefault(k, []).append(i)
+    return list(groups.items())
 
 
 @dataclass
@@ -144,33 +179,33 @@ def _prepare(state: DGCState, plan: _Plan, buffer: Tensor) -> _Prepared:
     grads = buffer if buffer.dtype == torch.float32 else buffer.float()
     # A non-finite local gradient is not let into the memory: this rank sends NaN instead, so that
     # every rank sees a non-finite result and skips the step consistently.
-    locally_finite = bool(torch.isfinite(grads.sum()))
-    if locally_finite and state.grad_scale != 1.0:
+    if not bool(torch.isfinite(grads.sum())):
+        nan = torch.full((plan.dense_numel,), math.nan, device=buffer.device)
+        return _Prepared(False, [nan] if plan.dense_numel else [], [])
+    if state.grad_scale != 1.0:
         grads.mul_(1.0 / state.grad_scale)
-    clip = cfg.local_clip_norm / math.sqrt(state.world_size) if cfg.local_clip_norm is not None else None
-    prepared = _Prepared(locally_finite, [], [])
-    for e in plan.entries:
-        g = grads[e.offset : e.offset + e.numel]
-        if not locally_finite:
-            prepared.dense_parts.extend([torch.full_like(g, math.nan)] if e.kind != "sparse" else [])
-            continue
-        if clip is not None:
-            clip_by_norm_(g, clip)
-        if e.settings.weight_decay:
-            g.add_(e.param.detach().reshape(-1).float(), alpha=e.settings.weight_decay)
+    g = grads.split([e.numel for e in plan.entries])
+    if cfg.local_clip_norm is not None:
+        clip_each_by_norm_(g, cfg.local_clip_norm / math.sqrt(state.world_size))
+    for decay, members in plan.decay_groups:
+        params = [plan.entries[i].param.detach().reshape(-1) for i in members]
+        if params[0].dtype != torch.float32:
+            params = [p.float() for p in params]
+        torch._foreach_add_([g[i] for i in members], params, alpha=decay)
+    buffers: dict[int, _Buffers] = {}
+    for (momentum, nesterov), members in plan.memory_groups:
+        bufs = [state.memory.get(plan.entries[i].name, plan.entries[i].numel, buffer.device) for i in members]
+        momentum_correction_each([g[i] for i in members], bufs, momentum, nesterov)
+        buffers.update(zip(members, bufs, strict=True))
+    prepared = _Prepared(True, [], [])
+    for i, e in enumerate(plan.entries):
         if e.kind == "dense":
-            prepared.dense_parts.append(g)
-            continue
-        buf = state.memory.get(e.name, e.numel, buffer.device)
-        s = e.settings
-        momentum_correction(
-            g, buf.momentum, buf.velocity, s.momentum, s.nesterov, buf.momentum_next, buf.velocity_next
-        )
-        if e.kind == "full":
-            prepared.dense_parts.append(buf.velocity_next)
+            prepared.dense_parts.append(g[i])
+        elif e.kind == "full":
+            prepared.dense_parts.append(buffers[i].velocity_next)
             state.memory.stage(e.name, None, cfg.momentum_masking)
         else:
-            prepared.sparse.append((e, buf))
+            prepared.sparse.append((e, buffers[i]))
     return prepared
 
 
@@ -190,52 +225,71 @@ def _decompress(
 ) -> Tensor:
     """Step 5: the averaged update of the bucket, in the bucket's dtype; records finiteness."""
     world = state.world_size
-    result = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
-    finite = torch.ones((), dtype=torch.bool, device=buffer.device)
-    if sparse_indices is not None and sparse_values is not None:
-        values = sparse_values.float()
-        finite &= torch.isfinite(values).all()
-        result.index_add_(0, sparse_indices, values)
-    if dense is not None:
-        finite &= torch.isfinite(dense).all()
-        pos = 0
-        for e in plan.entries:
-            if e.kind != "sparse":
-                result[e.offset : e.offset + e.numel].copy_(dense[pos : pos + e.numel])
-                pos += e.numel
+    if sparse_indices is None and dense is not None and plan.dense_index is None:
+        result = dense  # every tensor went dense, in bucket order: the all-reduced buffer is the result
+    else:
+        # The bucket's gradients are no longer needed (the dense ones were copied for the exchange,
+        # the compressed ones live on in the velocity): an fp32 bucket is reused as the result.
+        if buffer.dtype == torch.float32:
+            result = buffer.zero_()
+        else:
+            result = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
+        if sparse_indices is not None and sparse_values is not None:
+            result.index_add_(0, sparse_indices, sparse_values.float())
+        if dense is not None:
+            result.index_copy_(0, plan.dense_index, dense)
+    # One read-only pass: inf or NaN anywhere makes the sum non-finite (finite gradients summing past
+    # 3e38 would too, which no trainable model produces), at a fraction of isfinite(...).all()'s cost.
+    finite = torch.isfinite(result.sum())
     result.div_(world)
-    for e in plan.entries:  # momentum of dense tensors works on the average
-        if e.kind == "dense" and e.settings.momentum:
-            _apply_dense_momentum(state, e, result[e.offset : e.offset + e.numel])
+    if plan.dense_momentum_groups:  # momentum of dense tensors works on the average
+        avg = result.split([e.numel for e in plan.entries])
+        for (momentum, nesterov), members in plan.dense_momentum_groups:
+            _apply_dense_momentum(state, [plan.entries[i] for i in members], [avg[i] for i in members],
+                                  momentum, nesterov)  # fmt: skip
     state.note_finite(finite)  # Step 6: finiteness decides commit or discard of the staged memory
     if state.grad_scale != 1.0:
         result.mul_(state.grad_scale)
     return result if buffer.dtype == torch.float32 else result.to(buffer.dtype)
 
 
-def _apply_dense_momentum(state: DGCState, e: _Entry, avg: Tensor) -> None:
-    """SGD momentum on a densely averaged tensor, in place: ``buf' = m buf + g``; ``d = buf'`` (Nesterov ``g + m buf'``).
+def _apply_dense_momentum(state: DGCState, entries: list[_Entry], avg: list[Tensor], momentum: float,
+                          nesterov: bool) -> None:  # fmt: skip
+    """SGD momentum on densely averaged tensors, in place: ``buf' = m buf + g``; ``d = buf'`` (Nesterov ``g + m buf'``).
 
-    The inputs are identical on every rank, so the buffers stay identical too. The new buffer is
-    staged like any other memory update, so a skipped step leaves it untouched.
+    The inputs are identical on every rank, so the buffers stay identical too. The new buffers are
+    staged like any other memory update, so a skipped step leaves them untouched.
     """
-    buf = state.memory.get(e.name, e.numel, avg.device)
-    m = e.settings.momentum
-    torch.mul(buf.momentum, m, out=buf.momentum_next)
-    buf.momentum_next.add_(avg)
-    if e.settings.nesterov:
-        avg.add_(buf.momentum_next, alpha=m)
+    bufs = [state.memory.get(e.name, e.numel, avg[0].device) for e in entries]
+    nxt = [b.momentum_next for b in bufs]
+    torch._foreach_copy_(nxt, avg)
+    torch._foreach_add_(nxt, [b.momentum for b in bufs], alpha=momentum)
+    if nesterov:
+        torch._foreach_add_(avg, nxt, alpha=momentum)
     else:
-        avg.copy_(buf.momentum_next)
-    buf.velocity_next.zero_()
-    state.memory.stage(e.name, None, False)
+        torch._foreach_copy_(avg, nxt)
+    torch._foreach_zero_([b.velocity_next for b in bufs])
+    for e in entries:
+        state.memory.stage(e.name, None, False)
 
 
-def _exchange_dense(state: DGCState, prepared: _Prepared) -> tuple[Tensor | None, list[torch.futures.Future]]:
-    dense = torch.cat(prepared.dense_parts) if prepared.dense_parts else None
-    if dense is None:
-        return None, []
-    return dense, [comm.all_reduce_sum(dense, state.process_group)]
+def _exchange_dense(
+    state: DGCState, prepared: _Prepared
+) -> tuple[Tensor | None, torch.futures.Future | None]:
+    """Start the all-reduce of the tensors exchanged dense: ``(what goes on the wire, a future of the fp32 sum)``.
+
+    With fp16 values they travel in fp16 too, pre-divided by the world size like torch's
+    ``fp16_compress_hook`` (so the sum cannot overflow where the average would not); a value that
+    still overflows makes the step non-finite, and it is skipped on every rank.
+    """
+    if not prepared.dense_parts:
+        return None, None
+    dense = torch.cat(prepared.dense_parts)
+    if state.value_dtype == torch.float32:
+        return dense, comm.all_reduce_sum(dense, state.process_group)
+    world = state.world_size
+    wire = dense.div_(world).to(state.value_dtype)
+    return wire, comm.all_reduce_sum(wire, state.process_group).then(lambda f: f.value().float().mul_(world))
 
 
 def _record(state: DGCState, plan: _Plan, buffer: Tensor, payload_bytes: int, padding: int, dense: Tensor | None,
@@ -252,6 +306,10 @@ def _record(state: DGCState, plan: _Plan, buffer: Tensor, payload_bytes: int, pa
     stats.selection_ms += selection_s * 1e3
     stats.buckets += 1
     stats.density = state.config.density
+
+
+def _value(future: torch.futures.Future | None) -> Tensor | None:
+    return future.value() if future is not None else None
 
 
 def _then(futures: list[torch.futures.Future], fn: Callable[[], Tensor]) -> torch.futures.Future:
@@ -281,7 +339,8 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
         state.memory.stage(e.name, idx, state.config.momentum_masking)
     if plan.k_total:
         if prepared.locally_finite:
-            comm.pack_into(plan.payload, torch.cat(indices), torch.cat(values), state.value_dtype)
+            flat, order = torch.cat(indices).sort()  # the wire format wants ascending indices
+            comm.pack_into(plan.payload, flat, torch.cat(values)[order], state.value_dtype, buffer.numel())
         else:
             plan.payload.zero_()
             comm.payload_values(plan.payload, plan.k_total, state.value_dtype).fill_(math.nan)
@@ -290,16 +349,19 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
     futures = []
     if plan.k_total:
         futures.append(comm.all_gather_payload(plan.payload, plan.gathered, state.process_group))
-    dense, dense_futures = _exchange_dense(state, prepared)
-    futures += dense_futures
+    dense, dense_future = _exchange_dense(state, prepared)
+    futures += [dense_future] if dense_future is not None else []
     state._current.rank_selected += plan.k_total if prepared.locally_finite else 0
-    raw = plan.k_total * (comm.INDEX_BYTES + state.value_dtype.itemsize)
-    _record(state, plan, buffer, plan.payload.numel(), plan.payload.numel() - raw, dense, selection_s)
+    padding = comm.payload_padding(plan.k_total, state.value_dtype, buffer.numel())
+    _record(state, plan, buffer, plan.payload.numel(), padding, dense, selection_s)
 
     def decompress() -> Tensor:  # Steps 5-6
+        dense = _value(dense_future)
         if not plan.k_total:
             return _decompress(state, plan, buffer, dense, None, None)
-        idx, vals = comm.unpack(plan.gathered.view(state.world_size, -1), plan.k_total, state.value_dtype)
+        idx, vals = comm.unpack(
+            plan.gathered.view(state.world_size, -1), plan.k_total, state.value_dtype, buffer.numel()
+        )
         state._current.union_values += int(torch.unique(idx).numel())  # gradient build-up
         return _decompress(state, plan, buffer, dense, idx, vals)
 
@@ -394,13 +456,14 @@ def deft_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[
                 values[lo:hi] = math.nan
 
     futures = [comm.all_reduce_sum(values, state.process_group)] if k_total else []
-    dense, dense_futures = _exchange_dense(state, prepared)
-    futures += dense_futures
+    dense, dense_future = _exchange_dense(state, prepared)
+    futures += [dense_future] if dense_future is not None else []
     state._current.union_values += int(torch.unique(union).numel()) if k_total else 0  # k: no build-up
     _record(state, plan, buffer, k_total * (comm.INDEX_BYTES + state.value_dtype.itemsize), 0, dense,
             selection_s, control_bytes=exchange.numel() * exchange.element_size())  # fmt: skip
 
     def decompress() -> Tensor:  # Steps 5-6
+        dense = _value(dense_future)
         if not k_total:
             return _decompress(state, plan, buffer, dense, None, None)
         return _decompress(state, plan, buffer, dense, union, values)

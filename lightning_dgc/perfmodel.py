@@ -49,8 +49,9 @@ What each method sends per bucket (sizes in :class:`BucketProfile`, equal to the
 ``compression_stats()``):
 
 * ``ddp``: one all-reduce of the bucket (``dense_bytes``).
-* ``dgc``: one all-gather of the payload (``k`` int32 indices + ``k`` values, padded to 4 bytes) and
-  one all-reduce of the tensors averaged dense (1-D and small tensors).
+* ``dgc``: one all-gather of the payload (``k`` values + ``k + numel // 65535`` uint16 delta codes of
+  the indices, padded to 4 bytes: :func:`payload_nbytes`) and one all-reduce of the tensors averaged
+  dense (1-D and small tensors).
 * ``deft``: an all-reduce of the fragment norms (float64, ``F(n) + n`` entries), an int32 all-reduce
   of the ``k`` union indices, an all-reduce of the ``k`` values at the union, and the dense
   all-reduce. The first two are *blocking* (the hook waits for them before it can go on), so they
@@ -100,6 +101,8 @@ __all__ = [
     "fragment_count",
     "gather_time",
     "gradient_bytes",
+    "payload_nbytes",
+    "payload_padding",
     "predict",
     "reduce_time",
     "ring_allreduce_time",
@@ -120,8 +123,10 @@ WORKERS: tuple[int, ...] = tuple(2**i for i in range(9))
 #: Link bandwidths of the prediction, bits/s: 100 Mbit/s, 1, 10 and 25 Gbit/s.
 BANDWIDTHS: tuple[float, ...] = (100e6, 1e9, 10e9, 25e9)
 
-INDEX_BYTES = 4  # int32 indices, as lightning_dgc.comm
-DENSE_VALUE_BYTES = 4  # the hook averages dense tensors in fp32
+INDEX_BYTES = 4  # int32 indices (DEFT's union all-reduce), as lightning_dgc.comm
+CODE_BYTES = 2  # one uint16 delta code of DGC's payload, as lightning_dgc.comm
+FILLER_SPAN = 65535  # positions one filler code skips, as lightning_dgc.comm
+DENSE_VALUE_BYTES = 4  # fp32: what plain DDP all-reduces
 NORM_BYTES = 8  # DEFT's norms (and selection times) travel as float64
 
 
@@ -293,10 +298,25 @@ class Network:
 
 
 # -- the profile ----------------------------------------------------------------------------------------
-def payload_nbytes(k: int, value_bytes: int) -> int:
-    """One rank's DGC payload: ``k`` int32 indices + ``k`` values, padded to a multiple of 4 bytes."""
-    raw = k * (INDEX_BYTES + value_bytes)
+def payload_nbytes(k: int, value_bytes: int, span: int) -> int:
+    """One rank's DGC payload for ``k`` values out of a bucket of ``span`` values (its numel).
+
+    Mirrors :func:`lightning_dgc.comm.payload_nbytes`: ``k`` values, then ``k + span // 65535`` uint16
+    delta codes (one per value, plus the filler codes that long gaps between indices may need), padded
+    to a multiple of 4 bytes; 0 when ``k`` is 0. Example: ``k = 3`` fp16 values in a bucket of 5000:
+    ``6 + 2 * 3 = 12`` bytes; in a bucket of 200 000 (3 filler slots): ``6 + 2 * 6 = 18``, padded to 20.
+    """
+    if k == 0:
+        return 0
+    raw = k * value_bytes + CODE_BYTES * (k + span // FILLER_SPAN)
     return raw + (-raw) % 4
+
+
+def payload_padding(k: int, value_bytes: int, span: int) -> int:
+    """The bytes :func:`payload_nbytes` adds to align the payload to 4 (0 or 2 for fp32/fp16 values)."""
+    if k == 0:
+        return 0
+    return payload_nbytes(k, value_bytes, span) - k * value_bytes - CODE_BYTES * (k + span // FILLER_SPAN)
 
 
 def fragment_count(numels: Sequence[int], n: int) -> int:
@@ -318,7 +338,7 @@ class BucketProfile:
         dense_bytes: the bucket's size, all-reduced by plain DDP.
         sparse_numels: sizes of the tensors DGC/DEFT compress (more than one dimension, large enough).
         k: values selected per step over those tensors (``sum(ceil(density * numel))``).
-        exchange_dense_numel: values DGC/DEFT average dense (1-D and small tensors), as fp32.
+        exchange_dense_numel: values DGC/DEFT average dense (1-D and small tensors), sent as the values are.
         value_bytes: bytes per sent value (4 for fp32, 2 for fp16).
     """
 
@@ -332,16 +352,20 @@ class BucketProfile:
     @property
     def exchange_dense_bytes(self) -> int:
         """The dense all-reduce of DGC and DEFT (``compression_stats()["dense_exchange_bytes"]``)."""
-        return self.exchange_dense_numel * DENSE_VALUE_BYTES
+        return self.exchange_dense_numel * self.value_bytes
 
     @property
     def dgc_payload_bytes(self) -> int:
-        """DGC's all-gathered payload of one rank (``payload_bytes``); 0 when nothing is compressed."""
-        return payload_nbytes(self.k, self.value_bytes) if self.k else 0
+        """DGC's all-gathered payload of one rank (``payload_bytes``); 0 when nothing is compressed.
+
+        The indices travel as delta codes over the whole bucket (``numel`` is the code's span).
+        """
+        return payload_nbytes(self.k, self.value_bytes, self.numel)
 
     @property
     def dgc_padding_bytes(self) -> int:
-        return self.dgc_payload_bytes - self.k * (INDEX_BYTES + self.value_bytes)
+        """The payload's alignment padding (``padding_bytes``); the filler codes count as index bytes."""
+        return payload_padding(self.k, self.value_bytes, self.numel)
 
     @property
     def dgc_bytes(self) -> int:

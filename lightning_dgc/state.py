@@ -48,7 +48,9 @@ class DGCConfig:
         local_clip_norm: the paper's local gradient clipping; each tensor's gradient is clipped to
             ``local_clip_norm / sqrt(world_size)`` before accumulation. ``None`` disables it.
     Wire:
-        value_dtype: ``"fp32"`` or ``"fp16"`` values in the payload (indices are always int32).
+        value_dtype: ``"fp32"`` or ``"fp16"``: the dtype of every value on the wire, the payload's and the
+            tensors averaged dense alike (those in fp16 are pre-divided by the world size, as in
+            torch's ``fp16_compress_hook``).
         seed: seeds the per-rank sampling generator.
     """
 

@@ -21,6 +21,7 @@ from lightning_dgc.perfmodel import (
     measured_records,
     parse_bandwidth,
     payload_nbytes,
+    payload_padding,
     predict,
     ring_allreduce_time,
     ring_allreduce_volume,
@@ -126,10 +127,18 @@ def test_best_algorithm_is_never_slower_than_the_ring() -> None:
 
 # -- bytes per bucket ---------------------------------------------------------------------------------
 def test_payload_is_padded_to_four_bytes() -> None:
-    assert payload_nbytes(3, 4) == 24 and payload_nbytes(3, 2) == 20  # 18 + 2 bytes of padding
+    # k values + (k + span // 65535) uint16 delta codes, padded to a multiple of 4 bytes:
+    # span 5000 has no filler slot: 3 fp32 values + 3 codes = 12 + 6 = 18 -> 20; fp16: 6 + 6 = 12
+    assert payload_nbytes(3, 4, 5000) == 20 and payload_nbytes(3, 2, 5000) == 12
+    # span 200 000 reserves 200 000 // 65535 = 3 filler slots: fp16 6 + 2 * (3 + 3) = 18 -> 20
+    assert payload_nbytes(3, 2, 200_000) == 20 and payload_padding(3, 2, 200_000) == 2
+    assert payload_nbytes(0, 4, 10**6) == 0  # nothing selected, nothing sent
+    b = BucketProfile(200_000, 800_000, [190_000], 3, 10_000, value_bytes=2)
+    # the 10 000 values averaged dense travel in the value dtype too (fp16: 2 bytes each)
+    assert b.dgc_payload_bytes == 20 and b.dgc_padding_bytes == 2 and b.dgc_bytes == 20 + 20_000
+    assert b.deft_sparse_bytes() == 18  # DEFT: 3 int32 indices + 3 fp16 values, all-reduced unpadded
     b = BucketProfile(5000, 20000, [4000], 3, 1000, value_bytes=2)
-    assert b.dgc_payload_bytes == 20 and b.dgc_padding_bytes == 2 and b.dgc_bytes == 20 + 4000
-    assert b.deft_sparse_bytes() == 18  # indices and values are all-reduced separately, unpadded
+    assert b.dgc_payload_bytes == 12 and b.dgc_padding_bytes == 0 and b.dgc_bytes == 12 + 2000
     assert BucketProfile(10, 40, [], 0, 10).dgc_payload_bytes == 0
 
 
@@ -153,11 +162,11 @@ def test_fragment_count_mirrors_partition() -> None:
 
 
 def test_wire_volume_per_method() -> None:
-    b = bucket(1000, (800,), density=0.01)  # k = 8, payload 64 B, 200 dense values
+    b = bucket(1000, (800,), density=0.01)  # k = 8, payload 8 * 4 + 8 * 2 = 48 B, 200 dense values
     p = profile([b])
     assert wire_bytes(p, "ddp", 4) == pytest.approx(1.5 * 4000)
-    assert wire_bytes(p, "dgc", 4) == pytest.approx(3 * 64 + 1.5 * 800)
-    assert wire_bytes(p, "sparse_allreduce", 4) == pytest.approx(64 + 128 + 1.5 * 800)
+    assert wire_bytes(p, "dgc", 4) == pytest.approx(3 * 48 + 1.5 * 800)
+    assert wire_bytes(p, "sparse_allreduce", 4) == pytest.approx(48 + 96 + 1.5 * 800)
     deft = b.deft_bytes(4) - b.exchange_dense_bytes
     assert wire_bytes(p, "deft", 4) == pytest.approx(1.5 * deft + 1.5 * 800)
 

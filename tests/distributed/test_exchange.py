@@ -29,6 +29,23 @@ def test_density_one_equals_plain_ddp() -> None:
     assert dgc[0]["stats"][-1]["compression_ratio"] == pytest.approx(1.0)
 
 
+def test_density_one_fp16_wire_equals_ddp_to_fp16_precision() -> None:
+    """fp16 values: everything (here all dense) travels as fp16, pre-divided; DDP's result to fp16 precision."""
+    results = run_ranks(
+        workers.train_many,
+        runs=[
+            {"steps": 4, "use_hook": False},
+            {"steps": 4, "use_hook": True, "config": {"density": 1.0, "value_dtype": "fp16"}},
+        ],
+    )
+    ddp, dgc = results[0]
+    for a, b in zip(ddp["params"], dgc["params"], strict=True):
+        torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-4)
+    stats = dgc["stats"][-1]
+    assert stats["dense_exchange_bytes"] == stats["numel"] * 2  # half of DDP's fp32 bytes
+    assert stats["compression_ratio"] == pytest.approx(2.0)
+
+
 def test_taken_over_sgd_momentum_equals_ddp_sgd_without_masking() -> None:
     """SGD momentum + weight decay moved into the hook: same trajectory as DDP + SGD(momentum) at density 1.
 

@@ -88,7 +88,7 @@ def test_bucket_profiles_follow_the_hook_rules() -> None:
     assert sum(b.k for b in buckets) == 384 + 3600 + 48  # ceil(0.01 numel)
     assert sum(b.exchange_dense_numel for b in buckets) == 600 + 600 + 8  # the biases
     for b in buckets:
-        assert b.value_bytes == 2 and b.dgc_payload_bytes == payload_nbytes(b.k, 2)
+        assert b.value_bytes == 2 and b.dgc_payload_bytes == payload_nbytes(b.k, 2, b.numel)
 
 
 def test_single_device_profile_times_selection_offline(tmp_path) -> None:

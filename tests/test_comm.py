@@ -1,0 +1,227 @@
+"""DGC's wire format: values + uint16 delta codes of the indices (pure tensor math, one process)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lightning_dgc import comm, perfmodel
+from lightning_dgc.comm import CODE_BYTES, FILLER_SPAN, pack_into, payload_nbytes, payload_values, unpack
+
+DTYPES = (torch.float32, torch.float16)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def packed(indices, values, dtype: torch.dtype, span: int, device: str = "cpu") -> torch.Tensor:
+    indices = torch.as_tensor(indices, dtype=torch.int64, device=device)
+    values = torch.as_tensor(values, dtype=torch.float32, device=device)
+    payload = torch.full(
+        (payload_nbytes(indices.numel(), dtype, span),), 0xAB, dtype=torch.uint8, device=device
+    )
+    pack_into(payload, indices, values, dtype, span)
+    return payload
+
+
+def codes_of(payload: torch.Tensor, k: int, dtype: torch.dtype, span: int) -> list[int]:
+    start = k * dtype.itemsize
+    raw = payload[start : start + CODE_BYTES * (k + span // FILLER_SPAN)].view(torch.int16)
+    return (raw.to(torch.int32) & 0xFFFF).tolist()
+
+
+def round_trip(
+    rows: list[list[int]], span: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0
+) -> None:
+    """Pack every row's index set, stack the payloads as all_gather would, and decode them exactly."""
+    g = torch.Generator().manual_seed(seed)
+    k = len(rows[0])
+    values = [torch.randn(k, generator=g) for _ in rows]
+    gathered = torch.stack([packed(r, v, dtype, span, device) for r, v in zip(rows, values, strict=True)])
+    assert gathered.shape == (len(rows), payload_nbytes(k, dtype, span)) and gathered.shape[1] % 4 == 0
+    indices, decoded = unpack(gathered, k, dtype, span)
+    assert indices.dtype == torch.int64 and decoded.dtype == dtype
+    assert indices.shape == decoded.shape == (len(rows) * k,)
+    assert indices.cpu().tolist() == [i for r in rows for i in r]
+    assert torch.equal(decoded.cpu(), torch.cat(values).to(dtype))  # exact for fp32, fp16-cast for fp16
+
+
+# -- size and layout ------------------------------------------------------------------------------------
+def test_payload_size_by_hand() -> None:
+    # k values + (k + span // 65535) uint16 codes, rounded up to 4 bytes
+    assert payload_nbytes(3, torch.float32, 5000) == 20  # 12 + 6 = 18, padded to 20
+    assert payload_nbytes(3, torch.float16, 5000) == 12  # 6 + 6, aligned already
+    assert payload_nbytes(3, torch.float16, 200_000) == 20  # 6 + 2 * (3 + 3 fillers) = 18, padded
+    assert payload_nbytes(4, torch.float32, 65_534) == 24 and payload_nbytes(4, torch.float32, 65_535) == 28
+    assert payload_nbytes(0, torch.float32, 10**6) == 0  # nothing selected: no payload at all
+    # ResNet-50-like: 25 533 values in one bucket of 25 557 032 (389 filler slots)
+    assert payload_nbytes(25_533, torch.float32, 25_557_032) == 4 * 25_533 + 2 * (25_533 + 389) == 153_976
+    assert payload_nbytes(25_533, torch.float16, 25_557_032) == 2 * 25_533 + 2 * (25_533 + 389) + 2 == 102_912
+    with pytest.raises(ValueError, match="out of a bucket"):
+        payload_nbytes(11, torch.float32, 10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_payload_is_four_byte_aligned_and_mirrored_by_the_perfmodel(dtype: torch.dtype) -> None:
+    rng = random.Random(0)
+    for span in (1, 7, 1000, 65_534, 65_535, 65_536, 131_070, 10**6, 25_557_032):
+        for k in {min(span, k) for k in (1, 2, 3, 5, 17, 999, span // 2 or 1, span if span < 10**5 else 1)}:
+            n = payload_nbytes(k, dtype, span)
+            assert n % 4 == 0 and 0 <= n - (k * dtype.itemsize + 2 * (k + span // 65535)) <= 2
+            assert n == perfmodel.payload_nbytes(k, dtype.itemsize, span)
+            assert comm.payload_padding(k, dtype, span) == perfmodel.payload_padding(k, dtype.itemsize, span)
+    for _ in range(200):
+        span = rng.randint(1, 10**8)
+        k = rng.randint(0, min(span, 10**5))
+        assert payload_nbytes(k, dtype, span) == perfmodel.payload_nbytes(k, dtype.itemsize, span)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_come_first_then_codes_then_zero_padding(dtype: torch.dtype) -> None:
+    span, k = 200_000, 3  # F = 3
+    p = packed([2, 70_000, 199_999], [1.0, 2.0, 3.0], dtype, span)
+    assert payload_values(p, k, dtype).tolist() == [1.0, 2.0, 3.0]
+    # gaps 3, 69 998, 129 999: the second needs 1 filler (69 998 = 65 535 + 4 463), the third 1
+    # (129 999 = 65 535 + 64 464); one filler slot is left over at the end
+    assert codes_of(p, k, dtype, span) == [3, 0, 4463, 0, 64464, 0]
+    end = k * dtype.itemsize + 2 * 6
+    assert p[end:].tolist() == [0] * (p.numel() - end)  # the padding is zeroed, not left as it was
+
+
+# -- round trips ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_small_bucket_without_fillers(dtype: torch.dtype, device: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    span = 60_000  # F = 0
+    rows = [sorted(torch.randperm(span, generator=g)[:37].tolist()) for _ in range(3)]
+    round_trip(rows, span, dtype, device)
+    round_trip([[0, span - 1]], span, dtype, device)
+    round_trip([[65_534]], 65_535, dtype, device)  # the largest single code, F = 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_across_huge_gaps(dtype: torch.dtype, device: str) -> None:
+    span = 3_000_000
+    round_trip([[0, 65_534, 65_535, 200_000, span - 1]], span, dtype, device)
+    # gaps of exactly 65 535 (one code), 65 536 (a filler + 1), 131 070 (a filler + 65 535),
+    # 131 071 (two fillers + 1) and multiples of 65 535
+    gaps = [65_535, 65_536, 131_070, 131_071, 3 * 65_535, 5 * 65_535 + 1, 1, 1, 65_535]
+    row = [sum(gaps[: i + 1]) - 1 for i in range(len(gaps))]
+    assert row[-1] < span
+    p = packed(row, torch.ones(len(row)), torch.float32, span)
+    assert codes_of(p, len(row), torch.float32, span)[:21] == [
+        65_535, 0, 1, 0, 65_535, 0, 0, 1, 0, 0, 65_535, 0, 0, 0, 0, 0, 1, 1, 1, 65_535, 0,
+    ]  # fmt: skip
+    other = [5, 6, 7, 100_000, 1_000_000, 2_000_000, 2_500_000, 2_999_998, 2_999_999]
+    round_trip([row, other, list(range(span - len(row), span))], span, dtype, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_value_at_the_very_end_uses_every_filler(device: str) -> None:
+    for span in (65_535, 65_536, 3 * 65_535, 3 * 65_535 + 1, 25_557_032):
+        round_trip([[span - 1], [0], [span // 2]], span, torch.float32, device)
+    span = 3 * 65_535 + 1  # F = 3 and the single gap of span values needs all 3 fillers
+    assert codes_of(packed([span - 1], [1.0], torch.float32, span), 1, torch.float32, span) == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_dense_selections(dtype: torch.dtype, device: str) -> None:
+    for span in (1, 10, 65_535, 70_000, 140_000):
+        round_trip([list(range(span))], span, dtype, device)  # every value
+        round_trip([list(range(1, span)) or [0], list(range(span - 1)) or [0]], span, dtype, device)
+    span = 140_000
+    round_trip([list(range(0, span, 2)), list(range(1, span, 2))], span, dtype, device)
+
+
+def test_filler_bound_worst_cases() -> None:
+    # total fillers = sum((d_i - 1) // 65535) <= (span - K) // 65535 <= span // 65535 = F
+    for span in (65_535, 65_536, 131_070, 131_071, 10**6, 25_557_032):
+        for k in (1, 2, 3, 100):
+            # worst case: all the span - K unselected positions in one gap (first or last)
+            for row in (list(range(k - 1)) + [span - 1], [span - k + i for i in range(k)]):
+                gaps = torch.diff(torch.tensor(row), prepend=torch.tensor([-1]))
+                fillers = int(((gaps - 1) // 65_535).sum())
+                assert fillers == (span - k) // 65_535 <= span // 65_535
+                round_trip([row], span, torch.float16)
+    # many gaps of 65 536 values, one filler each: still within F
+    k = 300
+    span = 65_536 * k
+    row = [65_536 * (i + 1) - 1 for i in range(k)]
+    assert span // 65_535 >= k
+    round_trip([row, list(range(k))], span, torch.float32)
+
+
+def test_random_index_sets() -> None:
+    rng = random.Random(2)
+    g = torch.Generator().manual_seed(2)
+    for case in range(300):
+        span = rng.choice([rng.randint(1, 70_000), rng.randint(65_535, 3_000_000)])
+        if rng.random() < 0.5:  # uniform index sets
+            k = rng.randint(1, min(span, 500))
+            rows = [sorted(rng.sample(range(span), k)) for _ in range(rng.randint(1, 4))]
+        else:  # gaps drawn near the filler boundaries, cut to the span
+            k = rng.randint(1, 40)
+            rows = []
+            for _ in range(rng.randint(1, 3)):
+                choices = [1, 2, 65_534, 65_535, 65_536, 131_071, rng.randint(1, 400_000)]
+                steps = torch.tensor([rng.choice(choices) for _ in range(k)])
+                row = (torch.cumsum(steps, 0) - 1).clamp(max=span - 1)
+                row = torch.unique(torch.cat([row, torch.randint(span, (2 * k,), generator=g)]))[:k]
+                rows.append(row.tolist())
+            k = min(len(r) for r in rows)
+            rows = [r[:k] for r in rows]
+        for r in rows:
+            gaps = torch.diff(torch.tensor(r), prepend=torch.tensor([-1]))
+            assert int(((gaps - 1) // 65_535).sum()) <= span // 65_535
+        round_trip(rows, span, DTYPES[case % 2], seed=case)
+
+
+# -- reuse, odd rows, errors ------------------------------------------------------------------------------
+def test_a_reused_payload_forgets_the_previous_step() -> None:
+    span, dtype = 1_000_000, torch.float32
+    payload = torch.empty(payload_nbytes(3, dtype, span), dtype=torch.uint8)
+    pack_into(payload, torch.tensor([999_997, 999_998, 999_999]), torch.ones(3), dtype, span)  # 15 fillers
+    pack_into(payload, torch.tensor([0, 1, 2]), torch.full((3,), 2.0), dtype, span)
+    indices, values = unpack(payload.view(1, -1), 3, dtype, span)
+    assert indices.tolist() == [0, 1, 2] and values.tolist() == [2.0] * 3
+
+
+@pytest.mark.parametrize("span", [1000, 1_000_000])
+def test_rows_not_written_by_pack_into_stay_in_range(span: int) -> None:
+    k, dtype = 4, torch.float32
+    poisoned = torch.zeros(payload_nbytes(k, dtype, span), dtype=torch.uint8)
+    payload_values(poisoned, k, dtype).fill_(float("nan"))  # a rank with a non-finite gradient
+    good = packed([1, 2, 3, span - 1], [1.0, 2.0, 3.0, 4.0], dtype, span)
+    garbage = torch.randint(0, 256, good.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    indices, values = unpack(torch.stack([good, poisoned, garbage]), k, dtype, span)
+    assert indices[:4].tolist() == [1, 2, 3, span - 1] and indices[4:8].tolist() == [0] * 4
+    assert values[4:8].isnan().all() and ((indices >= 0) & (indices < span)).all()
+
+
+def test_empty_selection() -> None:
+    payload = torch.empty(0, dtype=torch.uint8)
+    pack_into(payload, torch.empty(0, dtype=torch.int64), torch.empty(0), torch.float16, 10**6)
+    indices, values = unpack(torch.empty(2, 0, dtype=torch.uint8), 0, torch.float16, 10**6)
+    assert indices.shape == values.shape == (0,) and values.dtype == torch.float16
+
+
+def test_contract_violations_raise_on_cpu() -> None:
+    span, dtype = 200_000, torch.float32
+    payload = torch.empty(payload_nbytes(3, dtype, span), dtype=torch.uint8)
+    for bad, match in (
+        ([5, 3, 9], "sorted"),
+        ([3, 3, 9], "sorted"),
+        ([-1, 3, 9], "sorted"),
+        ([1, 3, span], "outside"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pack_into(payload, torch.tensor(bad), torch.ones(3), dtype, span)
+    with pytest.raises(ValueError, match="payload_nbytes"):
+        pack_into(payload[:-4], torch.tensor([1, 2, 3]), torch.ones(3), dtype, span)
+    with pytest.raises(ValueError, match="values"):
+        pack_into(payload, torch.tensor([1, 2, 3]), torch.ones(2), dtype, span)
+    with pytest.raises(ValueError, match="uint8"):
+        unpack(payload.view(1, -1)[:, :-4], 3, dtype, span)
