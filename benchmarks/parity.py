@@ -18,9 +18,9 @@ writes the validation metrics and the run's total exchanged bytes to JSON. For `
 the paper's warm-up (densities 0.25, 0.0625, 0.015625, 0.004, then 0.001): per epoch, as in
 ``configs/algo/dgc_warmup.yaml``, when the run has at least 8 epochs, otherwise per optimizer step
 with each stage lasting 5% of the run (a short run would otherwise never leave the warm-up).
-``--algos`` also takes ``deft_warmup`` (``configs/algo/deft.yaml`` with that same warm-up added) and
-``deft_mc`` (the same, plus ``DEFTStrategy(momentum_correction=True)``: DGC's momentum correction
-instead of DEFT's error feedback with the optimizer's momentum).
+``deft`` is ``configs/algo/deft.yaml`` as shipped: DGC's momentum correction and the same warm-up.
+``--algos`` also takes ``deft_paper``: DEFT as published (error feedback with the optimizer's
+momentum, no warm-up).
 
 Tasks (data from ``--data-root``, default ``../shared/data`` relative to the repository):
 
@@ -60,9 +60,8 @@ ALGOS = ("ddp", "dgc", "deft")
 ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "ddp": ("configs/algo/ddp.yaml", (), False),
     "dgc": ("configs/algo/dgc_warmup.yaml", (), True),
-    "deft": ("configs/algo/deft.yaml", (), False),
-    "deft_warmup": ("configs/algo/deft.yaml", (), True),
-    "deft_mc": ("configs/algo/deft.yaml", ("--trainer.strategy.init_args.momentum_correction", "true"), True),
+    "deft": ("configs/algo/deft.yaml", (), True),
+    "deft_paper": ("configs/algo/deft.yaml", ("--trainer.strategy.init_args.momentum_correction", "false"), False),
 }
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 
@@ -327,8 +326,8 @@ def _note(c: dict[str, Any], quick: bool) -> str:
     if c["met"]:
         return f"after {budget}"
     text = f"after {budget}: early in training, where sparse updates lag dense ones"
-    if c["algo"] == "deft":
-        text += " (deft.yaml has no warm-up: density 0.001 from the first step; see deft_warmup)"
+    if c["algo"] == "deft_paper":
+        text += " (DEFT as published: no warm-up, error feedback with the optimizer's momentum)"
     if quick:
         text += "; this budget cannot settle parity: train longer (`--full`)"
     return text
