@@ -61,7 +61,11 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "ddp": ("configs/algo/ddp.yaml", (), False),
     "dgc": ("configs/algo/dgc_warmup.yaml", (), True),
     "deft": ("configs/algo/deft.yaml", (), True),
-    "deft_paper": ("configs/algo/deft.yaml", ("--trainer.strategy.init_args.momentum_correction", "false"), False),
+    "deft_paper": (
+        "configs/algo/deft.yaml",
+        ("--trainer.strategy.init_args.momentum_correction", "false"),
+        False,
+    ),
 }
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
 

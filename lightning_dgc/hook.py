@@ -377,7 +377,8 @@ def deft_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[
         all-reduced (with every rank's previous selection time in the same small vector), so every
         rank holds identical norms: ranks derive the same plan without a leader or a broadcast.
     3b. **plan**: k shared among fragments in proportion to their norms (total = what DGC sends),
-        fragments packed onto ranks by LPT on ``n_l log2 k_l``, rotated by the step counter.
+        fragments packed onto ranks by LPT on their selection cost (``partition.selection_cost``: the
+        values, a fixed cost per fragment, a little per selected value), rotated by the step counter.
     3c. **select**: each rank selects top-k only inside its own fragments.
     4.  **exchange**: each fragment owns a fixed slot range of the union (known to all ranks from the
         plan); ranks write their indices into their slots and one int32 all-reduce (sum) gives the

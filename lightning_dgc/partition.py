@@ -30,6 +30,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "FRAGMENT_COST",
+    "SELECTED_COST",
     "Fragment",
     "allocate_k",
     "fragment_layers",
@@ -235,17 +237,38 @@ def allocate_k(norms: Tensor | Sequence[float], sizes: Sequence[int] | Tensor, k
     return torch.tensor(_round_to_total(shares, caps, total), dtype=torch.int64)
 
 
-def selection_cost(sizes: Sequence[int] | Tensor, ks: Sequence[int] | Tensor) -> list[float]:
-    """Estimated work of selecting the top ``k_l`` of a fragment of ``n_l`` elements.
+#: Fixed cost of selecting in one fragment, in elements: what a selection call costs beyond its pass
+#: over the values (drawing the sample, finding the threshold and the candidates, some twenty numpy
+#: and torch calls, each slowed by the caches the pass has just flushed). Measured on CPU on
+#: ResNet-50's fragments (``benchmarks.selection``): 40-60 us per call, against 0.6-0.7 ns per
+#: element of the pass. Balance is flat around it (half or twice this value plan about as well).
+FRAGMENT_COST = 1 << 16
+#: Cost of each selected element, in elements: the exact re-selection among the candidates (two to
+#: three times ``k_l`` of them) and the bookkeeping of the result, 15-60 ns per selected value.
+SELECTED_COST = 32
 
-    The model is ``n_l * log2(k_l)`` (a heap-based top-k), with ``log2(k_l)`` floored at 1: even a
-    top-1 has to scan the whole fragment, so no fragment is ever free.
+
+def selection_cost(sizes: Sequence[int] | Tensor, ks: Sequence[int] | Tensor) -> list[float]:
+    """Estimated work of selecting the top ``k_l`` of a fragment of ``n_l`` elements, in elements.
+
+    The model is ``n_l + FRAGMENT_COST + SELECTED_COST * k_l``: the selection DEFT runs by default
+    (DGC's sampled threshold, :func:`lightning_dgc.compression.dgc.sampled_topk`) makes one pass over
+    the fragment, pays a fixed cost per call, and a little per selected value. The fixed cost matters:
+    a bucket holds many small compressed tensors (1x1 convolutions, small layers: one fragment each),
+    and a cost of ``n_l`` alone would pile dozens of them on the rank with the fewest elements, which
+    then pays dozens of fixed costs; with it, LPT balances the number of fragments too. (Exact top-k
+    grows more like ``n_l * log2(k_l)``; the sampled selection barely depends on ``k_l``.)
+
+    Every rank calls this with the same inputs and must get the same costs: the arithmetic is on
+    Python ints, converted to float at the end (exact for any realistic size).
     """
     n_list = sizes.tolist() if isinstance(sizes, Tensor) else list(sizes)
     k_list = ks.tolist() if isinstance(ks, Tensor) else list(ks)
     if len(n_list) != len(k_list):
         raise ValueError(f"got {len(n_list)} sizes but {len(k_list)} k values")
-    return [float(n) * (math.log2(k) if k > 2 else 1.0) for n, k in zip(n_list, k_list, strict=True)]
+    return [
+        float(int(n) + FRAGMENT_COST + SELECTED_COST * int(k)) for n, k in zip(n_list, k_list, strict=True)
+    ]
 
 
 def lpt_assign(costs: Sequence[float], world_size: int, rotation: int = 0) -> list[int]:

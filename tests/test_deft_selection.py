@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_dgc.compression.deft import deft_select, fragment_norms
+from lightning_dgc.compression.dgc import sampled_topk
 from lightning_dgc.partition import Fragment, allocate_k, fragment_layers, lpt_assign, selection_cost
 
 WORLD_SIZE = 4
@@ -116,6 +117,71 @@ def test_workspace_is_used_and_gives_the_same_selection() -> None:
             owners[0],
             workspace=torch.empty(velocity.numel(), dtype=torch.float16),
         )
+
+
+def _assert_top_k_of_each_fragment(
+    velocity: torch.Tensor, indices: torch.Tensor, fragments: list[Fragment], owned_ks: dict[int, int]
+) -> None:
+    """Per fragment: exactly its k (0 if not owned), and no unchosen magnitude above a chosen one."""
+    chosen_all = set(indices.tolist())
+    for i, fragment in enumerate(fragments):
+        magnitude = velocity[fragment.offset : fragment.stop].abs().float()
+        chosen = torch.zeros(fragment.numel, dtype=torch.bool)
+        local = [j - fragment.offset for j in chosen_all if fragment.offset <= j < fragment.stop]
+        chosen[local] = True
+        assert len(local) == owned_ks.get(i, 0)
+        if local and bool((~chosen).any()):
+            assert magnitude[chosen].min() >= magnitude[~chosen].max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_selector_path_gives_the_exact_selection_grouped_by_fragment(dtype: torch.dtype) -> None:
+    """With DGC's sampled selector (numpy bookkeeping on CPU for float32/64, torch for bfloat16), every
+    rank gets each owned fragment's exact top-k, in fragment order, with the values at those indices."""
+    generator = torch.Generator().manual_seed(9)
+    numels = [40_000, 3_000, 70_000, 500]  # the big ones are split, some ranks own several fragments
+    velocity = torch.randn(sum(numels), generator=generator).to(dtype)
+    fragments = fragment_layers([f"l{i}" for i in range(len(numels))], numels, WORLD_SIZE)
+    ks = allocate_k(fragment_norms(velocity.float(), fragments), [f.numel for f in fragments], 120)
+    owners = lpt_assign(selection_cost([f.numel for f in fragments], ks), WORLD_SIZE)
+
+    def selector(values: torch.Tensor, k: int) -> torch.Tensor:
+        return sampled_topk(values, k, 0.01, torch.Generator().manual_seed(k))
+
+    for rank in range(WORLD_SIZE):
+        indices, values = deft_select(velocity, fragments, owners, ks, rank, selector=selector)
+        assert indices.dtype == torch.int64 and values.dtype == dtype
+        assert torch.equal(values, velocity[indices])
+        owned_ks = {
+            i: int(k) for i, (owner, k) in enumerate(zip(owners, ks.tolist(), strict=True)) if owner == rank
+        }
+        _assert_top_k_of_each_fragment(velocity, indices, fragments, owned_ks)
+        owned = [f for f, owner in zip(fragments, owners, strict=True) if owner == rank]
+        firsts = [next(i for i, j in enumerate(indices.tolist()) if f.offset <= j < f.stop) for f in owned]
+        assert firsts == sorted(firsts)  # grouped by fragment, in fragment order
+
+
+def test_selector_results_of_any_integer_dtype_and_wrong_counts() -> None:
+    velocity = torch.arange(20, dtype=torch.float32)
+    fragments = [Fragment("a", 0, 10), Fragment("b", 10, 10)]
+    top_int32 = lambda values, k: torch.topk(values.abs(), k).indices.int()  # noqa: E731
+    for owners in ([0, 1], [0, 0]):  # one fragment, then two, per call
+        indices, values = deft_select(velocity, fragments, owners, [2, 3], 0, selector=top_int32)
+        assert indices.dtype == torch.int64
+        want = {8, 9} | ({17, 18, 19} if owners == [0, 0] else set())
+        assert set(indices.tolist()) == want and torch.equal(values, velocity[indices])
+    with pytest.raises(ValueError, match="must return k"):
+        deft_select(velocity, fragments, [0, 1], [2, 3], 0, selector=lambda values, k: torch.arange(k + 1))
+
+
+def test_selector_path_with_a_velocity_that_requires_grad() -> None:
+    velocity = torch.randn(50, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    fragments = fragment_layers(["w"], [50], 1)
+    indices, values = deft_select(
+        velocity, fragments, [0], [5], 0, selector=lambda v, k: v.abs().topk(k).indices
+    )
+    assert set(indices.tolist()) == set(velocity.detach().abs().topk(5).indices.tolist())
+    assert torch.equal(values.detach(), velocity.detach()[indices])
 
 
 def test_deft_select_rejects_bad_plans() -> None:

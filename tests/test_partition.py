@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from lightning_dgc.partition import (
+    FRAGMENT_COST,
+    SELECTED_COST,
     Fragment,
     allocate_k,
     fragment_layers,
@@ -234,11 +236,55 @@ def test_allocate_k_rejects_mismatched_or_empty_fragments() -> None:
 # selection_cost, lpt_assign, rank_loads
 
 
-def test_selection_cost_is_n_log2_k_with_a_floor_of_one_scan() -> None:
-    assert selection_cost([100, 100, 100, 1000], [1, 2, 8, 1024]) == [100.0, 100.0, 300.0, 10000.0]
-    assert selection_cost(torch.tensor([7]), torch.tensor([1])) == [7.0]
+def test_selection_cost_is_one_pass_plus_a_fixed_cost_per_fragment_and_a_little_per_value() -> None:
+    fixed, per_value = FRAGMENT_COST, SELECTED_COST
+    assert selection_cost([100, 100, 1000, 5_000_000], [1, 8, 1024, 5000]) == [
+        100.0 + fixed + per_value,
+        100.0 + fixed + 8 * per_value,
+        1000.0 + fixed + 1024 * per_value,
+        5_000_000.0 + fixed + 5000 * per_value,
+    ]
+    assert selection_cost(torch.tensor([7]), torch.tensor([1])) == [7.0 + fixed + per_value]
+    assert selection_cost([], []) == []
     with pytest.raises(ValueError):
         selection_cost([1, 2], [1])
+
+
+def test_selection_cost_grows_with_size_and_k_and_no_fragment_is_free() -> None:
+    costs = selection_cost([1, 1, 2, 1000, 1000], [1, 2, 1, 1, 2])
+    assert all(c > 0 for c in costs)
+    assert costs[0] < costs[1] and costs[0] < costs[2] < costs[3] < costs[4]
+    assert all(isinstance(c, float) for c in costs)
+
+
+def test_many_small_fragments_are_shared_not_piled_on_the_least_loaded_rank() -> None:
+    """Two big fragments of unequal size and 30 tiny ones, 2 workers: counting elements only, all tiny
+    fragments go to the rank with the smaller big one (30 fixed costs on one rank); with the fixed
+    cost in the model they are shared, and the rank loads in real time balance."""
+    sizes = [1_000_000, 900_000] + [1_000] * 30
+    ks = [1_000, 900] + [1] * 30
+    elements_only = lpt_assign([float(n) for n in sizes], 2)
+    assert [elements_only[i] for i in range(2, 32)].count(elements_only[1]) == 30  # the pile-up
+
+    owners = lpt_assign(selection_cost(sizes, ks), 2)
+    tiny_per_rank = [sum(1 for i in range(2, 32) if owners[i] == r) for r in range(2)]
+    assert min(tiny_per_rank) >= 10
+    assert owners[0] != owners[1]
+    # Both ranks within one fragment's cost of each other, in the model's units.
+    loads = rank_loads(selection_cost(sizes, ks), owners, 2)
+    assert abs(loads[0] - loads[1]) <= max(selection_cost(sizes, ks))
+
+
+def test_equal_work_gets_equal_fragment_counts_at_any_scale() -> None:
+    """Pieces of split layers plus whole small layers, as fragment_layers makes them for a bucket: the
+    number of fragments per rank differs by at most a few, so per-call costs are shared too."""
+    numels = [2_359_296, 1_048_576, 589_824] + [16_384] * 12 + [65_536] * 8
+    fragments = fragment_layers([f"l{i}" for i in range(len(numels))], numels, 8)
+    sizes = [f.numel for f in fragments]
+    ks = allocate_k(torch.ones(len(sizes)), sizes, sum(numels) // 1000)
+    owners = lpt_assign(selection_cost(sizes, ks), 8)
+    counts = [owners.count(r) for r in range(8)]
+    assert max(counts) - min(counts) <= 2
 
 
 def _optimal_makespan(costs: list[float], world_size: int) -> float:

@@ -72,6 +72,7 @@ BACKENDS = ["numpy", "torch"]
 def force_sampling(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sample even tensors small enough for exact top-k, so that small cases exercise sampling."""
     monkeypatch.setattr(dgc_selection, "EXACT_NUMEL", 0)
+    monkeypatch.setattr(dgc_selection, "CPU_EXACT_NUMEL", 0)
 
 
 @pytest.fixture
@@ -157,6 +158,29 @@ def test_workspace_buffers_are_reused_not_reallocated() -> None:
     assert workspace.magnitudes(like, 10).data_ptr() == workspace.magnitudes(like, 5).data_ptr()
 
 
+def test_kept_views_follow_the_path_and_the_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workspace keeps per-size views; a size seen on the direct pass takes the chunked one once
+    DIRECT_NUMEL says so (and back), and views made before a buffer grew are not reused."""
+    workspace = dgc_selection.SelectionWorkspace()
+    x = torch.randn(60_000, generator=_gen(16))
+    want = set(topk_indices(x, 60).tolist())
+    chunked_calls = []
+    real_chunked = dgc_selection._candidates_chunked
+    monkeypatch.setattr(
+        dgc_selection, "_candidates_chunked", lambda *a: chunked_calls.append(1) or real_chunked(*a)
+    )
+    assert set(sampled_topk(x, 60, 0.01, _gen(0), workspace=workspace).tolist()) == want
+    assert not chunked_calls
+    monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 10_000)
+    assert set(sampled_topk(x, 60, 0.01, _gen(0), workspace=workspace).tolist()) == want
+    assert chunked_calls
+    monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 1 << 20)
+    chunked_calls.clear()
+    sampled_topk(torch.randn(900_000, generator=_gen(17)), 900, 0.01, _gen(1), workspace=workspace)  # grows
+    assert set(sampled_topk(x, 60, 0.01, _gen(0), workspace=workspace).tolist()) == want
+    assert not chunked_calls
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["direct", "chunked"])
 def test_lowering_recovers_without_exact_fallback(
@@ -172,15 +196,16 @@ def test_lowering_recovers_without_exact_fallback(
     x[:300] = 1000.0
     huge = torch.arange(100)  # 100 of the 500 sampled positions land on huge values
     ordinary = torch.randint(300, n, (400,), generator=_gen(6))
-    real_randint = torch.randint
-    monkeypatch.setattr(torch, "randint", lambda *a, **kw: torch.cat([huge, ordinary]))
+    monkeypatch.setattr(
+        dgc_selection, "_draw_positions", lambda out, n, g: out.copy_(torch.cat([huge, ordinary]))
+    )
 
     def no_fallback(values: torch.Tensor, k: int) -> torch.Tensor:
         raise AssertionError("fell back to exact top-k")
 
     monkeypatch.setattr(dgc_selection, "topk_indices", no_fallback)
     idx = sampled_topk(x, k, 0.01, _gen(0), backend=backend)
-    monkeypatch.setattr(torch, "randint", real_randint)
+    monkeypatch.undo()
     assert set(idx.tolist()) == set(topk_indices(x, k).tolist())
 
 
@@ -189,7 +214,9 @@ def test_exact_fallback_when_no_lowering_admits_k(backend: str, monkeypatch: pyt
     n, k = 50_000, 500
     x = torch.randn(n, generator=_gen(8))
     x[:300] = 1000.0
-    monkeypatch.setattr(torch, "randint", lambda low, high, size, **kw: torch.arange(size[0]) % 300)
+    monkeypatch.setattr(
+        dgc_selection, "_draw_positions", lambda out, n, g: out.copy_(torch.arange(out.numel()) % 300)
+    )
     calls = []
     real = dgc_selection.topk_indices
     monkeypatch.setattr(dgc_selection, "topk_indices", lambda v, k: calls.append(k) or real(v, k))
@@ -206,13 +233,19 @@ def test_precomputed_magnitudes_give_the_same_selection(backend: str) -> None:
     assert set(plain.tolist()) == set(with_mags.tolist()) == set(topk_indices(x, 80).tolist())
 
 
-def test_small_tensors_take_exact_topk_without_drawing() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_small_tensors_take_exact_topk_without_drawing(backend: str) -> None:
+    exact_numel = dgc_selection.CPU_EXACT_NUMEL if backend == "numpy" else dgc_selection.EXACT_NUMEL
     g = _gen(2)
     state = g.get_state()
-    x = torch.randn(dgc_selection.EXACT_NUMEL - 1, generator=_gen(4))
-    idx = sampled_topk(x, 20, 0.01, g)
+    x = torch.randn(exact_numel - 1, generator=_gen(4))
+    idx = sampled_topk(x, 20, 0.01, g, backend=backend)
     assert torch.equal(g.get_state(), state)
+    assert idx.dtype == torch.int64
     assert set(idx.tolist()) == set(topk_indices(x, 20).tolist())
+    # From the threshold on, the sample is drawn.
+    sampled_topk(torch.randn(exact_numel, generator=_gen(4)), 20, 0.01, g, backend=backend)
+    assert not torch.equal(g.get_state(), state)
 
 
 def test_numpy_path_takes_float64_and_tensors_that_require_grad() -> None:

@@ -10,13 +10,16 @@ Whatever the sample, the result is the exact top-k set (up to ties at the k-th m
 value at or above the threshold is a candidate and the re-selection among them is exact, and when too
 few pass, the threshold is lowered or exact top-k runs. The sample only decides how fast that is.
 
-The threshold pass is the only step that reads the whole tensor, so it decides the speed. On the
-CPU it runs in numpy on zero-copy views of the tensors (``torch.ge`` + ``torch.nonzero`` run at a
-fraction of memory bandwidth there): tensors up to ``DIRECT_NUMEL`` values get their magnitudes
-computed once into a reused buffer; larger ones are compared chunk by chunk with cache-sized
-scratch, and the few candidates are found by scanning the byte mask 8 bytes at a time. Tensors
-under ``EXACT_NUMEL`` values skip sampling (exact top-k is cheaper there). On other devices (and for
-dtypes numpy lacks) the same steps run in torch. Scratch buffers live in a
+The threshold pass is the only step that reads the whole tensor, so it decides the speed of large
+tensors. On the CPU it runs in numpy on zero-copy views of the tensors (``torch.ge`` +
+``torch.nonzero`` run at a fraction of memory bandwidth there): tensors up to ``DIRECT_NUMEL`` values
+get their magnitudes computed once into a reused buffer; larger ones are compared chunk by chunk with
+cache-sized scratch, and the few candidates are found by scanning the byte mask 8 bytes at a time.
+Tensors under ``CPU_EXACT_NUMEL`` values skip sampling (an exact ``argpartition`` is cheaper there).
+For the many mid-sized tensors (and DEFT's fragments) the fixed cost of a call matters as much: the
+sample positions are drawn into a reused tensor and every view of the scratch buffers is made once per
+tensor size, so a call is little more than the dozen numpy operations that do the work. On other
+devices (and for dtypes numpy lacks) the same steps run in torch. Scratch buffers live in a
 :class:`SelectionWorkspace` reused across calls (the calling thread's own unless one is passed).
 """
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -34,10 +37,12 @@ from lightning_dgc.compression.topk import topk_among, topk_indices
 
 __all__ = [
     "CHUNK",
+    "CPU_EXACT_NUMEL",
     "DIRECT_NUMEL",
     "EXACT_NUMEL",
     "MAX_LOWERINGS",
     "MIN_SAMPLES",
+    "SCAN_NUMEL",
     "THRESHOLD_MARGIN",
     "SelectionWorkspace",
     "default_workspace",
@@ -58,19 +63,38 @@ MAX_LOWERINGS = 4
 THRESHOLD_MARGIN = 3.0
 #: Tensors with fewer values go straight to exact top-k: sampling's fixed cost (a dozen small
 #: operations) exceeds a ``torch.topk`` over so few values, and the result would be the exact top-k
-#: anyway. About where both cost the same on CPU.
+#: anyway. About where both cost the same for the torch path.
 EXACT_NUMEL = 1 << 15
+#: The same for the CPU (numpy) path, whose exact top-k is an ``argpartition`` of the magnitudes:
+#: about where it and the sampled pass cost the same, measured on tensors not in cache.
+CPU_EXACT_NUMEL = 1 << 14
 #: Up to this many values, the CPU pass computes the magnitudes of the whole tensor at once (they
 #: stay in cache, and a few large operations cost less than many small ones); above, it goes chunk
 #: by chunk and never writes the magnitudes to memory.
 DIRECT_NUMEL = 1 << 20
 #: Values per chunk of the CPU threshold pass: the chunk's scratch stays in the L2 cache.
 CHUNK = 1 << 17
+#: Above this many values the direct CPU pass finds the candidates 8 mask bytes at a time
+#: (:func:`_scan_mask`: a dozen small numpy calls, but a quarter of the memory traffic); below, one
+#: ``nonzero`` on the byte mask costs no more. (The chunked pass always scans.)
+SCAN_NUMEL = 1 << 17
 
 #: Dtypes whose threshold pass runs in numpy on CPU (numpy has no bfloat16; its float16 is slow).
 _NUMPY_DTYPES = (torch.float32, torch.float64)
+_INT64 = np.dtype(np.int64)
 
 Backend = Literal["auto", "numpy", "torch"]
+
+
+class _Layout(NamedTuple):
+    """The workspace's views for one tensor size, made once and kept (:meth:`SelectionWorkspace.layout`)."""
+
+    positions: Tensor  # int64 CPU tensor of the sample's size, drawn into on every call
+    sample_positions: np.ndarray  # numpy view of ``positions``
+    magnitudes: np.ndarray | None  # ``n`` values for the direct pass; None above ``DIRECT_NUMEL``
+    mask: np.ndarray  # ``8 * ceil(n / 8)`` bytes
+    mask_head: np.ndarray  # its first ``n`` bytes
+    flags: np.ndarray  # ``ceil(n / 8)`` bytes
 
 
 class SelectionWorkspace:
@@ -82,21 +106,27 @@ class SelectionWorkspace:
     the pass that fills it (page faults), which is what this object saves.
 
     Holds, for the CPU (numpy) pass, a candidate mask of one byte per value, one flag byte per 8
-    values and magnitudes (of a whole tensor up to ``DIRECT_NUMEL`` values, else of one chunk); for
-    the torch pass, one magnitude tensor per device and dtype.
+    values, magnitudes (of a whole tensor up to ``DIRECT_NUMEL`` values, else of one chunk) and the
+    sample positions; for the torch pass, one magnitude tensor per device and dtype.
     """
+
+    #: Most tensor sizes whose views :meth:`layout` keeps (a model has a few dozen distinct sizes).
+    MAX_LAYOUTS = 1024
 
     def __init__(self) -> None:
         self._mask: np.ndarray | None = None
         self._flags: np.ndarray | None = None
         self._floats: dict[np.dtype, np.ndarray] = {}
         self._magnitudes: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._positions: Tensor | None = None
+        self._layouts: dict[tuple[int, np.dtype, int, bool], _Layout] = {}
 
     def mask(self, numel: int) -> tuple[np.ndarray, np.ndarray]:
         """A ``bool`` array of ``8 * ceil(numel / 8)`` values and one of ``ceil(numel / 8)`` (views)."""
         words = -(-numel // 8)
         if self._mask is None or self._flags is None or self._flags.size < words:
             self._mask, self._flags = _new_mask(words)
+            self._layouts.clear()  # they hold views of the old buffers
         return self._mask[: 8 * words], self._flags[:words]
 
     def floats(self, numel: int, dtype: np.dtype) -> np.ndarray:
@@ -104,7 +134,36 @@ class SelectionWorkspace:
         buffer = self._floats.get(dtype)
         if buffer is None or buffer.size < numel:
             buffer = self._floats[dtype] = np.empty(max(numel, CHUNK), dtype=dtype)
+            self._layouts.clear()
         return buffer[:numel]
+
+    def positions(self, num_samples: int) -> Tensor:
+        """An int64 CPU tensor of ``num_samples`` values (a view)."""
+        if self._positions is None or self._positions.numel() < num_samples:
+            self._positions = torch.empty(num_samples, dtype=torch.int64)
+            self._layouts.clear()
+        return self._positions[:num_samples]
+
+    def layout(self, numel: int, dtype: np.dtype, num_samples: int, direct: bool) -> _Layout:
+        """Every view the CPU pass needs for a tensor of ``numel`` values of ``dtype``.
+
+        ``direct``: whether the pass keeps the magnitudes of the whole tensor (else ``magnitudes`` is
+        None). Made on the first call for these arguments and then kept (until a buffer grows), so
+        that the hot path pays one dictionary lookup instead of a dozen slicing and conversion calls
+        per selection.
+        """
+        key = (numel, dtype, num_samples, direct)
+        layout = self._layouts.get(key)
+        if layout is None:
+            # Grow every buffer first: growing clears the kept layouts.
+            mask, flags = self.mask(numel)
+            magnitudes = self.floats(numel, dtype) if direct else None
+            positions = self.positions(num_samples)
+            if len(self._layouts) >= self.MAX_LAYOUTS:
+                self._layouts.clear()
+            layout = _Layout(positions, positions.numpy(), magnitudes, mask, mask[:numel], flags)
+            self._layouts[key] = layout
+        return layout
 
     def magnitudes(self, like: Tensor, numel: int) -> Tensor:
         """A 1-D tensor of ``numel`` elements with ``like``'s dtype and device (a view)."""
@@ -118,9 +177,10 @@ class SelectionWorkspace:
     def nbytes(self) -> int:
         """Bytes held by the buffers (for memory accounting)."""
         arrays = [a for a in (self._mask, self._flags) if a is not None] + list(self._floats.values())
-        return sum(a.nbytes for a in arrays) + sum(
-            t.numel() * t.element_size() for t in self._magnitudes.values()
-        )
+        tensors = list(self._magnitudes.values())
+        if self._positions is not None:
+            tensors.append(self._positions)
+        return sum(a.nbytes for a in arrays) + sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _new_mask(words: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,7 +216,9 @@ def sampled_topk(
 ) -> Tensor:
     """Indices (int64) of exactly ``k`` entries of the 1-D ``values`` with the largest magnitudes.
 
-    Tensors with fewer than ``EXACT_NUMEL`` values go to exact top-k directly. Otherwise:
+    Tensors with fewer than ``CPU_EXACT_NUMEL`` values on the CPU path (an ``argpartition`` of the
+    magnitudes), or ``EXACT_NUMEL`` on the torch path (``torch.topk``), go to exact top-k directly,
+    without drawing. Otherwise:
     1. draw ``s = max(sample_ratio * n, MIN_SAMPLES)`` positions uniformly (with replacement); about
        ``mu = k * s / n`` sampled magnitudes lie above the k-th largest magnitude of the tensor, so
        the ``ceil(mu + THRESHOLD_MARGIN * sqrt(mu))``-th largest sampled magnitude is the threshold
@@ -181,24 +243,56 @@ def sampled_topk(
             the k-th largest magnitude, which they may break differently).
 
     Returns:
-        ``k`` distinct int64 indices into ``values`` (unsorted), on ``values``' device.
+        ``k`` distinct int64 indices into ``values`` (unsorted), on ``values``' device. The result is
+        a fresh tensor (on the CPU path, over a numpy array); nothing in it aliases the workspace.
     """
     n = values.numel()
-    if k >= n or k <= 0 or n < EXACT_NUMEL:
+    if k >= n or k <= 0:
         return topk_indices(values, k)
     if backend == "auto" and magnitudes is None:  # the hot path, without a call
-        use_numpy = values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES and values.dim() == 1
+        use_numpy = values.is_cpu and values.dtype in _NUMPY_DTYPES and values.dim() == 1
     else:
         use_numpy = _use_numpy(values, magnitudes, backend)
+    if use_numpy:
+        source = values if magnitudes is None else magnitudes
+        source = source.detach() if source.requires_grad else source
+        workspace = workspace if workspace is not None else default_workspace()
+        if n < CPU_EXACT_NUMEL:
+            return _topk_numpy(source.numpy(), k, workspace)
+        return _sampled_topk_numpy(source, k, sample_ratio, generator, workspace)
+    if n < EXACT_NUMEL:
+        return topk_indices(values, k)
     num_samples = min(n, max(math.ceil(n * sample_ratio), MIN_SAMPLES))
-    expected = k * num_samples / n  # sampled magnitudes above the k-th largest, on average
-    rank = min(num_samples, max(1, math.ceil(expected + THRESHOLD_MARGIN * math.sqrt(expected))))
     # Positions are drawn on the generator's device (the run's generator is a CPU one) and moved.
     sample_device = generator.device if generator is not None else values.device
-    positions = torch.randint(0, n, (num_samples,), generator=generator, device=sample_device)
-    if use_numpy:
-        return _sampled_topk_numpy(values, k, positions, rank, magnitudes, workspace)
+    positions = _draw_positions(
+        torch.empty(num_samples, dtype=torch.int64, device=sample_device), n, generator
+    )
+    rank = _threshold_rank(k, n, num_samples)
     return _sampled_topk_torch(values, k, positions.to(values.device), rank, magnitudes, workspace)
+
+
+def _threshold_rank(k: int, n: int, num_samples: int) -> int:
+    """Which sampled magnitude (counted from the largest) is the first threshold: see step 1."""
+    expected = k * num_samples / n  # sampled magnitudes above the k-th largest, on average
+    return min(num_samples, max(1, math.ceil(expected + THRESHOLD_MARGIN * math.sqrt(expected))))
+
+
+def _draw_positions(out: Tensor, n: int, generator: torch.Generator | None) -> Tensor:
+    """Fill ``out`` (on the generator's device) with positions drawn uniformly from ``[0, n)``, with
+    replacement; returns it."""
+    return out.random_(0, n, generator=generator)
+
+
+def _topk_numpy(x: np.ndarray, k: int, workspace: SelectionWorkspace) -> Tensor:
+    """Exact top-k of a small CPU array: ``argpartition`` of the magnitudes in a reused buffer.
+
+    A handful of numpy calls, where ``torch.topk`` costs more on CPU; ties at the k-th magnitude are
+    broken by ``argpartition``. ``0 < k < x.size``.
+    """
+    n = x.size
+    magnitudes = np.abs(x, out=workspace.floats(n, x.dtype))
+    return torch.from_numpy(magnitudes.argpartition(n - k)[n - k :])
 
 
 def _use_numpy(values: Tensor, magnitudes: Tensor | None, backend: Backend) -> bool:
@@ -220,33 +314,38 @@ def _use_numpy(values: Tensor, magnitudes: Tensor | None, backend: Backend) -> b
 
 
 def _sampled_topk_numpy(
-    values: Tensor,
+    source: Tensor,
     k: int,
-    positions: Tensor,
-    rank: int,
-    magnitudes: Tensor | None,
-    workspace: SelectionWorkspace | None,
+    sample_ratio: float,
+    generator: torch.Generator | None,
+    workspace: SelectionWorkspace,
 ) -> Tensor:
-    """Steps 1-3 on zero-copy numpy views of CPU tensors.
+    """Steps 1-3 on zero-copy numpy views of the CPU tensor ``source`` (the values or their magnitudes).
 
     Up to ``DIRECT_NUMEL`` values, the magnitudes of the whole tensor fit in cache: they are
     computed once and the sample, the comparison and the re-selection all read them. Larger tensors
-    never get a magnitude array: see :func:`_candidates_chunked`.
+    never get a magnitude array: see :func:`_candidates_chunked`. Every buffer and view comes from
+    the workspace's :meth:`~SelectionWorkspace.layout` for this size: a selection costs a few
+    microseconds per numpy call, several times more right after the pass has flushed the caches,
+    so the calls here are kept to the few that do the work.
     """
-    source = values if magnitudes is None else magnitudes
-    source = source.detach() if source.requires_grad else source
     x = source.numpy()
     n = x.size
-    direct = n <= DIRECT_NUMEL
-    workspace = workspace if workspace is not None else default_workspace()
-    if direct:
-        mags: np.ndarray | None = np.abs(x, out=workspace.floats(n, x.dtype))
-        mask, flags = workspace.mask(n)
-        sample = mags[positions.numpy()]
+    num_samples = min(n, max(math.ceil(n * sample_ratio), MIN_SAMPLES))
+    layout = workspace.layout(n, x.dtype, num_samples, n <= DIRECT_NUMEL)
+    rank = _threshold_rank(k, n, num_samples)
+    try:  # (no ``generator.device`` test up front: a device object per call costs several us cold)
+        _draw_positions(layout.positions, n, generator)
+    except RuntimeError:  # a generator on another device: drawn where it lives, then brought over
+        if generator is None or generator.device.type == "cpu":
+            raise
+        layout.positions.copy_(_draw_positions(layout.positions.to(generator.device), n, generator))
+    mags = layout.magnitudes
+    if mags is not None:
+        np.abs(x, out=mags)
+        sample = mags.take(layout.sample_positions)
     else:
-        mags = None
-        sample = source.index_select(0, positions).abs_().numpy()  # torch gathers many faster
-    num_samples = sample.size
+        sample = source.index_select(0, layout.positions).abs_().numpy()  # torch gathers many faster
     # Step 1: the rank-th largest sampled magnitude (a partial sort, in place; a full sort only if
     # the threshold has to be lowered). Methods rather than np.* functions: fewer Python layers.
     sample.partition(num_samples - rank)
@@ -255,16 +354,19 @@ def _sampled_topk_numpy(
     for _ in range(MAX_LOWERINGS + 1):
         # Step 2: the candidates, in increasing order.
         if mags is not None:
-            np.greater_equal(mags, threshold, out=mask[:n])
-            candidates = _scan_mask(mask, flags, n) if n > CHUNK else mask[:n].nonzero()[0]
+            np.greater_equal(mags, threshold, out=layout.mask_head)
+            if n > SCAN_NUMEL:
+                candidates = _scan_mask(layout.mask, layout.flags, n)
+            else:
+                candidates = layout.mask_head.nonzero()[0]
         else:
             candidates = _candidates_chunked(x, threshold, workspace)
         count = candidates.size
         if count >= k:  # Step 3: exact top-k among the candidates
             if count > k:
-                candidate_mags = mags[candidates] if mags is not None else np.abs(x[candidates])
-                candidates = candidates[candidate_mags.argpartition(count - k)[count - k :]]
-            if candidates.dtype != np.int64:
+                candidate_mags = mags.take(candidates) if mags is not None else np.abs(x.take(candidates))
+                candidates = candidates.take(candidate_mags.argpartition(count - k)[count - k :])
+            if candidates.dtype is not _INT64:  # nonzero gives intp: int64 on every 64-bit platform
                 candidates = candidates.astype(np.int64)
             return torch.from_numpy(candidates)
         if rank >= num_samples:
@@ -273,7 +375,7 @@ def _sampled_topk_numpy(
         if sorted_sample is None:
             sorted_sample = np.sort(sample)
         threshold = sorted_sample[num_samples - rank]
-    return topk_indices(values, k)
+    return topk_indices(source, k)
 
 
 def _candidates_chunked(x: np.ndarray, threshold: np.floating, workspace: SelectionWorkspace) -> np.ndarray:
@@ -300,11 +402,16 @@ def _scan_mask(mask: np.ndarray, flags: np.ndarray, n: int) -> np.ndarray:
     candidate: with candidates a fraction of a per cent of the values, that is several times
     cheaper than ``np.flatnonzero`` on the byte mask, which looks at every byte.
     """
-    mask[n:] = False  # the tail of the last word
-    np.not_equal(mask.view(np.uint64), 0, out=flags)
+    if n & 7:
+        mask[n:] = False  # the tail of the last word
+    words = mask.view(np.uint64)
+    np.not_equal(words, 0, out=flags)
     hit_words = flags.nonzero()[0]
-    hits = np.flatnonzero(mask.reshape(-1, 8)[hit_words])  # positions within the hit words
-    return hit_words[hits >> 3] * 8 + (hits & 7)
+    hits = words.take(hit_words).view(np.bool_).nonzero()[0]  # positions within the hit words
+    positions = hit_words.take(hits >> 3)
+    positions <<= 3
+    positions += hits & 7
+    return positions
 
 
 def _sampled_topk_torch(
