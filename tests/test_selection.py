@@ -14,16 +14,21 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (5000, 5), (100_000, 100), (100_000, 1), (4096, 4096)])
-@pytest.mark.parametrize("dist", ["normal", "heavy", "constant", "sparse"])
-def test_both_selections_return_exactly_k_distinct_indices(n: int, k: int, dist: str) -> None:
-    g = _gen(n + k)
-    x = {
+def _values(dist: str, n: int, g: torch.Generator) -> torch.Tensor:
+    """``n`` test values: Gaussian, heavy-tailed, all tied, or almost all zero."""
+    return {
         "normal": lambda: torch.randn(n, generator=g),
         "heavy": lambda: torch.randn(n, generator=g) ** 5,
         "constant": lambda: torch.full((n,), 0.5),
         "sparse": lambda: torch.where(torch.rand(n, generator=g) < 0.0005, 1.0, 0.0),
     }[dist]()
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (10, 3), (5000, 5), (100_000, 100), (100_000, 1), (4096, 4096)])
+@pytest.mark.parametrize("dist", ["normal", "heavy", "constant", "sparse"])
+def test_both_selections_return_exactly_k_distinct_indices(n: int, k: int, dist: str) -> None:
+    g = _gen(n + k)
+    x = _values(dist, n, g)
     for idx in (topk_indices(x, k), sampled_topk(x, k, 0.01, g)):
         assert idx.numel() == k
         assert idx.unique().numel() == k
@@ -91,12 +96,7 @@ def test_sampling_returns_exactly_k_distinct_indices_on_every_path(
     n: int, k: int, dist: str, backend: str, with_workspace: bool
 ) -> None:
     g = _gen(n + k)
-    x = {
-        "normal": lambda: torch.randn(n, generator=g),
-        "heavy": lambda: torch.randn(n, generator=g) ** 5,
-        "constant": lambda: torch.full((n,), 0.5),
-        "sparse": lambda: torch.where(torch.rand(n, generator=g) < 0.0005, 1.0, 0.0),
-    }[dist]()
+    x = _values(dist, n, g)
     workspace = dgc_selection.SelectionWorkspace() if with_workspace else None
     idx = sampled_topk(x, k, 0.01, g, workspace=workspace, backend=backend)
     assert idx.dtype == torch.int64 and idx.numel() == k and idx.unique().numel() == k
