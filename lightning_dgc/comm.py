@@ -54,26 +54,30 @@ def _fillers(span: int) -> int:
     return span // FILLER_SPAN
 
 
-def payload_nbytes(k_total: int, value_dtype: torch.dtype, span: int) -> int:
-    """Bytes of one rank's payload for ``k_total`` values out of a bucket of ``span`` values.
+def payload_size(k_total: int, value_bytes: int, span: int) -> tuple[int, int]:
+    """``(bytes, padding)`` of one rank's payload for ``k_total`` values of ``value_bytes`` bytes each,
+    out of a bucket of ``span`` values (plain integers: the performance model uses it too).
 
     ``k_total * value_bytes + CODE_BYTES * (k_total + span // FILLER_SPAN)``, rounded up to a multiple
-    of 4 bytes; 0 when ``k_total`` is 0 (nothing is exchanged, no codes are needed).
+    of 4 bytes; the padding is that rounding (0 or 2; filler codes count as index bytes). ``(0, 0)``
+    when ``k_total`` is 0 (nothing is exchanged, no codes are needed).
     """
     if k_total < 0 or k_total > span:
         raise ValueError(f"cannot select {k_total} values out of a bucket of {span} values (0 <= k <= span).")
     if k_total == 0:
-        return 0
-    raw = k_total * value_dtype.itemsize + CODE_BYTES * (k_total + _fillers(span))
-    return raw + (-raw) % 4
+        return 0, 0
+    raw = k_total * value_bytes + CODE_BYTES * (k_total + _fillers(span))
+    return raw + (-raw) % 4, (-raw) % 4
+
+
+def payload_nbytes(k_total: int, value_dtype: torch.dtype, span: int) -> int:
+    """Bytes of one rank's payload (:func:`payload_size`) with values of ``value_dtype``."""
+    return payload_size(k_total, value_dtype.itemsize, span)[0]
 
 
 def payload_padding(k_total: int, value_dtype: torch.dtype, span: int) -> int:
-    """The alignment bytes of :func:`payload_nbytes` (0 or 2); filler codes count as index bytes."""
-    if k_total == 0:
-        return 0
-    raw = k_total * value_dtype.itemsize + CODE_BYTES * (k_total + _fillers(span))
-    return payload_nbytes(k_total, value_dtype, span) - raw
+    """The alignment bytes of :func:`payload_nbytes` (0 or 2)."""
+    return payload_size(k_total, value_dtype.itemsize, span)[1]
 
 
 def _as_int16(codes: Tensor) -> Tensor:

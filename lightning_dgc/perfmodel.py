@@ -84,6 +84,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning_dgc.comm import INDEX_BYTES, payload_size
+
 __all__ = [
     "BANDWIDTHS",
     "METHODS",
@@ -123,9 +125,6 @@ WORKERS: tuple[int, ...] = tuple(2**i for i in range(9))
 #: Link bandwidths of the prediction, bits/s: 100 Mbit/s, 1, 10 and 25 Gbit/s.
 BANDWIDTHS: tuple[float, ...] = (100e6, 1e9, 10e9, 25e9)
 
-INDEX_BYTES = 4  # int32 indices (DEFT's union all-reduce), as lightning_dgc.comm
-CODE_BYTES = 2  # one uint16 delta code of DGC's payload, as lightning_dgc.comm
-FILLER_SPAN = 65535  # positions one filler code skips, as lightning_dgc.comm
 DENSE_VALUE_BYTES = 4  # fp32: what plain DDP all-reduces
 NORM_BYTES = 8  # DEFT's norms (and selection times) travel as float64
 
@@ -301,22 +300,17 @@ class Network:
 def payload_nbytes(k: int, value_bytes: int, span: int) -> int:
     """One rank's DGC payload for ``k`` values out of a bucket of ``span`` values (its numel).
 
-    Mirrors :func:`lightning_dgc.comm.payload_nbytes`: ``k`` values, then ``k + span // 65535`` uint16
-    delta codes (one per value, plus the filler codes that long gaps between indices may need), padded
-    to a multiple of 4 bytes; 0 when ``k`` is 0. Example: ``k = 3`` fp16 values in a bucket of 5000:
+    :func:`lightning_dgc.comm.payload_size`: ``k`` values, then ``k + span // 65535`` uint16 delta
+    codes (one per value, plus the filler codes that long gaps between indices may need), padded to a
+    multiple of 4 bytes; 0 when ``k`` is 0. Example: ``k = 3`` fp16 values in a bucket of 5000:
     ``6 + 2 * 3 = 12`` bytes; in a bucket of 200 000 (3 filler slots): ``6 + 2 * 6 = 18``, padded to 20.
     """
-    if k == 0:
-        return 0
-    raw = k * value_bytes + CODE_BYTES * (k + span // FILLER_SPAN)
-    return raw + (-raw) % 4
+    return payload_size(k, value_bytes, span)[0]
 
 
 def payload_padding(k: int, value_bytes: int, span: int) -> int:
-    """The bytes :func:`payload_nbytes` adds to align the payload to 4 (0 or 2 for fp32/fp16 values)."""
-    if k == 0:
-        return 0
-    return payload_nbytes(k, value_bytes, span) - k * value_bytes - CODE_BYTES * (k + span // FILLER_SPAN)
+    """The bytes :func:`payload_nbytes` adds to align the payload to 4 (0 or 2)."""
+    return payload_size(k, value_bytes, span)[1]
 
 
 def fragment_count(numels: Sequence[int], n: int) -> int:
