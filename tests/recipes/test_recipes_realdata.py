@@ -20,11 +20,11 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from recipes.language import PTBDataModule, WordLanguageModel
 from recipes.speech import LibriSpeechDataModule, SpeechRecognizer, find_utterances
 from recipes.vision import CIFAR10DataModule, ImageClassifier
+from tests.recipes.test_recipes_training import LossHistory
 
 DATA = os.environ.get("LIGHTNING_DGC_DATA")
 pytestmark = [
@@ -39,16 +39,6 @@ def data_dir(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} not found")
     return path
-
-
-class LossHistory(Callback):
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        self.losses.append(float(outputs["loss"]))
 
 
 def train_briefly(
