@@ -36,6 +36,9 @@ dense ``all_reduce``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -179,23 +182,127 @@ def unpack(gathered: Tensor, k: int, value_dtype: torch.dtype, span: int) -> tup
     return out[: world * k].clamp_(0, span - 1), values
 
 
-def all_gather_payload(payload: Tensor, out: Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
-    """Start gathering every rank's ``payload`` into the rows of ``out``; the future yields ``out``."""
+class CollectiveError(RuntimeError):
+    """A collective of the exchange failed or timed out: a peer died or hung, or the network broke.
+
+    Raised on every surviving rank (from DDP's ``backward``), never swallowed: a rank must not train
+    on alone with a stale or partial exchange.
+    """
+
+
+def _failed(what: str, error: BaseException) -> CollectiveError:
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return CollectiveError(
+        f"lightning_dgc: the {what} failed on rank {rank}: {error}. A peer process died or stopped"
+        " answering (or the network broke) within the process group's timeout, and training cannot go on"
+        " with a partial exchange. Resume from the last checkpoint once every rank is back."
+    )
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A launched collective: what it is (named in errors), its future, and the tensor it fills."""
+
+    what: str
+    future: torch.futures.Future
+    output: Tensor
+
+    def wait(self) -> Tensor:
+        """``output`` once the collective is done (on CUDA: the current stream waits for it, no host
+        sync); a failure raises :class:`CollectiveError` naming the collective."""
+        try:
+            self.future.wait()
+        except Exception as error:
+            raise _failed(self.what, error) from error
+        return self.output
+
+
+def all_gather_payload(
+    payload: Tensor,
+    out: Tensor,
+    group: dist.ProcessGroup | None,
+    what: str = "all-gather of the sparse payload",
+) -> Pending:
+    """Start gathering every rank's ``payload`` into the rows of ``out``."""
     work = dist.all_gather_into_tensor(out, payload, group=group, async_op=True)
-    return work.get_future().then(lambda _: out)
+    return Pending(what, work.get_future(), out)
 
 
-def all_reduce_sum(tensor: Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future:
-    """Start summing ``tensor`` over ranks in place; the future yields ``tensor``."""
+def all_reduce_sum(
+    tensor: Tensor, group: dist.ProcessGroup | None, what: str = "all-reduce of the dense tensors"
+) -> Pending:
+    """Start summing ``tensor`` over ranks in place."""
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda _: tensor)
+    return Pending(what, work.get_future(), tensor)
 
 
-def completed(value: Tensor) -> torch.futures.Future:
-    """A future that already holds ``value`` (for buckets with nothing to exchange)."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
+def all_reduce_sum_now(tensor: Tensor, group: dist.ProcessGroup | None, what: str) -> Tensor:
+    """Sum ``tensor`` over ranks in place and wait; a failure raises :class:`CollectiveError` naming ``what``."""
+    try:
+        dist.all_reduce(tensor, group=group)
+    except Exception as error:
+        raise _failed(what, error) from error
+    return tensor
+
+
+def _devices(device: torch.device) -> list[torch.device]:
+    return [device] if device.type == "cuda" else []
+
+
+def when_all(
+    pending: Sequence[Pending],
+    fn: Callable[[], Tensor],
+    device: torch.device,
+    keep: Sequence[Tensor] = (),
+) -> torch.futures.Future:
+    """A future of ``fn()``, run once every collective in ``pending`` is done; safe on CUDA streams.
+
+    Call it after the last collective of the bucket was launched; ``fn`` reads their outputs. It runs
+    in whatever thread completes the last collective (gloo's worker; inline for NCCL, whose futures
+    complete at launch with CUDA events).
+
+    Why not ``torch.futures.collect_all(...).then(fn)``: the combined future is created without
+    devices, so on CUDA its ``then`` callback runs on whichever stream the completing thread left
+    current, and completing the child future records no event for its result. DDP's ``wait()`` on it
+    is then a no-op for streams, and the reducer reads the result (and the strategy the finiteness
+    flag and the memory) while the callback's kernels may still run: ranks decode different updates.
+    Here instead the callback is the ``then`` of a *gate* future created with the device. Per torch's
+    documented semantics, the callback runs with a stream from torch's pool current and must not
+    switch streams; its result is then ordered for every ``wait()`` by an event recorded on that
+    stream once all its work is queued. On that stream the callback first waits for
+    everything the hook queued on its own stream (an event recorded now) and for each collective
+    (``Pending.wait``), and records every tensor of ``keep`` (made on the hook's stream, read by
+    ``fn``, freed after it) on it, so that the caching allocator does not hand that memory back to the
+    hook's stream while the callback still reads it. No host synchronisation is added.
+
+    A failed collective completes the returned future with a :class:`CollectiveError` naming it,
+    which DDP raises from ``backward()`` on every surviving rank.
+    """
+    gate: torch.futures.Future = torch.futures.Future(devices=_devices(device))
+    cuda = device.type == "cuda"
+    if cuda:
+        queued = torch.cuda.Event()
+        queued.record(torch.cuda.current_stream(device))
+
+    def run(_: torch.futures.Future) -> Tensor:
+        if cuda:
+            stream = torch.cuda.current_stream(device)  # a pool stream, set by then(): never switched
+            stream.wait_event(queued)
+        for collective in sorted(pending, key=lambda p: not p.future.done()):  # a failed one first
+            collective.wait()
+        if cuda:
+            for tensor in keep:
+                tensor.record_stream(stream)
+        return fn()
+
+    result = gate.then(run)
+    if pending:
+        torch.futures.collect_all([p.future for p in pending]).add_done_callback(
+            lambda _: gate.set_result(None)
+        )
+    else:
+        gate.set_result(None)
+    return result
 
 
 def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:

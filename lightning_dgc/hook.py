@@ -7,7 +7,8 @@
 3. **select**: exactly k indices per compressed tensor from ``v'`` (sampled threshold or exact top-k),
    written with their values straight into the bucket's preallocated payload.
 4. **exchange**: one all-gather of the payloads; one all-reduce of the tensors averaged dense.
-5. **decompress**: scatter-add every rank's values, divide by the world size; dense momentum.
+5. **decompress**: scatter-add every rank's values, divide by the world size; dense momentum. This
+   runs once every collective is done, ordered on CUDA with events (:func:`lightning_dgc.comm.when_all`).
 6. **update memory**: stage the scratch buffers and the sent indices; the strategy commits them
    (or discards them if any rank saw inf/NaN) once the whole backward pass is done.
 
@@ -35,7 +36,7 @@ from torch import Tensor
 from lightning_dgc import comm
 from lightning_dgc.compression import sampled_topk, topk_indices
 from lightning_dgc.compression.deft import deft_select, fragment_norms
-from lightning_dgc.memory import _Buffers, clip_each_by_norm_, momentum_correction_each
+from lightning_dgc.memory import _Buffers, bucket_order_flat, clip_each_by_norm_, momentum_correction_each
 from lightning_dgc.partition import Fragment, allocate_k, fragment_layers, lpt_assign, selection_cost
 from lightning_dgc.state import DGCState, ParamSettings
 
@@ -87,6 +88,16 @@ def tensor_kind(numel: int, ndim: int, k: int, state: DGCState) -> Kind:
     return "sparse"
 
 
+def sparse_gradient_message(names: list[str]) -> str:
+    """The error for parameters whose gradients are sparse tensors (``nn.Embedding(sparse=True)``)."""
+    return (
+        f"Parameter(s) {names} get sparse gradients (e.g. nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)),"
+        " which the compressed exchange cannot take: it selects from dense gradient buckets. Create the module"
+        " with sparse=False (the exchange already sends only the largest values), or train with"
+        " strategy='ddp'."
+    )
+
+
 def values_per_step(numel: int, density: float) -> int:
     """k for a tensor of ``numel`` values: ``ceil(density * numel)``, at least 1."""
     return min(numel, max(1, math.ceil(density * numel)))
@@ -98,6 +109,9 @@ def _plan(state: DGCState, bucket: dist.GradBucket, partitioned: bool) -> _Plan:
     plan = state._plans.get(key)
     if plan is not None:
         return plan
+    buffer = bucket.buffer()
+    if buffer.is_sparse:
+        raise ValueError(sparse_gradient_message([state.name_of(p) for p in params]))
     entries, offset, k_total, dense_numel = [], 0, 0, 0
     for p in params:
         name = state.name_of(p)
@@ -111,7 +125,6 @@ def _plan(state: DGCState, bucket: dist.GradBucket, partitioned: bool) -> _Plan:
             dense_numel += n
         entries.append(_Entry(name, p, offset, n, kind, k, state.settings_for(name)))
         offset += n
-    buffer = bucket.buffer()
     if offset != buffer.numel():
         raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {offset}.")
     nbytes = 0 if partitioned else comm.payload_nbytes(k_total, state.value_dtype, offset)
@@ -188,7 +201,7 @@ def _prepare(state: DGCState, plan: _Plan, buffer: Tensor) -> _Prepared:
     if cfg.local_clip_norm is not None:
         clip_each_by_norm_(g, cfg.local_clip_norm / math.sqrt(state.world_size))
     for decay, members in plan.decay_groups:
-        params = [plan.entries[i].param.detach().reshape(-1) for i in members]
+        params = [bucket_order_flat(plan.entries[i].param.detach()) for i in members]
         if params[0].dtype != torch.float32:
             params = [p.float() for p in params]
         torch._foreach_add_([g[i] for i in members], params, alpha=decay)
@@ -197,6 +210,9 @@ def _prepare(state: DGCState, plan: _Plan, buffer: Tensor) -> _Prepared:
         bufs = [state.memory.get(plan.entries[i].name, plan.entries[i].numel, buffer.device) for i in members]
         momentum_correction_each([g[i] for i in members], bufs, momentum, nesterov)
         buffers.update(zip(members, bufs, strict=True))
+    for _, members in plan.dense_momentum_groups:  # made here, on the hook's stream, not in the callback
+        for i in members:
+            state.memory.get(plan.entries[i].name, plan.entries[i].numel, buffer.device)
     prepared = _Prepared(True, [], [])
     for i, e in enumerate(plan.entries):
         if e.kind == "dense":
@@ -273,32 +289,39 @@ def _apply_dense_momentum(state: DGCState, entries: list[_Entry], avg: list[Tens
         state.memory.stage(e.name, None, False)
 
 
-def _exchange_dense(
-    state: DGCState, prepared: _Prepared
-) -> tuple[Tensor | None, torch.futures.Future | None]:
-    """Start the all-reduce of the tensors exchanged dense: ``(what goes on the wire, a future of the fp32 sum)``.
+def _exchange_dense(state: DGCState, prepared: _Prepared) -> comm.Pending | None:
+    """Start the all-reduce of the tensors exchanged dense (see :func:`_dense_sum` for its result).
 
     With fp16 values they travel in fp16 too, pre-divided by the world size like torch's
     ``fp16_compress_hook`` (so the sum cannot overflow where the average would not); a value that
     still overflows makes the step non-finite, and it is skipped on every rank.
     """
     if not prepared.dense_parts:
-        return None, None
+        return None
     dense = torch.cat(prepared.dense_parts)
-    if state.value_dtype == torch.float32:
-        return dense, comm.all_reduce_sum(dense, state.process_group)
-    world = state.world_size
-    wire = dense.div_(world).to(state.value_dtype)
-    return wire, comm.all_reduce_sum(wire, state.process_group).then(lambda f: f.value().float().mul_(world))
+    if state.value_dtype != torch.float32:
+        dense = dense.div_(state.world_size).to(state.value_dtype)
+    return comm.all_reduce_sum(dense, state.process_group)
 
 
-def _record(state: DGCState, plan: _Plan, buffer: Tensor, payload_bytes: int, padding: int, dense: Tensor | None,
-            selection_s: float, control_bytes: int = 0) -> None:  # fmt: skip
+def _dense_sum(state: DGCState, pending: comm.Pending | None) -> Tensor | None:
+    """The fp32 sum over ranks of the tensors exchanged dense (in a decode callback, once done)."""
+    if pending is None:
+        return None
+    if pending.output.dtype == torch.float32:
+        return pending.output
+    return pending.output.float().mul_(state.world_size)
+
+
+def _record(state: DGCState, plan: _Plan, buffer: Tensor, payload_bytes: int, padding: int,
+            dense: comm.Pending | None, selection_s: float, control_bytes: int = 0) -> None:  # fmt: skip
     stats = state._current
     stats.payload_bytes += payload_bytes + control_bytes
     stats.control_bytes += control_bytes
     stats.padding_bytes += padding
-    stats.dense_exchange_bytes += dense.numel() * dense.element_size() if dense is not None else 0
+    stats.dense_exchange_bytes += (
+        dense.output.numel() * dense.output.element_size() if dense is not None else 0
+    )
     stats.dense_bytes += plan.dense_bytes
     stats.values_sent += plan.k_total + plan.dense_numel
     stats.k_target += plan.k_total
@@ -306,18 +329,6 @@ def _record(state: DGCState, plan: _Plan, buffer: Tensor, payload_bytes: int, pa
     stats.selection_ms += selection_s * 1e3
     stats.buckets += 1
     stats.density = state.config.density
-
-
-def _value(future: torch.futures.Future | None) -> Tensor | None:
-    return future.value() if future is not None else None
-
-
-def _then(futures: list[torch.futures.Future], fn: Callable[[], Tensor]) -> torch.futures.Future:
-    if not futures:
-        return comm.completed(fn())
-    if len(futures) == 1:
-        return futures[0].then(lambda _: fn())
-    return torch.futures.collect_all(futures).then(lambda _: fn())
 
 
 def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -346,26 +357,25 @@ def dgc_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[t
             comm.payload_values(plan.payload, plan.k_total, state.value_dtype).fill_(math.nan)
 
     # Step 4: exchange (same collectives, same sizes, same order on every rank).
-    futures = []
-    if plan.k_total:
-        futures.append(comm.all_gather_payload(plan.payload, plan.gathered, state.process_group))
-    dense, dense_future = _exchange_dense(state, prepared)
-    futures += [dense_future] if dense_future is not None else []
+    gathered = (
+        comm.all_gather_payload(plan.payload, plan.gathered, state.process_group) if plan.k_total else None
+    )
+    dense = _exchange_dense(state, prepared)
     state._current.rank_selected += plan.k_total if prepared.locally_finite else 0
     padding = comm.payload_padding(plan.k_total, state.value_dtype, buffer.numel())
     _record(state, plan, buffer, plan.payload.numel(), padding, dense, selection_s)
 
     def decompress() -> Tensor:  # Steps 5-6
-        dense = _value(dense_future)
-        if not plan.k_total:
-            return _decompress(state, plan, buffer, dense, None, None)
+        if gathered is None:
+            return _decompress(state, plan, buffer, _dense_sum(state, dense), None, None)
         idx, vals = comm.unpack(
-            plan.gathered.view(state.world_size, -1), plan.k_total, state.value_dtype, buffer.numel()
+            gathered.output.view(state.world_size, -1), plan.k_total, state.value_dtype, buffer.numel()
         )
-        state._current.union_values += int(torch.unique(idx).numel())  # gradient build-up
-        return _decompress(state, plan, buffer, dense, idx, vals)
+        state.add_union_values(int(torch.unique(idx).numel()))  # gradient build-up
+        return _decompress(state, plan, buffer, _dense_sum(state, dense), idx, vals)
 
-    return _then(futures, decompress)
+    pending = [p for p in (gathered, dense) if p is not None]
+    return state.note_bucket(comm.when_all(pending, decompress, buffer.device))
 
 
 def deft_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -403,7 +413,7 @@ def deft_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[
         exchange[: len(frags)] = math.nan
     exchange[len(frags) + rank] = state.last_selection_ms
     if world > 1:
-        dist.all_reduce(exchange, group=state.process_group)
+        comm.all_reduce_sum_now(exchange, state.process_group, "all-reduce of DEFT's fragment norms")
     state._current.rank_selection_ms = exchange[len(frags) :].tolist()
 
     # Step 3b: the identical plan on every rank.
@@ -445,7 +455,7 @@ def deft_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[
 
         # Step 4: the union of indices (disjoint slots: the sum is a merge), then values at the union.
         if world > 1:
-            dist.all_reduce(union, group=state.process_group)
+            comm.all_reduce_sum_now(union, state.process_group, "all-reduce of DEFT's selected indices")
         for entry, fs in plan.layers:
             lo, hi = slot_starts[fs[0][0]], slot_starts[fs[-1][0] + 1]
             local_idx = union[lo:hi].long() - entry.offset
@@ -456,20 +466,21 @@ def deft_hook(state: DGCState, bucket: dist.GradBucket) -> torch.futures.Future[
             else:
                 values[lo:hi] = math.nan
 
-    futures = [comm.all_reduce_sum(values, state.process_group)] if k_total else []
-    dense, dense_future = _exchange_dense(state, prepared)
-    futures += [dense_future] if dense_future is not None else []
+    summed = (
+        comm.all_reduce_sum(values, state.process_group, "all-reduce of DEFT's values") if k_total else None
+    )
+    dense = _exchange_dense(state, prepared)
     state._current.union_values += int(torch.unique(union).numel()) if k_total else 0  # k: no build-up
     _record(state, plan, buffer, k_total * (comm.INDEX_BYTES + state.value_dtype.itemsize), 0, dense,
             selection_s, control_bytes=exchange.numel() * exchange.element_size())  # fmt: skip
 
     def decompress() -> Tensor:  # Steps 5-6
-        dense = _value(dense_future)
-        if not k_total:
-            return _decompress(state, plan, buffer, dense, None, None)
-        return _decompress(state, plan, buffer, dense, union, values)
+        if summed is None:
+            return _decompress(state, plan, buffer, _dense_sum(state, dense), None, None)
+        return _decompress(state, plan, buffer, _dense_sum(state, dense), union, summed.output)
 
-    return _then(futures, decompress)
+    pending = [p for p in (summed, dense) if p is not None]
+    return state.note_bucket(comm.when_all(pending, decompress, device, keep=[union]))
 
 
 def _rebased(f: Fragment) -> Fragment:

@@ -42,6 +42,22 @@ def clip_each_by_norm_(grads: Sequence[Tensor], max_norm: float) -> None:
     torch._foreach_mul_(list(grads), list(scales.to(grads[0].dtype).unbind()))
 
 
+def bucket_order_flat(tensor: Tensor) -> Tensor:
+    """``tensor`` as a 1-D tensor in the order DDP lays its gradient out in a bucket.
+
+    DDP matches the parameter's memory layout when the parameter is non-overlapping and dense
+    (``channels_last`` weights included) and falls back to C order otherwise; so the flat bucket
+    segment of a ``channels_last`` weight is in memory order, not in ``reshape(-1)``'s logical order.
+    A view where possible (always for dense tensors), else a copy.
+    """
+    if tensor.is_contiguous():
+        return tensor.view(-1)
+    by_stride = tensor.permute(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)))
+    if by_stride.is_contiguous():  # non-overlapping and dense: memory order
+        return by_stride.view(-1)
+    return tensor.reshape(-1)
+
+
 #: Tensors with at least this many values get momentum correction tensor by tensor with fused
 #: ``out=`` operations (fewest passes over memory); smaller ones are batched into ``torch._foreach_*``
 #: calls (fewest operator dispatches, which dominate for small tensors).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
@@ -155,6 +156,7 @@ class DGCState:
         self.generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rank)
         self.memory = ResidualMemory()
         self.param_names: dict[int, str] = {}
+        self._params: dict[str, Tensor] = {}
         self.param_settings: dict[str, ParamSettings] = {}
         self.step = 0
         self.skipped_steps = 0
@@ -164,11 +166,18 @@ class DGCState:
         self._last: StepStats | None = None
         self._last_finite = True
         self._finite_flags: list[Tensor] = []
+        # The futures the hook returned this step (one per bucket): finish_step waits on them, which on
+        # CUDA orders its stream after each decode callback's side-stream work (flags, memory).
+        self._bucket_futures: list[torch.futures.Future] = []
+        # Decode callbacks of different buckets may run at once in the backend's threads.
+        self._stats_lock = threading.Lock()
 
     # -- parameters --------------------------------------------------------------------------------
     def register_parameters(self, named_parameters: Any) -> None:
         """Remember parameter names (state is keyed by name; DDP re-buckets after step 1)."""
-        self.param_names = {id(p): name for name, p in named_parameters}
+        named = list(named_parameters)
+        self.param_names = {id(p): name for name, p in named}
+        self._params = {name: p for name, p in named}
         self._plans.clear()
 
     def name_of(self, param: Tensor) -> str:
@@ -204,16 +213,44 @@ class DGCState:
         """Record whether a decoded bucket was finite (identical on every rank)."""
         self._finite_flags.append(flag)
 
+    def note_bucket(self, future: torch.futures.Future) -> torch.futures.Future:
+        """Remember the future the hook returns for a bucket (see :meth:`finish_step`); returns it."""
+        self._bucket_futures.append(future)
+        return future
+
+    def add_union_values(self, count: int) -> None:
+        """Add to this step's union size (called from decode callbacks, which may run concurrently)."""
+        with self._stats_lock:
+            self._current.union_values += count
+
     def finish_step(self) -> bool:
         """Close the step: commit the memory if every bucket was finite, else discard. Returns finiteness.
 
         Every rank reaches the same verdict, because it is computed from the decoded (gathered)
-        buckets, which are identical on all ranks.
+        buckets, which are identical on all ranks. Call it once the backward pass is over (DDP has
+        waited for every bucket); it first waits on the step's bucket futures, which re-raises a
+        failed exchange and, on CUDA, orders this stream after the decode callbacks' side stream,
+        without a host synchronisation.
+
+        Parameters that DDP found unused on every rank this step keep their ``.grad`` at ``None``
+        and are not stepped by the optimizer; their staged memory update is dropped, so that their
+        momentum does not advance either (as with DDP and SGD).
         """
+        futures, self._bucket_futures = self._bucket_futures, []
+        for future in futures:
+            future.wait()
         if not self._finite_flags and not self.memory.pending:
             return True
         finite = bool(torch.stack(self._finite_flags).all()) if self._finite_flags else True
         self._finite_flags = []
+        unused = [n for n in self.memory.pending if n in self._params and self._params[n].grad is None]
+        if unused and len(unused) == len(self.memory.pending):
+            raise RuntimeError(
+                "DGCState.finish_step() found no gradient on any parameter the exchange updated: call it"
+                " after backward() and before the optimizer's zero_grad() (DGCStrategy does this for you)."
+            )
+        for name in unused:
+            del self.memory.pending[name]
         if finite:
             self.memory.commit()
         else:

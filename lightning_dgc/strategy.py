@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dgc import comm
-from lightning_dgc.hook import deft_hook, dgc_hook
+from lightning_dgc.hook import deft_hook, dgc_hook, sparse_gradient_message
 from lightning_dgc.state import (
     DGCConfig,
     DGCState,
@@ -37,6 +37,17 @@ log = logging.getLogger(__name__)
 
 #: Key of the per-rank exchange state in Lightning checkpoints.
 CHECKPOINT_KEY = "lightning_dgc"
+
+
+def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of the trainable parameters of ``module`` whose gradients will be sparse tensors."""
+    return [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, m in module.named_modules()
+        if getattr(m, "sparse", False) is True
+        for name, p in m.named_parameters(recurse=False)
+        if p.requires_grad
+    ]
 
 
 class DGCStrategy(DDPStrategy):
@@ -177,6 +188,9 @@ class DGCStrategy(DDPStrategy):
         # Stock Lightning registers hooks on CUDA only; the hook is the point of this strategy, so it
         # is registered on every device type (gloo on CPU, NCCL on GPU).
         assert isinstance(self.model, DistributedDataParallel)
+        sparse = sparse_gradient_parameters(self.model.module)
+        if sparse:
+            raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
         self._dgc_state = self._make_state()
         self._dgc_state.register_parameters(self.model.module.named_parameters())
         self.model.register_comm_hook(self._dgc_state, self._hook())

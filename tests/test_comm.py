@@ -225,3 +225,58 @@ def test_contract_violations_raise_on_cpu() -> None:
         pack_into(payload, torch.tensor([1, 2, 3]), torch.ones(2), dtype, span)
     with pytest.raises(ValueError, match="uint8"):
         unpack(payload.view(1, -1)[:, :-4], 3, dtype, span)
+
+
+def _pending(what: str) -> comm.Pending:
+    return comm.Pending(what, torch.futures.Future(), torch.zeros(3))
+
+
+def _fails_with(message: str) -> tuple[torch.futures.Future, torch.futures.Future]:
+    """``(trigger, future)``: setting ``trigger`` completes ``future`` with a C++ error, as a failed
+    collective's work future is (``Future.set_exception`` only wraps the error in a successful result)."""
+
+    def fail(_: torch.futures.Future) -> None:
+        raise RuntimeError(message)
+
+    trigger: torch.futures.Future = torch.futures.Future()
+    return trigger, trigger.then(fail)
+
+
+def test_when_all_runs_once_every_collective_is_done() -> None:
+    first, second = _pending("first"), _pending("second")
+    calls = []
+    result = comm.when_all(
+        [first, second], lambda: calls.append(1) or first.output + second.output, torch.device("cpu")
+    )
+    first.future.set_result([first.output])
+    assert not result.done() and not calls
+    second.output.fill_(2.0)
+    second.future.set_result([second.output])
+    assert torch.equal(result.wait(), torch.full((3,), 2.0)) and calls == [1]
+
+
+def test_when_all_without_collectives_completes_at_once() -> None:
+    assert torch.equal(comm.when_all([], lambda: torch.ones(2), torch.device("cpu")).wait(), torch.ones(2))
+
+
+def test_a_failed_collective_fails_the_bucket_by_name_even_while_another_is_pending() -> None:
+    """A peer's death must reach the caller as an error naming the collective, not a stale result."""
+    trigger, future = _fails_with("Connection closed by peer")
+    slow, failing = (
+        _pending("all-gather of the sparse payload"),
+        comm.Pending("all-reduce of the dense tensors", future, torch.zeros(1)),
+    )
+    result = comm.when_all([slow, failing], lambda: torch.zeros(1), torch.device("cpu"))
+    trigger.set_result(None)
+    assert result.done(), "the error must not wait for the other collective"
+    with pytest.raises(RuntimeError, match=r"CollectiveError: lightning_dgc: the all-reduce of the dense tensors"
+                       r" failed on rank 0: .*Connection closed by peer"):  # fmt: skip
+        result.wait()
+
+
+def test_pending_wait_names_the_collective() -> None:
+    trigger, future = _fails_with("Timed out waiting 10000ms")
+    pending = comm.Pending("all-reduce of DEFT's values", future, torch.zeros(1))
+    trigger.set_result(None)
+    with pytest.raises(comm.CollectiveError, match="all-reduce of DEFT's values failed .* Timed out"):
+        pending.wait()

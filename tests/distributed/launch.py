@@ -25,6 +25,8 @@ def _worker(
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    if kwargs.get("device", "cpu") != "cpu":
+        torch.cuda.set_device(torch.device(kwargs["device"]))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, **kwargs)
@@ -34,10 +36,12 @@ def _worker(
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, **kwargs: Any) -> list[Any]:
-    """Call ``fn(rank, world_size, **kwargs)`` in ``world_size`` forked processes; return their results.
+    """Call ``fn(rank, world_size, **kwargs)`` in ``world_size`` processes joined by gloo; return their results.
 
     Forked, not spawned: children inherit the imported modules, which saves seconds per test.
     The children run single-threaded, so the parent's OpenMP pool is never used after the fork.
+    With ``device="cuda..."`` in ``kwargs`` the children are spawned (CUDA cannot be used after a
+    fork) and share that GPU, still over gloo (NCCL refuses two ranks on one device).
     """
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
@@ -45,7 +49,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, **kwargs: Any) -> lis
             args=(world_size, _free_port(), fn, out_dir, kwargs),
             nprocs=world_size,
             join=True,
-            start_method="fork",
+            start_method="fork" if kwargs.get("device", "cpu") == "cpu" else "spawn",
         )
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)

@@ -23,7 +23,7 @@ def _ranks_identical(per_rank: list[dict]) -> bool:
 def test_selections_are_disjoint_and_ranks_agree_on_the_plan(world_size: int) -> None:
     """Every step: union size = sum of per-rank counts = k (no build-up); DGC's union grows instead."""
     runs = [
-        {"steps": 8, "use_hook": True, "hook": hook, "wide": True, "config": {"density": 0.01}}
+        {"steps": 8, "use_hook": True, "hook": hook, "model_kind": "wide", "config": {"density": 0.01}}
         for hook in ("deft", "dgc")
     ]
     results = run_ranks(workers.train_many, world_size=world_size, runs=runs)
@@ -45,8 +45,8 @@ def test_density_one_equals_plain_ddp() -> None:
     results = run_ranks(
         workers.train_many,
         runs=[
-            {"steps": 6, "use_hook": False, "wide": True},
-            {"steps": 6, "use_hook": True, "hook": "deft", "wide": True, "config": {"density": 1.0}},
+            {"steps": 6, "use_hook": False, "model_kind": "wide"},
+            {"steps": 6, "use_hook": True, "hook": "deft", "model_kind": "wide", "config": {"density": 1.0}},
         ],
     )
     for ddp, deft in results:
@@ -57,7 +57,7 @@ def test_density_one_equals_plain_ddp() -> None:
 def test_learns_with_optimizer_momentum_and_skips_non_finite_steps() -> None:
     """DEFT's default: error feedback in the exchange, SGD momentum in the optimizer."""
     results = run_ranks(
-        workers.train, steps=60, use_hook=True, hook="deft", wide=True, poison=(1, 30),
+        workers.train, steps=60, use_hook=True, hook="deft", model_kind="wide", poison=(1, 30),
         sgd={"lr": 0.05, "momentum": 0.9}, config={"density": 0.01},
     )  # fmt: skip
     assert _ranks_identical(results)

@@ -14,13 +14,45 @@ from lightning_dgc import DGCConfig, DGCState, deft_hook, dgc_hook
 from lightning_dgc.compression import topk_indices
 
 
-def make_model(seed: int = 0, wide: bool = False) -> nn.Module:
+class ConvNet(nn.Module):
+    """A small conv net plus an MLP: compressed 4-D weights (1152 and 2304 values) and a compressed matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(2, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+        )  # fmt: skip
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.reshape(-1, 2, 4, 4)))
+
+
+class Branchy(nn.Module):
+    """A trunk used every step and a compressed branch used only when ``use_branch`` (even steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.branch = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        out = self.trunk(x)
+        return out + self.branch(x) if use_branch else out
+
+
+def make_model(seed: int = 0, kind: str = "mlp") -> nn.Module:
     torch.manual_seed(seed)
-    if wide:  # several compressed layers of different sizes, one large enough to be split among ranks
+    if kind == "wide":  # several compressed layers of different sizes, one large enough to be split
         return nn.Sequential(
             nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(),
             nn.Linear(32, 4),
         )  # fmt: skip
+    if kind == "conv":
+        return ConvNet()
+    if kind == "branch":
+        return Branchy()
     # 64x32 and 32x64 weights are compressed (>= 1024 values); the biases are averaged dense.
     return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 4))
 
@@ -33,7 +65,7 @@ def batch(rank: int, step: int, n: int = 16) -> tuple[torch.Tensor, torch.Tensor
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
 def train(
@@ -48,11 +80,22 @@ def train(
     bucket_cap_mb: float = 25.0,
     poison: tuple[int, int] | None = None,
     hook: str = "dgc",
-    wide: bool = False,
+    model_kind: str = "mlp",
+    channels_last: bool = False,
+    device: str = "cpu",
+    same_data: bool = False,
 ) -> dict[str, Any]:
-    """Train the toy model; optionally through the DGC hook. Returns per-step params and stats."""
-    model = make_model(wide=wide)
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    """Train a toy model; optionally through the DGC hook. Returns per-step params and stats.
+
+    ``model_kind``: ``"mlp"``, ``"wide"``, ``"conv"`` (conv net + MLP; ``channels_last`` puts it in that
+    memory format) or ``"branch"`` (a branch used on even steps only: DDP runs with
+    ``find_unused_parameters``). ``same_data``: every rank trains on rank 0's batches, so that their
+    memory, not only their parameters, must agree.
+    """
+    model = make_model(kind=model_kind).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=model_kind == "branch")
     sgd = dict(sgd or {"lr": 0.1})
     state = None
     if use_hook:
@@ -70,9 +113,10 @@ def train(
     opt = torch.optim.SGD(model.parameters(), **sgd)
     params, losses, stats, finite, memory, plans_agree = [], [], [], [], [], []
     for step in range(steps):
-        x, y = batch(rank, step)
+        x, y = (t.to(device) for t in batch(0 if same_data else rank, step))
         opt.zero_grad()
-        loss = nn.functional.mse_loss(ddp(x), y)
+        out = ddp(x, use_branch=step % 2 == 0) if model_kind == "branch" else ddp(x)
+        loss = nn.functional.mse_loss(out, y)
         if poison is not None and poison == (rank, step):
             loss = loss * float("inf")
         loss.backward()
@@ -164,3 +208,17 @@ def clipped_grad_norms(rank: int, world_size: int, *, clip: float, density: floa
         state.finish_step()
         norms += [float(p.grad.norm()) for p in model.parameters()]
     return norms
+
+
+def sparse_embedding_error(rank: int, world_size: int) -> str:
+    """The error the hook raises for a bucket of sparse gradients (``nn.Embedding(sparse=True)``)."""
+    model = nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Flatten(), nn.Linear(32, 1))
+    ddp = DDP(model)
+    state = DGCState(config=DGCConfig(density=0.01))
+    state.register_parameters(model.named_parameters())
+    ddp.register_comm_hook(state, dgc_hook)
+    try:
+        ddp(torch.tensor([[1, 2], [3, 4]])).sum().backward()
+    except Exception as error:  # DDP re-raises the hook's error from backward()
+        return str(error)
+    return ""

@@ -10,11 +10,13 @@ import argparse
 import json
 import os
 import signal
+from datetime import timedelta
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -125,15 +127,22 @@ class MemoryDump(L.Callback):
         self._dump(trainer, "end")
 
 
-class KillRank(L.Callback):
-    """SIGKILLs one rank mid-epoch, as a crashed node would be."""
+class SignalRank(L.Callback):
+    """Sends one rank a signal mid-epoch: SIGKILL as a crashed node, SIGSTOP as a hung one."""
 
-    def __init__(self, rank: int, step: int) -> None:
-        self.rank, self.step = rank, step
+    def __init__(self, rank: int, step: int, signum: int = signal.SIGKILL) -> None:
+        self.rank, self.step, self.signum = rank, step, signum
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), self.signum)
+
+
+class StepLog(L.Callback):
+    """Prints ``rank R step N`` after every optimizer step, so a test can see how far a rank got."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        print(f"rank {trainer.global_rank} step {trainer.global_step}", flush=True)
 
 
 def main() -> None:
@@ -150,6 +159,9 @@ def main() -> None:
     p.add_argument("--save-ckpt", default=None, help="trainer.save_checkpoint here after fit")
     p.add_argument("--dump-memory", action="store_true")
     p.add_argument("--kill", default=None, help="RANK:STEP to SIGKILL")
+    p.add_argument("--stop", default=None, help="RANK:STEP to SIGSTOP (a hung peer)")
+    p.add_argument("--timeout", type=float, default=None, help="the process group's timeout, in seconds")
+    p.add_argument("--log-steps", action="store_true", help="print every rank's optimizer steps")
     p.add_argument("--inf-at", default=None, help="RANK:STEP whose loss is multiplied by inf")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--fp16-scaler", action="store_true", help="16-mixed with a GradScaler on CPU")
@@ -169,6 +181,9 @@ def main() -> None:
         strategy = lightning_dgc.DGCStrategy(
             density=args.density if args.density is not None else 0.001, local_clip_norm=args.local_clip
         )
+    if args.timeout is not None:
+        kinds = {"dgc": lightning_dgc.DGCStrategy, "deft": lightning_dgc.DEFTStrategy, "ddp": DDPStrategy}
+        strategy = kinds[args.strategy](timeout=timedelta(seconds=args.timeout))
     probe = HookProbe()
     callbacks: list[L.Callback] = [probe]
     if args.ckpt_every:
@@ -184,7 +199,12 @@ def main() -> None:
         callbacks.append(MemoryDump(args.out))
     if args.kill:
         kill_rank, kill_step = map(int, args.kill.split(":"))
-        callbacks.append(KillRank(kill_rank, kill_step))
+        callbacks.append(SignalRank(kill_rank, kill_step))
+    if args.stop:
+        stop_rank, stop_step = map(int, args.stop.split(":"))
+        callbacks.append(SignalRank(stop_rank, stop_step, signal.SIGSTOP))
+    if args.log_steps:
+        callbacks.append(StepLog())
     plugins = []
     if (
         args.fp16_scaler

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_dgc import DGCStrategy
+from lightning_dgc import DEFTStrategy, DGCStrategy
 from tests.lightning.fit_script import Regression, dataset
 
 
@@ -63,3 +63,27 @@ def test_adam_with_error_feedback_only_trains() -> None:
 def test_sgd_with_dampening_is_rejected() -> None:
     with pytest.raises(ValueError, match="dampening"):
         _fit(DGCStrategy(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1))
+
+
+class _SparseEmbedding(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(100, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.head(self.embedding(batch[0])).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("strategy", [DGCStrategy, DEFTStrategy])
+def test_sparse_gradients_are_refused_at_setup_by_name(strategy) -> None:
+    trainer = L.Trainer(
+        strategy=strategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = DataLoader(torch.utils.data.TensorDataset(torch.arange(16)), batch_size=4)
+    with pytest.raises(ValueError, match=r"\['embedding.weight'\] get sparse gradients .* sparse=False"):
+        trainer.fit(_SparseEmbedding(), data)
