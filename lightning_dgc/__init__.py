@@ -7,6 +7,7 @@ Importing the package registers the strategy names ``"dgc"``, ``"dgc_spawn"``, `
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dgc.callbacks import CompressionMonitor, SparsityWarmup, warmup_density
+from lightning_dgc.comm import destroy_process_group
 from lightning_dgc.hook import deft_hook, dgc_hook
 from lightning_dgc.perfmodel import Network, Profile, predict
 from lightning_dgc.profiler import ExchangeProfiler
@@ -27,6 +28,7 @@ __all__ = [
     "SparsityWarmup",
     "__version__",
     "deft_hook",
+    "destroy_process_group",
     "dgc_hook",
     "predict",
     "warmup_density",

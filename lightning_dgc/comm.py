@@ -36,6 +36,8 @@ dense ``all_reduce``.
 
 from __future__ import annotations
 
+import atexit
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -319,6 +321,39 @@ def gather_object(obj: object, dst: int = 0, group: dist.ProcessGroup | None = N
     out: list[object] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst else None
     dist.gather_object(obj, out, dst=dst, group=group)
     return out
+
+
+def destroy_process_group() -> None:
+    """End the default process group cleanly (a no-op when none is initialised).
+
+    A process that exits with a gloo process group still alive can abort at interpreter exit
+    (``terminate called without an active exception``): gloo's worker threads still hold finished
+    work, and its tensors, while the interpreter is torn down. Ending the group first avoids that.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _destroy_at_exit() -> None:
+    # After an uncaught exception (a peer died, say) collectives may still be pending on a dead peer,
+    # and ending the group would wait for them: exit at once instead, as the exception demands.
+    if getattr(sys, "last_value", None) is None:
+        destroy_process_group()
+
+
+_destroy_registered = False
+
+
+def destroy_process_group_at_exit() -> None:
+    """Register, once per process, :func:`destroy_process_group` to run at interpreter exit.
+
+    At exit rather than in the strategy's teardown: a Trainer keeps its process group between
+    ``fit`` and a later ``validate`` or ``test`` (Lightning initialises it only once).
+    """
+    global _destroy_registered
+    if not _destroy_registered:
+        atexit.register(_destroy_at_exit)
+        _destroy_registered = True
 
 
 def world_size_and_rank(group: dist.ProcessGroup | None = None) -> tuple[int, int]:

@@ -168,6 +168,11 @@ class DGCStrategy(DDPStrategy):
         return self._dgc_state.compression_stats() if self._dgc_state is not None else {}
 
     # -- setup -----------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
+
     def _make_state(self) -> DGCState:
         return DGCState(config=self._dgc_config)
 

@@ -20,6 +20,8 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_dgc import destroy_process_group
+
 __all__ = ["RecipeCLI", "main"]
 
 DEFAULT_LOGGER = {
@@ -43,7 +45,7 @@ class RecipeCLI(LightningCLI):
 
 def main(args: list[str] | None = None, run: bool = True) -> RecipeCLI:
     """Run the recipes CLI (``args`` defaults to ``sys.argv[1:]``); returns the CLI object."""
-    return RecipeCLI(
+    cli = RecipeCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
@@ -53,6 +55,9 @@ def main(args: list[str] | None = None, run: bool = True) -> RecipeCLI:
         args=args,
         run=run,
     )
+    if run:
+        destroy_process_group()  # the run is over: end the process group before the interpreter exits
+    return cli
 
 
 if __name__ == "__main__":
