@@ -44,8 +44,9 @@ def warmup_density(
             (per epoch), never sparser than ``final_density``: with ``final_density=0.01`` it is
             0.25, 0.0625, 0.015625, 0.01, ...
         interval: what one entry of ``densities`` lasts: an epoch or an optimizer step.
-        dense_epochs: epochs of density 1.0 (plain dense averaging) before the warm-up starts; the
-            warm-up is shifted by them.
+        dense_epochs: epochs of density 1.0 before the warm-up starts; the warm-up is shifted by them.
+            At density 1 every tensor is averaged whole and its momentum is not masked, so these epochs
+            train exactly as DDP + SGD with momentum.
         steps_per_epoch: optimizer steps per epoch; needed only for ``interval="step"`` with
             ``dense_epochs > 0``, where the step schedule starts after ``dense_epochs * steps_per_epoch``.
     """

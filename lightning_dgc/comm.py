@@ -323,6 +323,42 @@ def gather_object(obj: object, dst: int = 0, group: dist.ProcessGroup | None = N
     return out
 
 
+def gather_tensors(
+    tensors: Sequence[Tensor], dst: int = 0, group: dist.ProcessGroup | None = None
+) -> list[list[Tensor]] | None:
+    """Every rank's copy of each tensor, as CPU tensors on rank ``dst`` (``None`` elsewhere); blocking.
+
+    For checkpoints: one gather per tensor, so that a rank other than ``dst`` sends its (contiguous CPU)
+    tensors as they are, without a copy, and ``dst`` holds only the result. Every rank must pass tensors
+    of the same shapes and dtypes in the same order. Gloo gathers CPU tensors only: device tensors are
+    brought to the CPU one at a time there.
+    """
+    world, rank = world_size_and_rank(group)
+    if world == 1:
+        return [[t.detach().cpu().clone()] for t in tensors]
+    on_cpu = dist.get_backend(group) == dist.Backend.GLOO
+    out: list[list[Tensor]] = []
+    for tensor in tensors:
+        source = tensor.detach()
+        source = (source.cpu() if on_cpu else source).contiguous()
+        if rank != dst:
+            dist.gather(source, None, dst=dst, group=group)
+            continue
+        received = [torch.empty_like(source) for _ in range(world)]
+        dist.gather(source, received, dst=dst, group=group)
+        out.append([t.cpu() for t in received])
+    return out if rank == dst else None
+
+
+def average(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """``tensor`` replaced, in place, by its mean over ranks (blocking; not for the hot path)."""
+    world, _ = world_size_and_rank(group)
+    if world > 1:
+        dist.all_reduce(tensor, group=group)
+        tensor.div_(world)
+    return tensor
+
+
 def destroy_process_group() -> None:
     """End the default process group cleanly (a no-op when none is initialised).
 

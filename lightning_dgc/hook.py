@@ -17,7 +17,8 @@ selection (see its docstring).
 
 A tensor is handled in one of three ways, decided once per bucket layout and density (the *plan*):
 ``sparse`` (compressed), ``full`` (density so high that sending everything dense is cheaper: the
-velocity is all-reduced and cleared, which is what selecting every index means) and ``dense``
+velocity is all-reduced and cleared, which is what selecting every index means; the momentum is
+not masked, so this is DDP + SGD momentum) and ``dense``
 (too small to compress: plain averaging, then the optimizer's momentum in the hook).
 
 DDP checks the hooks' annotations literally, so this module does not use postponed annotations.
@@ -80,7 +81,7 @@ class _Plan:
 
 def tensor_kind(numel: int, ndim: int, k: int, state: DGCState) -> Kind:
     """How one tensor is exchanged (see the module docstring)."""
-    if ndim <= 1 or numel < state.config.min_compress_numel:
+    if state.config.averaged_dense(numel, ndim):
         return "dense"
     value_bytes = state.value_dtype.itemsize
     if k * (comm.INDEX_BYTES + value_bytes) >= numel * 4:
@@ -218,8 +219,11 @@ def _prepare(state: DGCState, plan: _Plan, buffer: Tensor) -> _Prepared:
         if e.kind == "dense":
             prepared.dense_parts.append(g[i])
         elif e.kind == "full":
+            # Everything is sent: momentum factor masking would clear the whole momentum every step and
+            # train without momentum; the paper masks what a *sparse* update applied. Unmasked, this is
+            # DDP + SGD momentum exactly (the DGC authors' code treats density 1 the same way).
             prepared.dense_parts.append(buffers[i].velocity_next)
-            state.memory.stage(e.name, None, cfg.momentum_masking)
+            state.memory.stage(e.name, None, False)
         else:
             prepared.sparse.append((e, buffers[i]))
     return prepared

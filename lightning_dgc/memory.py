@@ -58,6 +58,21 @@ def bucket_order_flat(tensor: Tensor) -> Tensor:
     return tensor.reshape(-1)
 
 
+def momentum_from_sgd(buffer: Tensor, momentum: float, nesterov: bool, dense: bool) -> Tensor:
+    """The momentum ``u`` that continues SGD's ``momentum_buffer`` (flat, in bucket order) exactly.
+
+    SGD keeps ``b <- m b + g`` and steps by ``b`` (Nesterov: by ``g + m b``). Momentum correction
+    steps by ``u <- m u + g`` (the same ``b``), and for Nesterov by ``u + g`` with ``u <- m (u + g)``,
+    that is ``u = m b``. Tensors averaged dense keep SGD's own ``b`` (:func:`_apply_dense_momentum`).
+    """
+    return buffer * momentum if nesterov and not dense else buffer
+
+
+def momentum_to_sgd(u: Tensor, momentum: float, nesterov: bool, dense: bool) -> Tensor:
+    """SGD's ``momentum_buffer`` that continues the momentum ``u`` (the inverse of :func:`momentum_from_sgd`)."""
+    return u / momentum if nesterov and not dense else u
+
+
 #: Tensors with at least this many values get momentum correction tensor by tensor with fused
 #: ``out=`` operations (fewest passes over memory); smaller ones are batched into ``torch._foreach_*``
 #: calls (fewest operator dispatches, which dominate for small tensors).
@@ -168,6 +183,11 @@ class ResidualMemory:
             buf = _Buffers(*zeros)
             self.buffers[name] = buf
         return buf
+
+    def set_momentum(self, name: str, momentum: Tensor) -> None:
+        """Start ``name``'s momentum from ``momentum`` (flat, in bucket order), its residual from zero."""
+        flat = momentum.detach().reshape(-1)
+        self.get(name, flat.numel(), flat.device).momentum.copy_(flat)
 
     def stage(self, name: str, sent: Tensor | None, masked: bool) -> None:
         """Record that ``name``'s scratch buffers hold this step's update (sent = indices sent)."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import threading
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,16 +21,41 @@ Selection = Literal["sampled", "exact"]
 ValueDType = Literal["fp32", "fp16"]
 
 
-def check_density(density: float, name: str = "density") -> float:
+def real_number(value: object, name: str) -> float:
+    """``value`` as a float if it is a real number of any type (numpy scalars too, not bool or str).
+
+    Raises a ``ValueError`` naming the argument otherwise, so that ``momentum="0.9"`` fails with a
+    message that says what to pass rather than a bare ``TypeError`` from a comparison.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"`{name}` must be a number, got {value!r} ({type(value).__name__}).")
+    return float(value)
+
+
+def whole_number(value: object, name: str) -> int:
+    """``value`` as an int if it is an integer of any type (numpy integers too, not bool, float or str)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
+    return int(value)
+
+
+def check_density(density: object, name: str = "density") -> float:
     """Return ``density`` as a float if it lies in (0, 1]; raise a ``ValueError`` naming the fix."""
-    if not isinstance(density, (int, float)) or isinstance(density, bool) or not math.isfinite(density):
+    value = real_number(density, name)
+    if not math.isfinite(value):
         raise ValueError(f"`{name}` must be a finite number in (0, 1], got {density!r}.")
-    if not 0.0 < density <= 1.0:
+    if not 0.0 < value <= 1.0:
         raise ValueError(
-            f"`{name}` is the fraction of gradient values sent each step and must lie in (0, 1], got {density}."
+            f"`{name}` is the fraction of gradient values sent each step and must lie in (0, 1], got {value}."
             " Use 0.001 for DGC's 99.9% sparsity, or 1.0 to send everything."
         )
-    return float(density)
+    return value
+
+
+def _flag(value: object, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+    return bool(value)
 
 
 @dataclass
@@ -71,9 +98,14 @@ class DGCConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise a ``ValueError`` that says how to fix the first invalid setting."""
+        """Raise a ``ValueError`` that says how to fix the first invalid setting.
+
+        Numbers of any real type are accepted (``numpy.float32(0.1)``, ``fractions.Fraction``) and
+        stored as plain ``float``/``int``, so that the config stays JSON- and checkpoint-friendly.
+        """
         self.density = check_density(self.density)
-        if not isinstance(self.sample_ratio, (int, float)) or not 0.0 < self.sample_ratio <= 1.0:
+        self.sample_ratio = real_number(self.sample_ratio, "sample_ratio")
+        if not 0.0 < self.sample_ratio <= 1.0:
             raise ValueError(
                 f"`sample_ratio` is the fraction of each tensor sampled to find the top-k threshold and must lie"
                 f" in (0, 1], got {self.sample_ratio!r}. The paper samples 0.1% to 1% (0.001 to 0.01)."
@@ -84,16 +116,30 @@ class DGCConfig:
             raise ValueError(
                 f"`value_dtype` must be one of {sorted(VALUE_DTYPES)}, got {self.value_dtype!r}."
             )
+        self.momentum = real_number(self.momentum, "momentum")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"`momentum` must lie in [0, 1), got {self.momentum!r}.")
+        self.nesterov = _flag(self.nesterov, "nesterov")
+        self.momentum_masking = _flag(self.momentum_masking, "momentum_masking")
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("`nesterov=True` needs a momentum > 0.")
-        if self.weight_decay < 0.0:
+        self.weight_decay = real_number(self.weight_decay, "weight_decay")
+        if not self.weight_decay >= 0.0:
             raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay!r}.")
-        if self.local_clip_norm is not None and not self.local_clip_norm > 0.0:
-            raise ValueError(f"`local_clip_norm` must be > 0 or None (off), got {self.local_clip_norm!r}.")
+        if self.local_clip_norm is not None:
+            self.local_clip_norm = real_number(self.local_clip_norm, "local_clip_norm")
+            if not self.local_clip_norm > 0.0:
+                raise ValueError(
+                    f"`local_clip_norm` must be > 0 or None (off), got {self.local_clip_norm!r}."
+                )
+        self.min_compress_numel = whole_number(self.min_compress_numel, "min_compress_numel")
         if self.min_compress_numel < 1:
             raise ValueError(f"`min_compress_numel` must be >= 1, got {self.min_compress_numel!r}.")
+        self.seed = whole_number(self.seed, "seed")
+
+    def averaged_dense(self, numel: int, ndim: int) -> bool:
+        """Whether a tensor of this size and rank is always averaged dense rather than compressed."""
+        return ndim <= 1 or numel < self.min_compress_numel
 
     def fingerprint(self, exclude: tuple[str, ...] = ("density",)) -> str:
         """A short hash of the settings that must agree across ranks (density may change by schedule)."""
@@ -188,6 +234,11 @@ class DGCState:
                 "model.named_parameters())` before training (DGCStrategy does this for you)."
             )
         return name
+
+    def is_dense(self, name: str) -> bool:
+        """Whether parameter ``name`` is always averaged dense (1-D or fewer than ``min_compress_numel`` values)."""
+        param = self._params[name]
+        return self.config.averaged_dense(param.numel(), param.dim())
 
     def settings_for(self, name: str) -> ParamSettings:
         default = ParamSettings(self.config.momentum, self.config.nesterov, self.config.weight_decay)
@@ -304,18 +355,21 @@ class DGCState:
         return self.memory.residual_norm()
 
     # -- checkpointing -----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state: config, step, memory and generator, loadable with ``weights_only=True``."""
-        return {
+    def state_dict(self, memory: bool = True) -> dict[str, Any]:
+        """This rank's state: config, step, memory and generator, loadable with ``weights_only=True``.
+
+        ``memory=False`` leaves the buffers out (a checkpoint gathers them tensor by tensor instead).
+        """
+        state = {
             "algorithm": "dgc",
             "config": asdict(self.config),
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "world_size": self.world_size,
             "rank": self.rank,
-            "memory": self.memory.state_dict(),
             "generator": self.generator.get_state(),
         }
+        return state | {"memory": self.memory.state_dict()} if memory else state
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         """Restore memory, step and generator. The density stays as configured (arguments and callbacks own it)."""

@@ -5,14 +5,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,6 +28,7 @@ from typing_extensions import override
 
 from lightning_dgc import comm
 from lightning_dgc.hook import deft_hook, dgc_hook, sparse_gradient_message
+from lightning_dgc.memory import bucket_order_flat, momentum_from_sgd, momentum_to_sgd
 from lightning_dgc.state import (
     DGCConfig,
     DGCState,
@@ -30,6 +36,7 @@ from lightning_dgc.state import (
     Selection,
     ValueDType,
     check_density,
+    real_number,
     state_for_rank,
 )
 
@@ -37,6 +44,52 @@ log = logging.getLogger(__name__)
 
 #: Key of the per-rank exchange state in Lightning checkpoints.
 CHECKPOINT_KEY = "lightning_dgc"
+#: Version of that entry. 2: the checkpoint's optimizer state holds the user's SGD hyper-parameters and
+#: momentum (absent: written before, with the take-over's zeros there).
+CHECKPOINT_FORMAT = 2
+
+
+def _is_local(path: Any) -> bool:
+    return isinstance(get_filesystem(path), LocalFileSystem)
+
+
+def _save_atomically(checkpoint: dict[str, Any], filepath: Any) -> None:
+    """``torch.save`` straight into a temporary file beside ``filepath``, then renamed over it.
+
+    As atomic as Lightning's ``TorchCheckpointIO`` (a crash leaves the previous file or none), but
+    without serialising the whole checkpoint into memory first: the exchange's memory makes a
+    checkpoint ``2 x world_size`` model sizes larger than DDP's, and that buffer would double it.
+    """
+    path = Path(filepath)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        torch.save(checkpoint, partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+class _Hyperparameters(NamedTuple):
+    """The user's SGD hyper-parameters of one parameter group, before the take-over set them to 0."""
+
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+
+
+@dataclass
+class _TakenOver:
+    """One SGD parameter group whose momentum and weight decay the exchange applies."""
+
+    optimizer: int  # index into ``strategy.optimizers``
+    group: int  # index into its ``param_groups``
+    user: _Hyperparameters
+    names: list[str]  # the group's parameter names, in group order ("" for parameters outside the module)
+
+    def restore(self, group: dict[str, Any]) -> None:
+        """Put the user's values back into ``group`` (a live group or a checkpoint's copy)."""
+        group["momentum"], group["nesterov"], group["weight_decay"] = self.user
 
 
 def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
@@ -140,6 +193,10 @@ class DGCStrategy(DDPStrategy):
         )
         self._dgc_state: DGCState | None = None
         self._checkpoint_entry: dict[str, Any] | None = None  # restored in setup(), once the state exists
+        self._taken_over: list[_TakenOver] = []  # SGD groups whose momentum the exchange applies
+        self._legacy_checkpoint = (
+            False  # resuming a checkpoint whose optimizer state holds the take-over's zeros
+        )
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
 
     # -- public API ------------------------------------------------------------------------------
@@ -196,9 +253,12 @@ class DGCStrategy(DDPStrategy):
         sparse = sparse_gradient_parameters(self.model.module)
         if sparse:
             raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
-        self._dgc_state = self._make_state()
-        self._dgc_state.register_parameters(self.model.module.named_parameters())
-        self.model.register_comm_hook(self._dgc_state, self._hook())
+        named = list(self.model.module.named_parameters())
+        state = self._dgc_state
+        if state is None or list(state.param_names.values()) != [n for n, _ in named]:
+            state = self._dgc_state = self._make_state()  # else a second fit: the memory carries on
+        state.register_parameters(named)
+        self.model.register_comm_hook(state, self._hook())
         log.debug("%s: registered the compression hook on %s", type(self).__name__, self.root_device)
 
     @override
@@ -210,41 +270,47 @@ class DGCStrategy(DDPStrategy):
         self._check_ranks_agree()
         self._restore_exchange_state()
 
-    def _take_over_optimizers(self) -> None:
-        """Move SGD momentum and weight decay into the hook; reject optimizers that would apply momentum twice."""
+    def _take_over_optimizers(self, legacy_checkpoint: bool = False) -> None:
+        """Move SGD momentum and weight decay into the hook; reject optimizers that would apply momentum twice.
+
+        Called at setup and again after Lightning restored the optimizer state from a checkpoint (which
+        brings back the checkpoint's hyper-parameters). The user's values are read from the optimizer
+        (or, for a checkpoint written before they were kept, from the setup-time optimizer), recorded so
+        that checkpoints and the optimizer after ``fit`` hold them, and set to 0 in the optimizer. An
+        SGD ``momentum_buffer`` found in the optimizer state (a DDP checkpoint, or a previous ``fit``)
+        becomes the exchange's momentum for parameters that have none yet, and is removed from SGD.
+        """
         state = self.dgc_state
         cfg = state.config
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        taken = 0
-        for optimizer in self.optimizers:
+        before = {(t.optimizer, t.group): t for t in self._taken_over}
+        self._taken_over = []
+        taken, carried = 0, 0
+        for oi, optimizer in enumerate(self.optimizers):
             opt = getattr(optimizer, "_optimizer", optimizer)
-            for group in opt.param_groups:
+            for gi, group in enumerate(opt.param_groups):
                 momentum = float(group.get("momentum", 0.0) or 0.0)
                 if isinstance(opt, torch.optim.SGD):
-                    if momentum > 0 and cfg.momentum > 0:
-                        raise ValueError(
-                            f"Momentum would be applied twice: the SGD optimizer has momentum={momentum} and"
-                            f" {type(self).__name__} has momentum={cfg.momentum}. Set only one: DGC takes the"
-                            " SGD momentum over by itself, so leave the strategy's `momentum` at 0."
-                        )
-                    if group.get("dampening", 0.0):
-                        raise ValueError(
-                            "DGC's momentum correction has no dampening; create SGD with `dampening=0`."
-                        )
-                    if group.get("maximize", False):
-                        raise ValueError(
-                            "SGD(maximize=True) is not supported by DGC; negate the loss instead."
-                        )
+                    user = _Hyperparameters(
+                        momentum, bool(group.get("nesterov", False)), float(group.get("weight_decay", 0.0))
+                    )
+                    if legacy_checkpoint and (oi, gi) in before:
+                        user = before[oi, gi].user
+                    self._check_sgd(user.momentum, group)
                     settings = ParamSettings(
-                        momentum=momentum if momentum > 0 else cfg.momentum,
-                        nesterov=bool(group.get("nesterov", False)) or cfg.nesterov,
-                        weight_decay=float(group.get("weight_decay", 0.0)) + cfg.weight_decay,
+                        momentum=user.momentum if user.momentum > 0 else cfg.momentum,
+                        nesterov=user.nesterov or cfg.nesterov,
+                        weight_decay=user.weight_decay + cfg.weight_decay,
                     )
                     group["momentum"], group["nesterov"], group["weight_decay"] = 0.0, False, 0.0
-                    for p in group["params"]:
-                        if id(p) in names:
-                            state.param_settings[names[id(p)]] = settings
-                    taken += int(momentum > 0 or settings.weight_decay > 0)
+                    group_names = [names.get(id(p), "") for p in group["params"]]
+                    self._taken_over.append(_TakenOver(oi, gi, user, group_names))
+                    for p, name in zip(group["params"], group_names, strict=True):
+                        if not name:
+                            continue
+                        state.param_settings[name] = settings
+                        carried += self._carry_sgd_momentum(opt, p, name, settings)
+                    taken += int(user.momentum > 0 or settings.weight_decay > 0)
                 elif momentum > 0:
                     raise ValueError(
                         f"{type(opt).__name__} applies its own momentum ({momentum}), and DGC's momentum"
@@ -258,11 +324,51 @@ class DGCStrategy(DDPStrategy):
                         f" Use {type(self).__name__}(momentum=0) with Adam-family optimizers."
                     )
         state._plans.clear()
-        if taken:
+        if taken and not before:
             rank_zero_info(
                 f"{type(self).__name__}: took over SGD momentum/weight decay of {taken} parameter group(s);"
                 " they are applied by momentum correction inside the gradient exchange."
             )
+        if carried:
+            rank_zero_info(
+                f"{type(self).__name__}: continued SGD's momentum buffers of {carried} parameter(s) as the"
+                " exchange's momentum."
+            )
+
+    def _check_sgd(self, momentum: float, group: dict[str, Any]) -> None:
+        cfg = self.dgc_state.config
+        if momentum > 0 and cfg.momentum > 0:
+            raise ValueError(
+                f"Momentum would be applied twice: the SGD optimizer has momentum={momentum} and"
+                f" {type(self).__name__} has momentum={cfg.momentum}. Set only one: DGC takes the"
+                " SGD momentum over by itself, so leave the strategy's `momentum` at 0."
+            )
+        if group.get("dampening", 0.0):
+            raise ValueError("DGC's momentum correction has no dampening; create SGD with `dampening=0`.")
+        if group.get("maximize", False):
+            raise ValueError("SGD(maximize=True) is not supported by DGC; negate the loss instead.")
+
+    def _carry_sgd_momentum(
+        self, opt: Optimizer, param: torch.Tensor, name: str, settings: ParamSettings
+    ) -> int:
+        """Move SGD's ``momentum_buffer`` of ``param`` (if any) into the exchange's momentum; 1 if carried."""
+        buffer = opt.state.get(param, {}).pop("momentum_buffer", None)
+        state = self.dgc_state
+        if buffer is None or not settings.momentum or name in state.memory.buffers:
+            return 0  # no buffer, no momentum, or the exchange has its own (checkpoint, earlier fit)
+        flat = bucket_order_flat(buffer.detach()).to(self.root_device, torch.float32)
+        state.memory.set_momentum(
+            name, momentum_from_sgd(flat, settings.momentum, settings.nesterov, state.is_dense(name))
+        )
+        return 1
+
+    def _sgd_momentum(self, name: str, momentum: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The exchange's momentum of ``name`` (flat) as an SGD ``momentum_buffer`` shaped and laid out like ``like``."""
+        settings = self.dgc_state.settings_for(name)
+        flat = momentum_to_sgd(momentum, settings.momentum, settings.nesterov, self.dgc_state.is_dense(name))
+        buffer = torch.empty_like(like, device=flat.device)
+        bucket_order_flat(buffer).copy_(flat)
+        return buffer
 
     def _check_ranks_agree(self) -> None:
         """Fail fast, on every rank, if ranks were configured differently (instead of hanging later)."""
@@ -331,25 +437,87 @@ class DGCStrategy(DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Gather every rank's memory into the checkpoint that rank 0 writes (all ranks call this)."""
-        if self._dgc_state is not None:
-            ranks = comm.gather_object(self._dgc_state.state_dict())
-            checkpoint[CHECKPOINT_KEY] = {
-                "algorithm": self.algorithm,
-                "world_size": self.world_size,
-                "ranks": ranks,
-            }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        """Gather every rank's memory into the checkpoint that rank 0 writes (all ranks call this).
+
+        The checkpoint also holds the user's SGD hyper-parameters and, as SGD's ``momentum_buffer``, the
+        mean over ranks of the exchange's momentum, so that plain DDP (or any strategy) resumes it with
+        momentum applied once and nothing lost. Memory: every buffer is gathered tensor by tensor into
+        rank 0 (``2 x world_size`` model sizes there, plus one for the SGD buffers, as DDP's own
+        checkpoint holds); the other ranks send their buffers as they are, without copies.
+        """
+        if self._dgc_state is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        entry = self._gather_exchange_state()
+        if entry is None:  # not rank 0: its buffers went to rank 0
+            return
+        checkpoint[CHECKPOINT_KEY] = entry
+        if "optimizer_states" in checkpoint:
+            self._write_user_optimizer_state(checkpoint["optimizer_states"], entry)
+        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and _is_local(filepath):
+            _save_atomically(checkpoint, filepath)  # Lightning's buffers the whole file in memory first
+        else:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _gather_exchange_state(self) -> dict[str, Any] | None:
+        state = self.dgc_state
+        names = sorted(state.memory.buffers)
+        numels = [state.memory.buffers[n].momentum.numel() for n in names]
+        layout = hashlib.sha256(json.dumps([names, numels]).encode()).hexdigest()
+        if len(set(comm.all_gather_object(layout))) != 1:
+            raise RuntimeError(
+                f"{type(self).__name__}: the ranks hold memory for different parameters and cannot write one"
+                " checkpoint; every rank must train the same model."
+            )
+        metadata = comm.gather_object(state.state_dict(memory=False))
+        tensors = [getattr(state.memory.buffers[n], kind) for n in names for kind in ("momentum", "velocity")]
+        gathered = comm.gather_tensors(tensors)
+        if metadata is None or gathered is None:
+            return None
+        ranks = []
+        for r, meta in enumerate(metadata):
+            memory: dict[str, dict[str, torch.Tensor]] = {"momentum": {}, "velocity": {}}
+            for i, name in enumerate(names):
+                memory["momentum"][name] = gathered[2 * i][r]
+                memory["velocity"][name] = gathered[2 * i + 1][r]
+            ranks.append({**meta, "memory": memory})  # type: ignore[dict-item]
+        return {
+            "algorithm": self.algorithm,
+            "format": CHECKPOINT_FORMAT,
+            "world_size": self.world_size,
+            "ranks": ranks,
+        }
+
+    def _write_user_optimizer_state(
+        self, optimizer_states: list[dict[str, Any]], entry: dict[str, Any]
+    ) -> None:
+        """The user's hyper-parameters and the mean momentum as SGD buffers, into the checkpoint's copy."""
+        params = dict(self.lightning_module.named_parameters())
+        momenta = [r["memory"]["momentum"] for r in entry["ranks"]]
+        for taken in self._taken_over:
+            packed = optimizer_states[taken.optimizer]
+            group = packed["param_groups"][taken.group]
+            taken.restore(group)
+            if not taken.user.momentum:
+                continue
+            for index, name in zip(group["params"], taken.names, strict=True):
+                if name not in momenta[0]:
+                    continue
+                mean = torch.stack([m[name] for m in momenta]).mean(0)
+                buffer = self._sgd_momentum(name, mean, params[name].detach().cpu()).to(params[name].dtype)
+                # A new dict: the packed state's values are the optimizer's live per-parameter dicts.
+                packed["state"][index] = {**packed["state"].get(index, {}), "momentum_buffer": buffer}
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict)
         # Lightning restores the model before setup(); the exchange state is applied once it exists.
         self._checkpoint_entry = checkpoint.get(CHECKPOINT_KEY)
+        self._legacy_checkpoint = False
         if self._checkpoint_entry is None and "optimizer_states" in checkpoint:
             rank_zero_warn(
                 f"The checkpoint holds no {type(self).__name__} state (it was written by another strategy):"
-                " training resumes with empty momentum and residual buffers."
+                " its SGD momentum buffers continue as the exchange's momentum, and the residuals start empty."
             )
         elif self._checkpoint_entry is not None and self._checkpoint_entry.get("algorithm") != self.algorithm:
             found = self._checkpoint_entry.get("algorithm")
@@ -358,6 +526,49 @@ class DGCStrategy(DDPStrategy):
                 f" something else here. Resume with strategy={found!r}, or delete the checkpoint's"
                 f" {CHECKPOINT_KEY!r} entry to start {self.algorithm!r} with empty buffers."
             )
+        elif self._checkpoint_entry is not None and "format" not in self._checkpoint_entry:
+            self._legacy_checkpoint = True
+            rank_zero_warn(
+                "This checkpoint was written by an earlier lightning-dgc, whose optimizer state holds 0 for the SGD"
+                " momentum and weight decay that the exchange applied: they are taken from configure_optimizers()."
+            )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Restore the optimizer, then take its (restored) SGD momentum over again: applied once, never lost."""
+        super().load_optimizer_state_dict(checkpoint)
+        if self._taken_over or self._legacy_checkpoint:
+            self._take_over_optimizers(legacy_checkpoint=self._legacy_checkpoint)
+
+    @override
+    def on_train_end(self) -> None:
+        """Hand the momentum back to SGD (mean over ranks), so that the optimizer object continues it if it
+        is used again (a later ``fit`` with a new Trainer, or under another strategy)."""
+        super().on_train_end()
+        if self._dgc_state is None:
+            return
+        state = self.dgc_state
+        for taken in self._taken_over:
+            if not taken.user.momentum:
+                continue
+            opt = self.optimizers[taken.optimizer]
+            opt = getattr(opt, "_optimizer", opt)
+            for param, name in zip(opt.param_groups[taken.group]["params"], taken.names, strict=True):
+                if name in state.memory.buffers:
+                    mean = comm.average(state.memory.buffers[name].momentum.clone())
+                    opt.state[param]["momentum_buffer"] = self._sgd_momentum(name, mean, param.detach()).to(
+                        param.dtype
+                    )
+
+    @override
+    def teardown(self) -> None:
+        """Give the optimizer its SGD hyper-parameters back (the take-over ends with ``fit``)."""
+        for taken in self._taken_over:
+            if taken.optimizer < len(self.optimizers):
+                opt = self.optimizers[taken.optimizer]
+                taken.restore(getattr(opt, "_optimizer", opt).param_groups[taken.group])
+        self._taken_over = []
+        super().teardown()
 
     def _restore_exchange_state(self) -> None:
         entry, self._checkpoint_entry = self._checkpoint_entry, None
@@ -419,6 +630,7 @@ class DEFTStrategy(DGCStrategy):
         momentum: float = 0.0,
         **kwargs: Any,
     ) -> None:
+        momentum = real_number(momentum, "momentum")
         if momentum and not momentum_correction:
             raise ValueError(
                 "DEFTStrategy applies no momentum in the exchange unless `momentum_correction=True`; leave"

@@ -156,11 +156,25 @@ class PTBDataModule(L.LightningDataModule):
             return
         self.prepare_data()
         self.vocabulary = Vocabulary()
-        self.tokens["train"] = self.vocabulary.encode(read_words(self.root / "ptb.train.txt"), grow=True)
+        self.tokens["train"] = self.vocabulary.encode(self._read_split("train"), grow=True)
         for split in ("valid", "test"):
-            self.tokens[split] = self.vocabulary.encode(
-                read_words(self.root / f"ptb.{split}.txt"), grow=False
+            self.tokens[split] = self.vocabulary.encode(self._read_split(split), grow=False)
+
+    def _read_split(self, split: str) -> list[str]:
+        """Words of ``ptb.<split>.txt``; a file without words is refused here, where the error can name it.
+
+        (Left alone, an empty training file surfaces as an unknown word in the validation file, and an
+        empty validation or test file as "0 tokens are too few" when its DataLoader is built.)
+        """
+        path = self.root / f"ptb.{split}.txt"
+        words = read_words(path)
+        if all(word == EOS for word in words):
+            raise ValueError(
+                f"{path} holds no words: the file is empty or blank, perhaps from an interrupted download "
+                f"or copy. Delete it and let the DataModule download it again (download=True), or put "
+                f"Mikolov's ptb.{split}.txt there."
             )
+        return words
 
     def _loader(self, split: str) -> DataLoader[Any]:
         if split not in self.tokens:

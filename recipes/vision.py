@@ -3,8 +3,9 @@
 * :class:`ImageClassifier`: cross-entropy training with momentum SGD and a step schedule (Gross &
   Wilber 2016, as in the paper), top-1 accuracy from torchmetrics.
 * :class:`CIFAR10DataModule`: the original python pickle batches, downloaded and checked when
-  missing; augmentation (4-pixel padded random crop, horizontal flip, per-channel normalisation)
-  in plain torch, so CIFAR needs no torchvision.
+  missing, unpickled with an allow-list of globals (a crafted file cannot run code); augmentation
+  (4-pixel padded random crop, horizontal flip, per-channel normalisation) in plain torch, so
+  CIFAR needs no torchvision.
 * :class:`ImageNetDataModule`: ``train/`` and ``val/`` class folders read with torchvision (the
   optional ``vision`` extra), imported only when this DataModule is set up.
 """
@@ -14,9 +15,10 @@ from __future__ import annotations
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -33,6 +35,18 @@ CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
 CIFAR10_FOLDER = "cifar-10-batches-py"
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+#: The only globals the CIFAR-10 python files need: numpy's array reconstruction (``numpy.core`` in the
+#: official archive, ``numpy._core`` when written by numpy 2) and ``_codecs.encode``, which Python 3 writes
+#: for ``bytes`` at pickle protocol 2.
+CIFAR10_PICKLE_GLOBALS = frozenset(
+    {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
+    }
+)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -145,10 +159,87 @@ class CIFARImages(Dataset[tuple[Tensor, Tensor]]):
         return (image - self.mean) / self.std, self.labels[index]
 
 
-def load_cifar_batch(path: str | Path) -> tuple[Tensor, Tensor]:
-    """Read one original CIFAR-10 pickle batch: ``b"data"`` (N x 3072 uint8, CHW) and ``b"labels"``."""
+def _redownload_hint(path: Path) -> str:
+    # the whole folder: with one batch missing, the DataModule would train on the others without a word
+    return (
+        f"Delete the folder {path.parent} and let the DataModule download the archive again (download=True), "
+        f"or unpack a fresh copy of {CIFAR10_URL} into {path.parent.parent} by hand."
+    )
+
+
+class _CIFARUnpickler(pickle.Unpickler):
+    """Unpickler that builds only what the CIFAR-10 files hold: dicts, lists, bytes, numbers, numpy arrays.
+
+    ``pickle.load`` calls whatever importable function a file names, so a crafted ``data_batch_1``
+    under ``--data.root`` could run any code; refusing every global but numpy's array reconstruction
+    closes that door (the same idea as ``torch.load(weights_only=True)``).
+    """
+
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__(file, encoding="bytes")  # the archive was pickled by Python 2: its str are bytes
+        self.refused: str | None = None  # the first global refused, for the error message
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in CIFAR10_PICKLE_GLOBALS:
+            self.refused = f"{module}.{name}"
+            raise pickle.UnpicklingError(f"global '{self.refused}' is forbidden")
+        return super().find_class(module, name)
+
+
+def load_cifar_pickle(path: str | Path) -> Any:
+    """Unpickle one file of the CIFAR-10 python archive (a batch or ``batches.meta``) without running code.
+
+    Raises:
+        pickle.UnpicklingError: the file names a global the archive never needs, or is damaged or cut
+            short; the message names the file and says how to get a fresh copy.
+    """
+    path = Path(path)
     with open(path, "rb") as f:
-        batch = pickle.load(f, encoding="bytes")
+        unpickler = _CIFARUnpickler(f)
+        try:
+            return unpickler.load()
+        except Exception as error:  # a damaged pickle raises almost any type (EOFError, ValueError, ...)
+            if unpickler.refused is not None:
+                raise pickle.UnpicklingError(
+                    f"{path} is not a CIFAR-10 batch: it asks for {unpickler.refused!r}, which the official "
+                    f"archive never contains. {_redownload_hint(path)}"
+                ) from None
+            raise pickle.UnpicklingError(
+                f"{path} is not a readable CIFAR-10 batch ({type(error).__name__}: {error}): the file is "
+                f"damaged or was cut short, e.g. by an interrupted download or copy. {_redownload_hint(path)}"
+            ) from error
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
+
+
+def _batch_problem(batch: Any) -> str | None:
+    """What keeps ``batch`` from being a CIFAR-10 batch, in words, or ``None`` when it is one."""
+    if not isinstance(batch, dict) or b"data" not in batch or b"labels" not in batch:
+        found = list(batch) if isinstance(batch, dict) else _describe(batch)
+        return f"it should be a dict with b'data' and b'labels', found {found}"
+    data, labels = batch[b"data"], np.asarray(batch[b"labels"])
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        return f"b'data' should be N x 3072 uint8 images, found {_describe(data)}"
+    if labels.shape != (len(data),) or labels.dtype.kind not in "iu" or ((labels < 0) | (labels > 9)).any():
+        return f"b'labels' should be {len(data)} integers in 0..9 (one per image), found {_describe(labels)}"
+    return None
+
+
+def load_cifar_batch(path: str | Path) -> tuple[Tensor, Tensor]:
+    """Read one original CIFAR-10 pickle batch: ``b"data"`` (N x 3072 uint8, CHW) and ``b"labels"``.
+
+    Raises:
+        pickle.UnpicklingError: see :func:`load_cifar_pickle`.
+        ValueError: the file unpickles but is not a batch (keys, shape, dtype or labels are wrong).
+    """
+    batch = load_cifar_pickle(path)
+    problem = _batch_problem(batch)
+    if problem is not None:
+        raise ValueError(f"{path} is not a CIFAR-10 batch: {problem}. {_redownload_hint(Path(path))}")
     images = torch.as_tensor(batch[b"data"], dtype=torch.uint8).reshape(-1, 3, 32, 32)
     return images, torch.as_tensor(batch[b"labels"], dtype=torch.long)
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_dgc import DGCConfig, DGCStrategy
+from lightning_dgc import DEFTStrategy, DGCConfig, DGCStrategy
 
 
 @pytest.mark.parametrize("density", [0.0, -0.1, 1.5, math.nan, math.inf, "0.1", True])
@@ -58,3 +58,46 @@ def test_valid_boundaries_accepted() -> None:
 def test_fingerprint_ignores_density_but_not_other_settings() -> None:
     assert DGCConfig(density=0.1).fingerprint() == DGCConfig(density=0.2).fingerprint()
     assert DGCConfig(momentum=0.9).fingerprint() != DGCConfig(momentum=0.8).fingerprint()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"momentum": "0.9"}, r"`momentum` must be a number, got '0.9' \(str\)"),
+        ({"min_compress_numel": "10"}, r"`min_compress_numel` must be an integer, got '10' \(str\)"),
+        ({"min_compress_numel": 10.5}, r"`min_compress_numel` must be an integer"),
+        ({"local_clip_norm": "5"}, r"`local_clip_norm` must be a number, got '5' \(str\)"),
+        ({"sample_ratio": "0.01"}, r"`sample_ratio` must be a number"),
+        ({"density": None}, r"`density` must be a number, got None"),
+        ({"nesterov": "yes"}, r"`nesterov` must be True or False"),
+        ({"seed": 1.5}, r"`seed` must be an integer"),
+    ],
+)
+def test_arguments_of_the_wrong_type_name_the_argument(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DGCStrategy(**kwargs)
+
+
+def test_numbers_of_any_real_type_are_accepted_and_stored_as_python_numbers() -> None:
+    import fractions
+
+    import numpy as np
+
+    strategy = DGCStrategy(
+        density=np.float32(0.1), momentum=np.float64(0.9), sample_ratio=fractions.Fraction(1, 100),
+        min_compress_numel=np.int64(2048), local_clip_norm=np.float16(5), nesterov=np.bool_(True), seed=np.int32(3),
+    )  # fmt: skip
+    config = strategy._dgc_config
+    assert config.density == pytest.approx(0.1) and type(config.density) is float
+    assert (
+        config.sample_ratio == 0.01
+        and type(config.min_compress_numel) is int
+        and config.min_compress_numel == 2048
+    )
+    assert config.nesterov is True and config.local_clip_norm == 5.0 and config.seed == 3
+    assert DEFTStrategy(density=np.float32(0.5)).density == 0.5
+
+
+def test_deft_momentum_of_the_wrong_type_names_the_argument() -> None:
+    with pytest.raises(ValueError, match="`momentum` must be a number"):
+        DEFTStrategy(momentum="0.9", momentum_correction=True)

@@ -46,11 +46,13 @@ def test_density_one_fp16_wire_equals_ddp_to_fp16_precision() -> None:
     assert stats["compression_ratio"] == pytest.approx(2.0)
 
 
-def test_taken_over_sgd_momentum_equals_ddp_sgd_without_masking() -> None:
+@pytest.mark.parametrize("masking", [True, False])
+def test_taken_over_sgd_momentum_equals_ddp_sgd_at_density_one(masking: bool) -> None:
     """SGD momentum + weight decay moved into the hook: same trajectory as DDP + SGD(momentum) at density 1.
 
-    With momentum factor masking off and everything sent, momentum correction is SGD momentum
-    (plain and Nesterov), for compressed and dense parameters alike.
+    Everything is sent, so momentum correction is SGD momentum (plain and Nesterov), for compressed
+    and dense parameters alike, with momentum factor masking on (the default: it does not apply to
+    tensors sent whole) or off.
     """
     runs = []
     for nesterov in (False, True):
@@ -58,7 +60,7 @@ def test_taken_over_sgd_momentum_equals_ddp_sgd_without_masking() -> None:
         runs.append({"steps": 6, "use_hook": False, "sgd": sgd})
         runs.append(
             {"steps": 6, "use_hook": True, "sgd": sgd, "take_over": True,
-             "config": {"density": 1.0, "momentum_masking": False}}
+             "config": {"density": 1.0, "momentum_masking": masking}}
         )  # fmt: skip
     results = run_ranks(workers.train_many, runs=runs)[0]
     for ddp, dgc in zip(results[0::2], results[1::2], strict=False):

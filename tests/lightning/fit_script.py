@@ -34,9 +34,11 @@ class Regression(L.LightningModule):
         weight_decay: float = 0.0,
         inf_at: tuple[int, int] | None = None,
         manual: bool = False,
+        reuse_optimizer: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
+        self._optimizer: torch.optim.Optimizer | None = None
         self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
         self.automatic_optimization = not manual
 
@@ -58,6 +60,11 @@ class Regression(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self._optimizer is None or not self.hparams.reuse_optimizer:
+            self._optimizer = self._make_optimizer()
+        return self._optimizer
+
+    def _make_optimizer(self):
         h = self.hparams
         if h.optimizer == "sgd":
             return torch.optim.SGD(
@@ -93,6 +100,7 @@ class HookProbe(L.Callback):
         after = torch.cat([p.detach().float().reshape(-1) for p in pl_module.parameters()])
         record = {
             "global_step": trainer.global_step,
+            "sgd_momentum": [g.get("momentum") for g in trainer.optimizers[0].param_groups],
             "update_norm": float(torch.linalg.vector_norm(after - self._before)),
             "params_finite": bool(torch.isfinite(after).all()),
         }
@@ -171,16 +179,22 @@ def main() -> None:
     p.add_argument("--manual", action="store_true")
     p.add_argument("--mismatch", action="store_true", help="rank 1 builds the strategy with another density")
     p.add_argument("--local-clip", type=float, default=None)
+    p.add_argument("--no-masking", action="store_true", help="DGCStrategy(momentum_masking=False)")
+    p.add_argument("--selection", default="sampled")
+    p.add_argument("--samples", type=int, default=512, help="dataset size (16 per batch, per rank)")
+    p.add_argument("--no-shuffle", action="store_true", help="every epoch sees the batches in the same order")
+    p.add_argument("--fit-twice", type=int, default=0, help="fit to this many steps, then on to --max-steps")
     args = p.parse_args()
 
     L.seed_everything(0)
     strategy: object = args.strategy
     if args.mismatch:  # LOCAL_RANK is set by Lightning's launcher in the re-executed rank-1 process
         args.density = 0.001 if os.environ.get("LOCAL_RANK", "0") == "0" else 0.002
-    if args.density is not None or args.local_clip is not None:
+    if args.density is not None or args.local_clip is not None or args.no_masking:
         strategy = lightning_dgc.DGCStrategy(
-            density=args.density if args.density is not None else 0.001, local_clip_norm=args.local_clip
-        )
+            density=args.density if args.density is not None else 0.001, local_clip_norm=args.local_clip,
+            momentum_masking=not args.no_masking, selection=args.selection,
+        )  # fmt: skip
     if args.timeout is not None:
         kinds = {"dgc": lightning_dgc.DGCStrategy, "deft": lightning_dgc.DEFTStrategy, "ddp": DDPStrategy}
         strategy = kinds[args.strategy](timeout=timedelta(seconds=args.timeout))
@@ -221,9 +235,15 @@ def main() -> None:
     )  # fmt: skip
     inf_at = tuple(map(int, args.inf_at.split(":"))) if args.inf_at else None
     model = Regression(
-        optimizer=args.optimizer, momentum=args.momentum, lr=args.lr, inf_at=inf_at, manual=args.manual
-    )
-    trainer.fit(model, DataLoader(dataset(), batch_size=16, shuffle=True), ckpt_path=args.resume)
+        optimizer=args.optimizer, momentum=args.momentum, lr=args.lr, inf_at=inf_at, manual=args.manual,
+        reuse_optimizer=bool(args.fit_twice),
+    )  # fmt: skip
+    data = DataLoader(dataset(args.samples), batch_size=16, shuffle=not args.no_shuffle)
+    if args.fit_twice:  # the same Trainer and optimizer object, fit again further
+        trainer.fit_loop.epoch_loop.max_steps = args.fit_twice
+        trainer.fit(model, data, ckpt_path=args.resume)
+        trainer.fit_loop.epoch_loop.max_steps = args.max_steps
+    trainer.fit(model, data, ckpt_path=args.resume)
     if args.save_ckpt:
         trainer.save_checkpoint(args.save_ckpt)
     rank = trainer.global_rank

@@ -17,7 +17,8 @@ def test_fit_with_strategy_string_registers_and_calls_the_hook(tmp_path) -> None
     for s in summary:
         assert s["strategy"] == "DGCStrategy" and s["world_size"] == 2
         assert s["hook_calls"] >= 40  # one call per bucket per step
-        assert s["optimizer_momentum"] == [0.0], "SGD momentum should have been taken over by DGC"
+        assert all(r["sgd_momentum"] == [0.0] for r in s["records"]), "DGC applies SGD's momentum, not SGD"
+        assert s["optimizer_momentum"] == [0.9], "after fit the optimizer holds the user's momentum again"
         last = s["stats"][-1]
         assert last["density"] == 0.001
         assert last["compression_ratio"] > 5
@@ -51,6 +52,7 @@ def test_fit_with_deft_shares_selection_without_buildup(tmp_path) -> None:
     for s in summary:
         assert s["strategy"] == "DEFTStrategy" and s["hook_calls"] >= 40
         assert s["optimizer_momentum"] == [0.9], "DEFT leaves momentum to the optimizer"
+        assert all(r["sgd_momentum"] == [0.9] for r in s["records"])
         last = s["stats"][-1]
         assert last["buildup_factor"] == 1.0 and last["compression_ratio"] > 5
         assert len(last["rank_selection_ms"]) == 2 and last["max_rank_selection_ms"] >= 0

@@ -20,10 +20,22 @@ class _Configurable(Regression):
         return self._make_optimizer(self.parameters())
 
 
-def _fit(strategy: DGCStrategy, make_optimizer, steps: int = 3) -> L.Trainer:
+class _GroupProbe(L.Callback):
+    """Records the optimizer's first parameter group while training runs."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        group = trainer.optimizers[0].param_groups[0]
+        self.groups.append((group.get("momentum"), group.get("nesterov"), group.get("weight_decay")))
+
+
+def _fit(strategy: DGCStrategy, make_optimizer, steps: int = 3, callbacks: list | None = None) -> L.Trainer:
     trainer = L.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=callbacks or [],
     )  # fmt: skip
     trainer.fit(_Configurable(make_optimizer), DataLoader(dataset(64), batch_size=16))
     return trainer
@@ -31,11 +43,16 @@ def _fit(strategy: DGCStrategy, make_optimizer, steps: int = 3) -> L.Trainer:
 
 def test_sgd_momentum_and_weight_decay_are_taken_over() -> None:
     strategy = DGCStrategy(density=0.01)
+    probe = _GroupProbe()
     trainer = _fit(
-        strategy, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)
-    )
+        strategy, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4),
+        callbacks=[probe],
+    )  # fmt: skip
+    assert probe.groups == [(0.0, False, 0.0)] * 3, "SGD must not apply what the exchange applies"
     group = trainer.optimizers[0].param_groups[0]
-    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.0, False, 0.0)
+    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.9, True, 1e-4), (
+        "after fit the optimizer holds the user's values again"
+    )
     settings = set(strategy.dgc_state.param_settings.values())
     assert len(settings) == 1
     s = settings.pop()
@@ -87,3 +104,34 @@ def test_sparse_gradients_are_refused_at_setup_by_name(strategy) -> None:
     data = DataLoader(torch.utils.data.TensorDataset(torch.arange(16)), batch_size=4)
     with pytest.raises(ValueError, match=r"\['embedding.weight'\] get sparse gradients .* sparse=False"):
         trainer.fit(_SparseEmbedding(), data)
+
+
+def test_checkpoint_of_an_earlier_version_keeps_the_momentum_of_configure_optimizers(tmp_path) -> None:
+    """Checkpoints written before the user's hyper-parameters were kept hold SGD(momentum=0): the
+    exchange must still apply the momentum configure_optimizers() asks for, and SGD none."""
+    make = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4)  # noqa: E731
+    trainer = _fit(DGCStrategy(density=0.01), make, steps=2)
+    path = tmp_path / "new.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["momentum"] == 0.9
+    # What an earlier version wrote: no format, the take-over's zeros, no SGD buffers.
+    del checkpoint["lightning_dgc"]["format"]
+    for group in checkpoint["optimizer_states"][0]["param_groups"]:
+        group["momentum"] = group["weight_decay"] = 0.0
+    checkpoint["optimizer_states"][0]["state"] = {}
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+
+    strategy, probe = DGCStrategy(density=0.01), _GroupProbe()
+    resumed = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=4, logger=False, callbacks=[probe],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="written by an earlier lightning-dgc"):
+        resumed.fit(
+            _Configurable(make), DataLoader(dataset(64), batch_size=16), ckpt_path=tmp_path / "old.ckpt"
+        )
+    assert probe.groups == [(0.0, False, 0.0)] * 2
+    assert {(s.momentum, s.weight_decay) for s in strategy.dgc_state.param_settings.values()} == {(0.9, 1e-4)}
+    group = resumed.optimizers[0].param_groups[0]
+    assert (group["momentum"], group["weight_decay"]) == (0.9, 1e-4)

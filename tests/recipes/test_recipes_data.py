@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
+import shlex
 import tarfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,10 +17,11 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from recipes import language, speech, vision
+from recipes.demo import write_synthetic_cifar
 from recipes.download import DatasetNotFoundError, download_file
 from recipes.language import EOS, BPTTWindows, PTBDataModule
 from recipes.speech import LibriSpeechDataModule, encode_transcript, find_utterances
-from recipes.vision import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
+from recipes.vision import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, load_cifar_batch, load_cifar_pickle
 from tests.recipes import fake_datasets
 
 UNREACHABLE = "http://127.0.0.1:9/unreachable"  # the discard port: connection refused at once
@@ -68,6 +71,108 @@ def test_cifar_concatenates_all_training_batches(tmp_path: Path) -> None:
     dm = CIFAR10DataModule(str(tmp_path), num_workers=0, download=False)
     dm.setup("fit")
     assert len(dm.train_set) == 90
+
+
+class _WritesMarker:
+    """Unpickling this runs ``function(argument)``, which creates the marker file: a stand-in for any attack."""
+
+    def __init__(self, function: object, argument: str) -> None:
+        self.function, self.argument = function, argument
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return self.function, (self.argument,)
+
+
+@pytest.mark.parametrize("attack", ["os.system", "exec"])
+def test_cifar_refuses_a_pickle_that_would_run_code(tmp_path: Path, attack: str) -> None:
+    fake_datasets.write_cifar10(tmp_path, train_images=20, test_images=10)
+    marker = tmp_path / "pwned"
+    if attack == "os.system":
+        payload = _WritesMarker(os.system, f"echo pwned > {shlex.quote(str(marker))}")
+    else:
+        payload = _WritesMarker(exec, f"open({str(marker)!r}, 'w').write('pwned')")
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    batch.write_bytes(pickle.dumps({b"data": payload, b"labels": [0]}, protocol=2))
+
+    dm = CIFAR10DataModule(str(tmp_path), num_workers=0, download=False)
+    with pytest.raises(pickle.UnpicklingError, match="which the official archive never contains") as error:
+        dm.setup("fit")
+    assert not marker.exists()  # refused before anything ran
+    message = str(error.value)
+    # the global as the file spells it: 'posix.system' on Linux, '__builtin__.exec' at protocol 2
+    assert f"{batch} is not a CIFAR-10 batch: it asks for '" in message
+    assert f".{payload.function.__name__}', which" in message
+    assert f"Delete the folder {batch.parent}" in message and "download=True" in message
+
+    pickle.loads(batch.read_bytes())  # the same file through plain pickle does run its code
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("writer", ["fake_datasets", "demo", "numpy 1 names"])
+def test_cifar_safe_unpickler_reads_the_real_formats(tmp_path: Path, writer: str) -> None:
+    folder = tmp_path / "cifar-10-batches-py"
+    if writer == "demo":
+        write_synthetic_cifar(tmp_path, train_per_class=2, test_per_class=1)
+    else:
+        fake_datasets.write_cifar10(tmp_path, train_images=20, test_images=10)
+    if writer == "numpy 1 names":  # the official archive (and numpy < 2) names numpy.core, not numpy._core
+        for path in folder.iterdir():
+            path.write_bytes(
+                path.read_bytes().replace(b"numpy._core.multiarray\n", b"numpy.core.multiarray\n")
+            )
+        assert b"numpy.core.multiarray\n_reconstruct" in (folder / "test_batch").read_bytes()
+    for name in ("data_batch_1", "test_batch"):
+        with open(folder / name, "rb") as f:
+            raw = pickle.load(f, encoding="bytes")
+        images, labels = load_cifar_batch(folder / name)
+        assert torch.equal(images.flatten(1), torch.as_tensor(raw[b"data"]))
+        assert labels.tolist() == list(raw[b"labels"])
+    meta = load_cifar_pickle(folder / "batches.meta")
+    assert meta[b"label_names"][0] == b"airplane" and meta[b"num_vis"] == 3072
+
+
+def test_cifar_truncated_batch_names_the_file(tmp_path: Path) -> None:
+    fake_datasets.write_cifar10(tmp_path, train_images=20, test_images=10)
+    batch = tmp_path / "cifar-10-batches-py" / "test_batch"
+    batch.write_bytes(batch.read_bytes()[: batch.stat().st_size // 2])  # an interrupted copy
+    with pytest.raises(pickle.UnpicklingError, match="damaged or was cut short") as error:
+        CIFAR10DataModule(str(tmp_path), num_workers=0, download=False).setup("validate")
+    message = str(error.value)
+    assert f"{batch} is not a readable CIFAR-10 batch (UnpicklingError: pickle data was truncated)" in message
+    assert f"Delete the folder {batch.parent}" in message and "download=True" in message
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ({b"labels": [0, 1]}, r"it should be a dict with b'data' and b'labels', found \[b'labels'\]"),
+        ([1, 2], "it should be a dict with b'data' and b'labels', found a list"),
+        (
+            {b"data": np.zeros((2, 1024), np.uint8), b"labels": [0, 1]},
+            r"b'data' should be N x 3072 uint8 images, found an array of shape \(2, 1024\) and dtype uint8",
+        ),
+        (
+            {b"data": np.zeros((2, 3072), np.float32), b"labels": [0, 1]},
+            r"b'data' should be N x 3072 uint8 images, found an array of shape \(2, 3072\) and dtype float32",
+        ),
+        (
+            {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0]},
+            r"b'labels' should be 2 integers in 0..9 \(one per image\), found an array of shape \(1,\)",
+        ),
+        (
+            {b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 10]},
+            r"b'labels' should be 2 integers in 0..9",
+        ),
+    ],
+)
+def test_cifar_batch_with_wrong_content_names_the_file(tmp_path: Path, content: object, problem: str) -> None:
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    batch.parent.mkdir()
+    batch.write_bytes(pickle.dumps(content, protocol=2))
+    with pytest.raises(ValueError, match=problem) as error:
+        load_cifar_batch(batch)
+    assert str(error.value).startswith(f"{batch} is not a CIFAR-10 batch: ")
+    assert f"Delete the folder {batch.parent}" in str(error.value)
 
 
 def _fake_cifar_archive(tmp_path: Path) -> tuple[Path, str]:
@@ -152,6 +257,20 @@ def test_ptb_unknown_words_map_to_unk(tmp_path: Path) -> None:
     dm = PTBDataModule(str(tmp_path), download=False)
     dm.setup("test")
     assert dm.tokens["test"][-2].item() == dm.vocabulary.index["<unk>"]
+
+
+@pytest.mark.parametrize("split", ["train", "valid", "test"])
+@pytest.mark.parametrize("content", ["", "\n \n\n"])
+def test_ptb_file_without_words_names_the_file(tmp_path: Path, split: str, content: str) -> None:
+    fake_datasets.write_ptb(tmp_path)
+    (tmp_path / f"ptb.{split}.txt").write_text(content)
+    with pytest.raises(ValueError, match="holds no words") as error:
+        PTBDataModule(str(tmp_path), download=False).setup("fit")
+    assert str(error.value) == (
+        f"{tmp_path / f'ptb.{split}.txt'} holds no words: the file is empty or blank, perhaps from an "
+        "interrupted download or copy. Delete it and let the DataModule download it again (download=True), "
+        f"or put Mikolov's ptb.{split}.txt there."
+    )
 
 
 def test_bptt_windows_cover_the_batchified_stream() -> None:

@@ -1,0 +1,218 @@
+"""Host memory of ``trainer.save_checkpoint`` and of training, per rank, under ddp, dgc and deft.
+
+    python -m benchmarks.checkpoint_memory                      # the 33.7M-parameter MLP, 2 processes
+    python -m benchmarks.checkpoint_memory --params 4e6 --strategies ddp,dgc
+
+Each strategy runs in 2 fresh CPU processes (gloo, one per "node", as torchrun starts them): an MLP
+of about ``--params`` parameters trains a few SGD(momentum) steps, then every rank calls
+``trainer.save_checkpoint``. Reported, in *model sizes* (the parameters' bytes):
+
+* ``save peak``: the peak resident memory of the rank during ``save_checkpoint``, above what it held
+  just before (Linux's ``VmHWM``, reset through ``/proc/self/clear_refs`` before the call; where that
+  is not allowed, a thread samples the resident size every millisecond);
+* ``training``: the resident memory at the end of the last training step above what the process
+  held before ``fit`` (model, optimizer state, DDP's buckets, and the exchange's memory), and its
+  excess over ddp's;
+* the checkpoint file's size.
+
+Targets: under dgc/deft, rank 0 stays within ``2 x world_size`` model sizes above ddp's save peak,
+and every other rank within 1 model size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common
+
+STRATEGIES = ("ddp", "dgc", "deft")
+WORLD = 2
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class PeakMemory:
+    """The peak resident size while the ``with`` block runs (``peak``, bytes)."""
+
+    def __enter__(self) -> PeakMemory:
+        self.peak = 0
+        self._stop = threading.Event()
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current resident size
+            self._sampler = None
+        except OSError:
+            self._sampler = threading.Thread(target=self._sample, daemon=True)
+            self._sampler.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _resident_bytes())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._sampler is None:
+            self.peak = _peak_resident_bytes()
+        else:
+            self._stop.set()
+            self._sampler.join()
+            self.peak = max(self.peak, _resident_bytes())
+
+
+def _mlp(params: float) -> Any:
+    """Three square layers (with biases) of about ``params`` parameters in all."""
+    from torch import nn
+
+    width = max(8, int(math.sqrt(params / 3)))
+    return nn.Sequential(
+        nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width)
+    )
+
+
+def worker(strategy_name: str, params: float, steps: int, out: Path) -> None:
+    """One rank: train, then save a checkpoint; write this rank's figures as JSON."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("NODE_RANK", "0"))
+    baseline = _resident_bytes()
+    net = _mlp(params)
+    width = net[0].in_features
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+    class LastStep(L.Callback):
+        resident = 0
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            self.resident = _resident_bytes()
+
+    last = LastStep()
+    model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    trainer = L.Trainer(
+        strategy=common.make_strategy(strategy_name, density=0.01), accelerator="cpu", devices=1,
+        num_nodes=WORLD, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[last],
+    )  # fmt: skip
+    data = DataLoader(TensorDataset(torch.randn(8 * steps, width)), batch_size=4)
+    trainer.fit(Module(), data)
+    path = out.with_name(f"{out.stem}.ckpt")
+    before = _resident_bytes()
+    with PeakMemory() as peak:
+        trainer.save_checkpoint(path)
+    result = {
+        "strategy": strategy_name,
+        "rank": rank,
+        "params": sum(p.numel() for p in net.parameters()),
+        "model_bytes": model_bytes,
+        "save_peak_model_sizes": (peak.peak - before) / model_bytes,
+        "training_model_sizes": (last.resident - baseline) / model_bytes,
+        "checkpoint_bytes": path.stat().st_size if rank == 0 else None,
+    }
+    out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps(result))
+    if rank == 0:
+        path.unlink()
+
+
+def measure(
+    strategy: str, params: float, steps: int, folder: Path, timeout_s: float = 900
+) -> list[dict[str, Any]]:
+    """Run ``strategy`` on :data:`WORLD` fresh processes; every rank's figures."""
+    port = common.free_port()
+    out = folder / f"{strategy}"
+    procs = [
+        common.start(
+            [
+                common.python(),
+                "-m",
+                "benchmarks.checkpoint_memory",
+                "--worker",
+                strategy,
+                "--params",
+                str(params),
+                "--steps",
+                str(steps),
+                "--out",
+                str(out),
+            ],
+            common.distributed_env(rank, WORLD, "127.0.0.1", port),
+            folder / f"{strategy}.rank{rank}.log",
+        )  # fmt: skip
+        for rank in range(WORLD)
+    ]
+    codes = common.wait_all(procs, timeout_s)
+    if any(code != 0 for code in codes):
+        raise RuntimeError(
+            f"{strategy} failed ({codes}):\n{common.tail(folder / f'{strategy}.rank0.log', 40)}"
+        )
+    return [json.loads(out.with_name(f"{out.stem}.rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.checkpoint_memory", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--params", type=float, default=33.7e6, help="parameters of the MLP")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.params, args.steps, args.out)
+        return 0
+
+    folder = common.RESULTS / "logs" / "checkpoint_memory"
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = {name: measure(name, args.params, args.steps, folder) for name in args.strategies.split(",")}
+    ddp = runs.get("ddp")
+    rows = []
+    for name, ranks in runs.items():
+        for r in ranks:
+            over = r["training_model_sizes"] - ddp[r["rank"]]["training_model_sizes"] if ddp else None
+            rows.append([name, r["rank"], r["save_peak_model_sizes"], r["training_model_sizes"], over,
+                         r["checkpoint_bytes"] / 1e6 if r["checkpoint_bytes"] else None])  # fmt: skip
+    params_m = runs[next(iter(runs))][0]["params"] / 1e6
+    common.print_table(
+        f"Host memory per rank, {WORLD} processes, MLP of {params_m:.1f}M parameters (in model sizes)",
+        ["strategy", "rank", "save peak", "training", "training - ddp", "checkpoint MB"],
+        rows,
+        caption="save peak: resident memory during trainer.save_checkpoint above what the rank held before it",
+    )
+    common.write_json("checkpoint_memory.json", {"world_size": WORLD, "params": params_m * 1e6, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
