@@ -2,10 +2,9 @@
 
 * Output: a rich console, tables, JSON files under ``benchmarks/results/`` stamped with the
   environment they were measured in, and optional matplotlib figures.
-* Strategies by name (``ddp``, ``powersgd``, ``dgc``, ``deft``, ``dgc_dense``), including
-  :class:`CommHookDDPStrategy`, a ``DDPStrategy`` that registers a DDP communication hook on the CPU
-  too (stock Lightning registers hooks on CUDA only and silently drops them elsewhere, so
-  ``DDPStrategy(ddp_comm_hook=powerSGD_hook)`` on CPU would measure plain DDP).
+* Strategies by name (``ddp``, ``powersgd``, ``dgc``, ``deft``, ``dgc_dense``); PowerSGD is
+  lightning_dgc's (stock Lightning registers torch's hooks on CUDA only, and torch's PowerSGD hook
+  hangs on gloo with more than one bucket).
 * Synthetic workloads (ResNet-20/110 on CIFAR-shaped images, the CPU-sized PTB LSTM) and
   :func:`train_steps`, which runs real Lightning training steps under one strategy and times them
   with :class:`StepTimer` (batch start to batch end, i.e. forward, backward, exchange, optimizer).
@@ -284,111 +283,25 @@ def tail(path: Path, lines: int = 25) -> str:
 
 
 # -- strategies --------------------------------------------------------------------------------------
-def _ddp_base() -> type:
-    from lightning.pytorch.strategies import DDPStrategy
-
-    return DDPStrategy
-
-
-def comm_hook_strategy_class() -> type:
-    """:class:`CommHookDDPStrategy`, built lazily so that importing this module stays cheap."""
-    global CommHookDDPStrategy
-    if CommHookDDPStrategy is None:
-        from lightning.pytorch.strategies.ddp import _register_ddp_comm_hook
-        from torch.nn.parallel import DistributedDataParallel
-
-        class _CommHookDDPStrategy(_ddp_base()):  # type: ignore[misc]
-            """``DDPStrategy`` that registers ``ddp_comm_hook`` on every device type, CPU included.
-
-            Lightning's ``DDPStrategy._register_ddp_hooks`` registers the hook only when the root
-            device is CUDA; on CPU the hook would be dropped without a word and the run would be
-            plain DDP. lightning_dgc's strategies register theirs on every device; this does the
-            same for torch's stock hooks (PowerSGD here), so that the comparison is fair.
-            """
-
-            def _register_ddp_hooks(self) -> None:
-                assert isinstance(self.model, DistributedDataParallel)
-                if self._ddp_comm_hook is None:
-                    return
-                _register_ddp_comm_hook(
-                    model=self.model,
-                    ddp_comm_state=self._ddp_comm_state,
-                    ddp_comm_hook=self._ddp_comm_hook,
-                    ddp_comm_wrapper=self._ddp_comm_wrapper,
-                )
-                self.hook_registered = True
-
-        _CommHookDDPStrategy.__name__ = _CommHookDDPStrategy.__qualname__ = "CommHookDDPStrategy"
-        CommHookDDPStrategy = _CommHookDDPStrategy
-    return CommHookDDPStrategy
-
-
-CommHookDDPStrategy: type | None = None
-
-
-class SerializedHookState:
-    """State of :func:`serialized`: the wrapped hook's own state and the previous bucket's future."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.pending: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"inner": self.inner, "pending": None}
-
-
-def serialized(hook: Any) -> Any:
-    """Wrap a DDP comm hook so that a bucket's exchange starts only after the previous bucket's ended.
-
-    torch's PowerSGD hook issues its follow-up all-reduces (P, then Q) from future callbacks. With
-    gloo and more than one DDP bucket those callbacks of different buckets run concurrently, so the
-    ranks enqueue the collectives in different orders: a collective mismatch ("Received data size
-    doesn't match expected size") or a hang. Waiting for the previous bucket's future in the
-    autograd thread restores one order on every rank (with one bucket nothing changes); the
-    exchange still overlaps the rest of the backward pass.
-    """
-
-    def serialized_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
-        if state.pending is not None:
-            state.pending.wait()
-        state.pending = hook(state.inner, bucket)
-        if bucket.is_last():
-            future, state.pending = state.pending, None
-            return future
-        return state.pending
-
-    serialized_hook.__name__ = f"serialized_{getattr(hook, '__name__', 'hook')}"
-    return serialized_hook
-
-
 def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0) -> Any:
     """A Lightning strategy for 2+ processes on the CPU (gloo), by benchmark name.
 
-    ``ddp``: stock DDP. ``powersgd``: DDP with torch's PowerSGD hook (rank :data:`POWERSGD_RANK`, error
-    feedback, warm start, compression from step :data:`POWERSGD_START_ITER`). ``dgc`` / ``deft``:
+    ``ddp``: stock DDP. ``powersgd``: lightning_dgc's PowerSGD (rank :data:`POWERSGD_RANK`, error
+    feedback, warm start, compression from step :data:`POWERSGD_START_ITER`; the same updates as
+    torch's ``powerSGD_hook``, which hangs on gloo with more than one bucket). ``dgc`` / ``deft``:
     lightning_dgc at ``density``. ``dgc_dense``: ``dgc`` at density 1 (the exchange's overhead alone).
     """
     from lightning.pytorch.strategies import DDPStrategy
 
-    from lightning_dgc import DEFTStrategy, DGCStrategy
+    from lightning_dgc import CompressionStrategy, DEFTStrategy, DGCStrategy
 
     timeout = timedelta(seconds=timeout_s)
     common = {"process_group_backend": "gloo", "timeout": timeout}
     if name == "ddp":
         return DDPStrategy(**common)
     if name == "powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None,
-            matrix_approximation_rank=POWERSGD_RANK,
-            start_powerSGD_iter=POWERSGD_START_ITER,
-        )
-        return comm_hook_strategy_class()(
-            ddp_comm_state=SerializedHookState(state),
-            ddp_comm_hook=serialized(powerSGD_hook.powerSGD_hook),
-            **common,
-        )
+        options = {"matrix_approximation_rank": POWERSGD_RANK, "start_iter": POWERSGD_START_ITER}
+        return CompressionStrategy("powersgd", options, **common)
     if name == "dgc":
         return DGCStrategy(density=density, **common)
     if name == "dgc_dense":
@@ -396,26 +309,6 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
     if name == "deft":
         return DEFTStrategy(density=density, **common)
     raise ValueError(f"unknown strategy {name!r}; expected one of ddp, powersgd, dgc, dgc_dense, deft")
-
-
-def powersgd_bytes(module: Any, rank: int, min_compression_rate: float = 2.0) -> int:
-    """Bytes per step and worker that torch's ``powerSGD_hook`` all-reduces for ``module``'s gradients.
-
-    Its own rule: a gradient of more than one dimension, viewed as ``shape[0] x rest``, is sent as
-    the factors P (``n x rank``) and Q (``m x rank``) when that is ``min_compression_rate`` times
-    smaller; every other gradient is all-reduced uncompressed (fp32).
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
-
-    elements = 0
-    for p in module.parameters():
-        if p.dim() > 1:
-            n, m = p.shape[0], p.numel() // p.shape[0]
-            compress, _, compressed = _should_compress(n, m, min(n, m, rank), min_compression_rate)
-            elements += compressed if compress else p.numel()
-        else:
-            elements += p.numel()
-    return int(elements * 4)
 
 
 # -- workloads -----------------------------------------------------------------------------------------
@@ -566,8 +459,7 @@ def train_steps(
         "fit_wall_s": wall,
         "parameters": numel,
         "dense_bytes": numel * 4,
-        "hook_registered": bool(getattr(trainer.strategy, "hook_registered", False))
-        or getattr(trainer.strategy, "hook_calls", 0) > 0,
+        "hook_registered": getattr(trainer.strategy, "hook_calls", 0) > 0,
     }
     if timer.stats and timer.stats[-1]:
         last = timer.stats[-1]
@@ -579,8 +471,6 @@ def train_steps(
         result["compression_stats"] = {k: v for k, v in last.items() if isinstance(v, (int, float, bool))}
     elif strategy in ("ddp", "single"):
         result["bytes_sent"] = numel * 4 if strategy == "ddp" else 0
-    elif strategy == "powersgd":
-        result["bytes_sent"] = powersgd_bytes(module, POWERSGD_RANK)
     return result
 
 

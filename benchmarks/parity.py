@@ -1,4 +1,4 @@
-"""Accuracy parity on real data: the recipes under ``ddp``, ``dgc`` (with SparsityWarmup) and ``deft``.
+"""Accuracy parity on real data: the recipes under ``ddp``, ``dgc`` (with SparsityWarmup), ``deft`` and ``powersgd``.
 
     .venv/bin/python -m benchmarks.parity --quick          # a few minutes: small budgets, indicative only
     .venv/bin/python -m benchmarks.parity --full           # the CPU configs' own schedules (hours)
@@ -19,6 +19,7 @@ the paper's warm-up (densities 0.25, 0.0625, 0.015625, 0.004, then 0.001): per e
 ``configs/algo/dgc_warmup.yaml``, when the run has at least 8 epochs, otherwise per optimizer step
 with each stage lasting 5% of the run (a short run would otherwise never leave the warm-up).
 ``deft`` is ``configs/algo/deft.yaml`` as shipped: DGC's momentum correction and the same warm-up.
+``powersgd`` is ``configs/algo/powersgd.yaml`` (rank 2, plain all-reduce for the first 10 steps).
 ``--algos`` also takes ``deft_paper``: DEFT as published (error feedback with the optimizer's
 momentum, no warm-up).
 
@@ -54,13 +55,14 @@ from typing import Any
 from benchmarks import common
 
 CONFIG_DIR = common.RESULTS / "parity_configs"
-ALGOS = ("ddp", "dgc", "deft")
+ALGOS = ("ddp", "dgc", "deft", "powersgd")
 #: name -> (algorithm YAML, extra CLI arguments, add the warm-up); the last two are variants for
 #: ``--algos`` outside the default set.
 ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "ddp": ("configs/algo/ddp.yaml", (), False),
     "dgc": ("configs/algo/dgc_warmup.yaml", (), True),
     "deft": ("configs/algo/deft.yaml", (), True),
+    "powersgd": ("configs/algo/powersgd.yaml", (), False),
     "deft_paper": (
         "configs/algo/deft.yaml",
         ("--trainer.strategy.init_args.momentum_correction", "false"),

@@ -49,7 +49,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -64,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.shapes import MODELS, ParamShape, is_compressed, param_shapes
+from lightning_dgc.algorithms.dgc import values_per_step
 from lightning_dgc.compression import topk_indices
 from lightning_dgc.compression.deft import deft_select, fragment_norms
 from lightning_dgc.compression.dgc import SelectionWorkspace, sampled_topk
@@ -141,15 +141,10 @@ def ddp_buckets(shapes: list[ParamShape], cap_mb: float) -> list[list[int]]:
     return [[reversed_idx[j] for j in bucket] for bucket in assignment]
 
 
-def values_per_step(numel: int, density: float) -> int:
-    """k of one tensor, as the hook computes it (``lightning_dgc.hook.values_per_step``)."""
-    return min(numel, max(1, math.ceil(density * numel)))
-
-
 def deft_plan(
     names: list[str], numels: list[int], velocities: list[torch.Tensor], k_total: int, world: int
 ) -> tuple[list[Fragment], list[int], list[int]]:
-    """Fragments (offsets within each layer), k and owner per fragment, as ``deft_hook`` derives them."""
+    """Fragments (offsets within each layer), k and owner per fragment, as DEFT derives them (``lightning_dgc.algorithms.deft``)."""
     fragments = fragment_layers(names, numels, world)
     layer_of = {name: i for i, name in enumerate(names)}
     rebased = [Fragment(f.name, f.layer_offset, f.numel, f.layer_offset) for f in fragments]

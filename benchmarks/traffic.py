@@ -3,28 +3,29 @@
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.traffic [--quick]
 
 For every model of :mod:`benchmarks.shapes` (real modules from ``recipes/``, on the CPU; ``--quick``
-skips the LSTM), both hooks (``dgc_hook``, ``deft_hook``), densities 0.01 and 0.001 and values in
-fp32 and fp16: a one-process gloo group, the model wrapped in ``DistributedDataParallel`` (default
-buckets: 1 MB, then 25 MB) with a ``DGCState`` and the hook registered, two optimizer steps of a synthetic loss
-(``sum(p * r)`` over all parameters, ``r`` random: every parameter gets a gradient; the byte count of
-either hook does not depend on the gradient's values, since every compressed tensor sends exactly its
-k values), then ``state.compression_stats()`` after ``state.finish_step()`` of the second step (DDP
-uses one bucket in its first step and rebuilds its buckets after it). Nothing is estimated: the
-numbers are the hook's own accounting of the tensors it hands to ``torch.distributed``.
+skips the LSTM): DGC and DEFT at densities 0.01 and 0.001 with values in fp32 and fp16, and their peer
+PowerSGD at ranks 1, 2 and 4 (Vogels et al. 2019; compressing from the third step). A one-process gloo
+group, the model wrapped in ``DistributedDataParallel`` (default buckets: 1 MB, then 25 MB) with an
+``ExchangeState`` and the hook registered, optimizer steps of a synthetic loss (``sum(p * r)`` over all
+parameters, ``r`` random: every parameter gets a gradient; no algorithm's byte count depends on the
+gradient's values), then ``state.compression_stats()`` after ``state.finish_step()`` of the last step
+(DDP uses one bucket in its first step and rebuilds its buckets after it). Nothing is estimated: the
+numbers are the hook's own accounting of the tensors it hands to the collectives.
 
 Columns (bytes per step per rank, i.e. the message each rank contributes to the collectives):
 
 * ``sent``: everything the hook exchanges: ``payload + dense + control`` (``bytes_sent``).
-* ``indices+values``: the sparse part. DGC: the all-gathered payload, ``k`` fp32/fp16 values and
+* ``indices+values``: the compressed part. DGC: the all-gathered payload, ``k`` fp32/fp16 values and
   ``k`` uint16 delta codes (plus one filler code per 65535 positions of the bucket); DEFT: the int32
-  union all-reduce plus the values all-reduce.
+  union all-reduce plus the values all-reduce; PowerSGD: the factors P and Q (fp32).
 * ``padding``: DGC's payload padding to a multiple of 4 bytes (per bucket).
 * ``control``: DEFT's plan agreement: one float64 per fragment (norm) and per rank (selection time),
   per bucket. It grows with the number of workers; the row is for one worker, ``ctrl@8w`` is the
   same for 8 workers (``control_at`` in the JSON also has 16), from the hook's own fragmenting
   function on the measured buckets.
 * ``dense``: tensors averaged uncompressed, in the value dtype (fp16 ones pre-divided by the world
-  size): every 1-D tensor (batch-norm scales and shifts, biases) and tensors of fewer than 1024 values.
+  size): every 1-D tensor (batch-norm scales and shifts, biases) and tensors of fewer than 1024 values;
+  for PowerSGD every tensor whose rank-r factors would not be 2x smaller than the tensor.
 * ``DDP``: what plain DDP all-reduces for the same buckets (fp32 gradients).
 * ``ratio``: ``DDP / sent``.
 * ``buffers``: not part of the gradient exchange, and computed from the module's buffers rather than
@@ -60,15 +61,18 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.shapes import MODELS, build_model
-from lightning_dgc import comm
-from lightning_dgc.hook import deft_hook, dgc_hook, tensor_kind, values_per_step
-from lightning_dgc.partition import fragment_layers
-from lightning_dgc.state import DGCConfig, DGCState
+from lightning_dgc import ExchangeState, algorithms, exchange_hook
+from lightning_dgc.algorithms.deft import DEFT
+from lightning_dgc.algorithms.dgc import DGCConfig, tensor_kind, values_per_step
+from lightning_dgc.algorithms.powersgd import PowerSGDConfig
+from lightning_dgc.compression import codec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "traffic.json"
 DENSITIES = (0.01, 0.001)
 VALUE_DTYPES = ("fp32", "fp16")
-HOOKS = {"dgc": dgc_hook, "deft": deft_hook}
+SPARSE_ALGORITHMS = ("dgc", "deft")
+POWERSGD_RANKS = (1, 2, 4)
+POWERSGD_START = 2  # the first two steps are plain all-reduce (DDP rebuilds its buckets after the first)
 TARGET_MODEL, TARGET_DENSITY, TARGET_RATIO = "resnet50", 0.001, 400.0
 
 
@@ -102,52 +106,46 @@ def buffer_broadcast_bytes(model: nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in model.buffers())
 
 
-def measure(model: nn.Module, hook: str, density: float, value_dtype: str, steps: int = 2) -> dict[str, Any]:
+def measure(model: nn.Module, config: algorithms.AlgorithmConfig, steps: int = 2) -> dict[str, Any]:
     """Run ``steps`` steps of the synthetic loss through DDP + the hook; the last step's stats."""
     wrapper = SyntheticLoss(model)
     ddp = DDP(wrapper)  # DDP's default buckets (1 MB first, then 25 MB), as the strategies use them
-    state = DGCState(config=DGCConfig(density=density, value_dtype=value_dtype))
+    state = ExchangeState(config)
     state.register_parameters(wrapper.named_parameters())
-    ddp.register_comm_hook(state, HOOKS[hook])
+    ddp.register_comm_hook(state, exchange_hook)
     buckets = []
     for step in range(steps):
         for p in wrapper.parameters():
             p.grad = None
-        state._plans.clear()  # keep only the last step's bucket layouts (read by deft_control_bytes)
+        state.clear_plans()  # keep only the last step's bucket layouts (read by deft_control_bytes)
         ddp(torch.tensor(step)).backward()
         assert state.finish_step(), "a synthetic gradient came out non-finite"
         buckets.append(state.compression_stats()["buckets"])
     stats = state.compression_stats()
     stats["buckets_per_step"] = buckets
-    stats["control_at"] = deft_control_bytes(state, model, wrapper) if hook == "deft" else {}
+    stats["control_at"] = deft_control_bytes(state) if state.algorithm.name == "deft" else {}
     del ddp
     return stats
 
 
-def deft_control_bytes(state: DGCState, model: nn.Module, wrapper: nn.Module) -> dict[str, int]:
-    """DEFT's control bytes at 8 and 16 workers for the buckets of the measured run.
-
-    Per bucket the hook exchanges ``len(fragments) + world`` float64 values, where the fragments are
-    ``fragment_layers`` of the bucket's compressed tensors for that world size; the buckets are the
-    ones DDP built for the last step (read from the hook's plans), so only the world size varies.
-    """
-    out = {}
-    for world in (1, 8, 16):
-        total = 0
-        for plan in state._plans.values():
-            sparse = [e for e in plan.entries if e.kind == "sparse"]
-            fragments = fragment_layers([e.name for e in sparse], [e.numel for e in sparse], world)
-            total += (len(fragments) + world) * 8
-        out[str(world)] = total
-    return out
+def deft_control_bytes(state: ExchangeState) -> dict[str, int]:
+    """DEFT's control bytes at 1, 8 and 16 workers for the buckets of the measured run (DEFT's own
+    wire cost on the bucket layouts DDP built for the last step: only the world size varies)."""
+    return {
+        str(world): sum(
+            DEFT.wire_cost(state.config, plan.layout, world, plan.dense_bytes).bytes_of("control")
+            for plan in state.plans
+        )
+        for world in (1, 8, 16)
+    }
 
 
 def dense_breakdown(model: nn.Module, density: float, value_dtype: str) -> dict[str, int]:
     """Which tensors the hook averages dense, by kind (uses the hook's own ``tensor_kind``)."""
-    state = DGCState(config=DGCConfig(density=density, value_dtype=value_dtype))
+    config = DGCConfig(density=density, value_dtype=value_dtype)
     one_d, small, full = 0, 0, 0
     for p in model.parameters():
-        kind = tensor_kind(p.numel(), p.dim(), values_per_step(p.numel(), density), state)
+        kind = tensor_kind(p.numel(), p.dim(), values_per_step(p.numel(), density), config)
         if kind == "dense":
             if p.dim() <= 1:
                 one_d += p.numel() * 4
@@ -173,7 +171,7 @@ def what_would_close_it(rows: list[dict[str, Any]], model: nn.Module) -> list[di
     def saved(sizes: list[int], value_bytes: int) -> int:
         """Bytes saved by no longer sending ``sizes`` dense, minus what their k values cost."""
         kept = sum(values_per_step(n, density) for n in sizes)
-        return sum(n * value_bytes for n in sizes) - kept * (comm.CODE_BYTES + value_bytes)
+        return sum(n * value_bytes for n in sizes) - kept * (codec.CODE_BYTES + value_bytes)
 
     options = {
         f"compress 1-D tensors of >= {DGCConfig().min_compress_numel} values too, fp32 values": fp32[
@@ -207,13 +205,13 @@ def print_tables(rows: list[dict[str, Any]], verdict: dict[str, Any] | None) -> 
     table = Table(
         title="Bytes per step per rank (hook accounting, 1-process gloo group, DDP's default buckets)"
     )
-    columns = ("model", "hook", "density", "values", "sent", "indices+values", "padding", "control",
+    columns = ("model", "algorithm", "density", "values", "sent", "indices+values", "padding", "control",
                "dense", "DDP", "ratio", "ctrl@8w", "buffers", "ratio+buf")  # fmt: skip
     for c in columns:
-        table.add_column(c, justify="left" if c in ("model", "hook") else "right")
+        table.add_column(c, justify="left" if c in ("model", "algorithm") else "right")
     for r in rows:
         table.add_row(
-            r["model"], r["hook"], f"{r['density']:g}", r["value_dtype"], f"{r['bytes_sent']:,}",
+            r["model"], r["algorithm"], r["setting"], r["value_dtype"], f"{r['bytes_sent']:,}",
             f"{r['payload_bytes'] - r['control_bytes'] - r['padding_bytes']:,}", f"{r['padding_bytes']:,}",
             f"{r['control_bytes']:,}", f"{r['dense_exchange_bytes']:,}", f"{r['dense_bytes']:,}",
             f"{r['compression_ratio']:.1f}x", f"{r['control_at']['8']:,}" if r["control_at"] else "-",
@@ -259,19 +257,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             torch.manual_seed(0)
             model = build_model(model_name, "cpu")
             buffers = buffer_broadcast_bytes(model)
+            runs: list[tuple[str, str, str, algorithms.AlgorithmConfig, int]] = []
             for density in DENSITIES:
                 breakdowns[f"{model_name}@{density:g}"] = dense_breakdown(model, density, "fp32")
-                for hook in HOOKS:
+                for name in SPARSE_ALGORITHMS:
                     for value_dtype in VALUE_DTYPES:
-                        t0 = time.perf_counter()
-                        stats = measure(model, hook, density, value_dtype)
-                        row = {"model": model_name, "hook": hook, "density": density, "value_dtype": value_dtype,
-                               "parameters": sum(p.numel() for p in model.parameters()), **stats,
-                               "buffer_broadcast_bytes": buffers, "seconds": time.perf_counter() - t0}  # fmt: skip
-                        row["ratio_with_buffers"] = (row["dense_bytes"] + buffers) / (
-                            row["bytes_sent"] + buffers
-                        )
-                        rows.append(row)
+                        config = algorithms.get(name).config_class(density=density, value_dtype=value_dtype)
+                        runs.append((name, f"{density:g}", value_dtype, config, 2))
+            for rank in POWERSGD_RANKS:
+                config = PowerSGDConfig(matrix_approximation_rank=rank, start_iter=POWERSGD_START)
+                runs.append(("powersgd", f"rank {rank}", "fp32", config, POWERSGD_START + 1))
+            for name, setting, value_dtype, config, steps in runs:
+                t0 = time.perf_counter()
+                stats = measure(model, config, steps)
+                row = {"model": model_name, "algorithm": name, "setting": setting, "value_dtype": value_dtype,
+                       "density": getattr(config, "density", None),
+                       "rank": getattr(config, "matrix_approximation_rank", None),
+                       "parameters": sum(p.numel() for p in model.parameters()), **stats,
+                       "buffer_broadcast_bytes": buffers, "seconds": time.perf_counter() - t0}  # fmt: skip
+                row["ratio_with_buffers"] = (row["dense_bytes"] + buffers) / (row["bytes_sent"] + buffers)
+                rows.append(row)
             if model_name == TARGET_MODEL:
                 verdict = target_verdict(rows, breakdowns[f"{model_name}@{TARGET_DENSITY:g}"], model)
             del model
@@ -284,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "config": {
             "densities": list(DENSITIES),
             "value_dtypes": list(VALUE_DTYPES),
+            "powersgd_ranks": list(POWERSGD_RANKS),
+            "powersgd_start_iter": POWERSGD_START,
             "ddp_buckets": "DDP default (first 1 MB, then 25 MB)",
             "world_size": 1,
             "min_compress_numel": DGCConfig().min_compress_numel,
@@ -305,7 +312,7 @@ def target_verdict(rows: list[dict[str, Any]], breakdown: dict[str, int], model:
     candidates = [r for r in rows if r["model"] == TARGET_MODEL and r["density"] == TARGET_DENSITY]
     best = max(candidates, key=lambda r: r["compression_ratio"])
     met = best["compression_ratio"] >= TARGET_RATIO
-    dgc32 = next(r for r in candidates if r["hook"] == "dgc" and r["value_dtype"] == "fp32")
+    dgc32 = next(r for r in candidates if r["algorithm"] == "dgc" and r["value_dtype"] == "fp32")
     sparse = dgc32["payload_bytes"] - dgc32["padding_bytes"]
     why = [
         f"DGC fp32: {dgc32['bytes_sent']:,} B sent = {sparse:,} B indices+values + "
@@ -318,8 +325,8 @@ def target_verdict(rows: list[dict[str, Any]], breakdown: dict[str, int], model:
         f"Even with no dense part, a uint16 code + fp32 value per kept value caps the ratio at "
         f"{dgc32['dense_bytes'] / sparse:.0f}x at this density.",
     ]
-    options = what_would_close_it([r for r in candidates if r["hook"] == "dgc"], model)
-    return {"met": met, "best_ratio": best["compression_ratio"], "best": f"{best['hook']} {best['value_dtype']}",
+    options = what_would_close_it([r for r in candidates if r["algorithm"] == "dgc"], model)
+    return {"met": met, "best_ratio": best["compression_ratio"], "best": f"{best['algorithm']} {best['value_dtype']}",
             "limit": TARGET_RATIO, "why": why, "options": options}  # fmt: skip
 
 

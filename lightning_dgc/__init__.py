@@ -1,38 +1,86 @@
-"""lightning-dgc: Deep Gradient Compression and DEFT as PyTorch Lightning strategies.
+"""lightning-dgc: compressed gradient exchanges (DGC, DEFT, PowerSGD, ...) as PyTorch Lightning strategies.
 
-Importing the package registers the strategy names ``"dgc"``, ``"dgc_spawn"``, ``"deft"`` and
-``"deft_spawn"`` with Lightning, so ``Trainer(strategy="dgc")`` works.
+Importing the package registers every algorithm's strategy name with Lightning (``"dgc"``,
+``"dgc_spawn"``, ``"deft"``, ``"powersgd"``, ...), so ``Trainer(strategy="dgc")`` works. The names
+are registered as soon as ``lightning.pytorch`` is imported (at once if it already is): the package
+itself imports Lightning only when a name that needs it is used, so that the pure parts (the
+algorithms, the performance model) load without it.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_dgc.callbacks import CompressionMonitor, SparsityWarmup, warmup_density
-from lightning_dgc.comm import destroy_process_group
-from lightning_dgc.hook import deft_hook, dgc_hook
-from lightning_dgc.perfmodel import Network, Profile, predict
-from lightning_dgc.profiler import ExchangeProfiler
-from lightning_dgc.state import DGCConfig, DGCState
-from lightning_dgc.strategy import DEFTStrategy, DGCStrategy
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CompressionMonitor",
-    "DEFTStrategy",
-    "DGCConfig",
-    "DGCState",
-    "DGCStrategy",
-    "ExchangeProfiler",
-    "Network",
-    "Profile",
-    "SparsityWarmup",
-    "__version__",
-    "deft_hook",
-    "destroy_process_group",
-    "dgc_hook",
-    "predict",
-    "warmup_density",
-]
+_EXPORTS = {
+    "CompressionMonitor": "lightning_dgc.callbacks",
+    "SparsityWarmup": "lightning_dgc.callbacks",
+    "warmup_density": "lightning_dgc.callbacks",
+    "CompressionStrategy": "lightning_dgc.strategy",
+    "DEFTStrategy": "lightning_dgc.strategy",
+    "DGCStrategy": "lightning_dgc.strategy",
+    "DEFTConfig": "lightning_dgc.algorithms.deft",
+    "DGCConfig": "lightning_dgc.algorithms.dgc",
+    "ExchangeState": "lightning_dgc.state",
+    "exchange_hook": "lightning_dgc.hook",
+    "ExchangeProfiler": "lightning_dgc.profiler",
+    "Network": "lightning_dgc.perfmodel",
+    "Profile": "lightning_dgc.perfmodel",
+    "predict": "lightning_dgc.perfmodel",
+    "destroy_process_group": "lightning_dgc.comm",
+}
 
-DGCStrategy.register_strategies(StrategyRegistry)
-DEFTStrategy.register_strategies(StrategyRegistry)
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lightning_dgc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+def _register_strategies() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_dgc.strategy import CompressionStrategy
+
+    CompressionStrategy.register_strategies(StrategyRegistry)
+
+
+class _RegisterAfterImport(importlib.abc.MetaPathFinder):
+    """Runs :func:`_register_strategies` right after ``lightning.pytorch`` has been imported."""
+
+    target = "lightning.pytorch"
+
+    def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None) -> Any:
+        if fullname != self.target:
+            return None
+        sys.meta_path.remove(self)  # once; the other finders locate the real module
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            exec_module = spec.loader.exec_module
+
+            def exec_then_register(module: ModuleType) -> None:
+                exec_module(module)
+                _register_strategies()
+
+            spec.loader.exec_module = exec_then_register  # type: ignore[method-assign]
+        return spec
+
+
+if "lightning.pytorch" in sys.modules:
+    _register_strategies()
+elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterImport())

@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_dgc.state import check_density
+from lightning_dgc.checks import check_density
 
 Interval = Literal["epoch", "step"]
 
@@ -72,10 +72,6 @@ def warmup_density(
             raise ValueError("`steps_per_epoch` is needed to shift a per-step warm-up by `dense_epochs`.")
         index = max(0, step - dense_epochs * (steps_per_epoch or 0))
     return float(densities[index]) if index < len(densities) else final_density
-
-
-def _has_property(strategy: object, name: str) -> bool:
-    return isinstance(getattr(type(strategy), name, None), property)
 
 
 class SparsityWarmup(L.Callback):
@@ -153,11 +149,13 @@ class SparsityWarmup(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if not _has_property(strategy, "density"):
+        if getattr(strategy, "density", None) is None:
+            algorithm = getattr(strategy, "algorithm", None)
+            what = f"{type(strategy).__name__} ({algorithm})" if algorithm else type(strategy).__name__
             raise TypeError(
-                f"SparsityWarmup changes the density of a DGC exchange, but the Trainer's strategy is"
-                f' {type(strategy).__name__}, which has none. Use `Trainer(strategy="dgc")` (or'
-                " `strategy=DGCStrategy(...)`) with this callback."
+                f"SparsityWarmup changes the density of a DGC exchange, but the Trainer's strategy is {what},"
+                ' which has none. Use `Trainer(strategy="dgc")` (or `strategy=DGCStrategy(...)`, or "deft")'
+                " with this callback."
             )
         # Read once per strategy: the warm-up itself changes `strategy.density`, so a second `fit`
         # with the same Trainer must not take a warm-up value for the final one.
@@ -281,9 +279,9 @@ class CompressionMonitor(L.Callback):
         out = {self.prefix + name: float(stats[key]) for name, key in self.SCALARS.items() if key in stats}
         if not stats.get("bytes_sent"):  # nothing was sent: the ratio is infinite, not worth a point
             out.pop(self.prefix + "ratio", None)
-        dgc_state = getattr(trainer.strategy, "dgc_state", None)
-        if dgc_state is not None:
-            out[self.prefix + "residual_norm"] = float(dgc_state.residual_norm())
+        residual_norm = getattr(trainer.strategy, "residual_norm", None)
+        if callable(residual_norm) and (norm := residual_norm()) is not None:
+            out[self.prefix + "residual_norm"] = float(norm)
         return out
 
     @override

@@ -1,187 +1,38 @@
-"""The exchange: the only module that calls ``torch.distributed``.
+"""Collectives: the only module that calls ``torch.distributed``.
 
-Wire format of one bucket's sparse part (the *payload*, one flat uint8 tensor per rank, the same
-size on every rank because every rank selects exactly ``K`` values and the code array has a fixed
-length; gloo has no all-gather of uneven sizes)::
+An algorithm's exchange talks to a :class:`Collectives` object, never to ``torch.distributed``:
 
-    [ K values (fp32 or fp16) | K + F uint16 delta codes | 0-2 bytes of padding (zeros) ]
+* :class:`TorchCollectives` runs the collectives on a process group (gloo, NCCL);
+* :class:`LocalCollectives` simulates ``N`` ranks in one process (one thread per rank, see
+  :func:`simulate`), so that an exchange can be unit-tested on the CPU without a process group.
 
-    F = span // FILLER_SPAN   (FILLER_SPAN = 65535; span = the bucket's numel; F = 0 below 65535)
-    nbytes = K * value_bytes + 2 * (K + F), rounded up to a multiple of 4   (0 when K = 0)
+Every collective is started from the hook's thread, in bucket order, so that every rank issues the
+same collectives in the same order (gloo matches collectives by the order in which a process starts
+them; a collective started from a future's callback, which runs in a backend thread, could be
+interleaved differently on different ranks). :meth:`Pending.wait` lets an exchange wait for one
+step's result before it starts the next (on CUDA that orders the stream, with no host
+synchronisation); :func:`when_all` runs the decode once the last ones are done.
 
-Values come first so that the fp32 view is 4-byte aligned (the codes then start at an even
-offset); the padding keeps every row of the gathered ``(world, nbytes)`` tensor a multiple of 4
-bytes. The ``K`` selected bucket-flat indices ``p_1 < p_2 < ... < p_K`` (in ``[0, span)``) travel as
-gaps ``d_i = p_i - p_{i-1}`` with ``p_0 = -1``, so every ``d_i >= 1``:
-
-* a code ``c`` in ``1..65535`` means "advance ``c`` positions; an entry is here" (the i-th entry
-  code goes with the i-th value);
-* code ``0`` is a *filler*: "advance 65535 positions, no entry";
-* a gap ``d`` is written as ``f = (d - 1) // 65535`` fillers followed by the code ``d - 65535 f``;
-* after the last entry the rest of the ``K + F`` codes are 0 (trailing fillers, ignored).
-
-Decoding a row: ``advance = where(code == 0, 65535, code)``, ``position = cumsum(advance) - 1``,
-and the entries are the slots with ``code != 0``, exactly ``K`` of them, in order.
-
-Why ``K + F`` codes always suffice: the gaps sum to ``p_K + 1 <= span``, so the fillers number
-``sum_i (d_i - 1) // 65535 <= sum_i (d_i - 1) / 65535 <= (span - K) / 65535``; being an integer, the
-count is at most ``(span - K) // 65535 <= span // 65535 = F``. (The worst case puts ``span - K``
-unselected positions in one gap; spreading them over several gaps only loses fillers to rounding.)
-
-Compared with int32 indices a value costs ``2 + value_bytes`` bytes instead of ``4 + value_bytes``
-(plus ``2 F`` bytes per bucket: 778 bytes for a bucket of 25.6 M values). One
-``all_gather_into_tensor`` moves every rank's payload; tensors too small to compress travel in one
-dense ``all_reduce``.
+Beside the step's collectives: blocking helpers for setup and checkpoints (gathering objects and
+tensors), the bucket layout DDP builds, and ending the process group cleanly.
 """
 
 from __future__ import annotations
 
 import atexit
 import sys
+import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
-#: Bytes of one int32 index (DEFT still all-reduces its union indices as int32).
-INDEX_BYTES = 4
-#: Bytes of one delta code of DGC's payload (uint16).
-CODE_BYTES = 2
-#: Positions a filler code (0) advances; also the largest gap a single entry code covers.
-FILLER_SPAN = 65535
-
-
-def _fillers(span: int) -> int:
-    """``F``: the filler slots a payload reserves for a bucket of ``span`` values."""
-    return span // FILLER_SPAN
-
-
-def payload_size(k_total: int, value_bytes: int, span: int) -> tuple[int, int]:
-    """``(bytes, padding)`` of one rank's payload for ``k_total`` values of ``value_bytes`` bytes each,
-    out of a bucket of ``span`` values (plain integers: the performance model uses it too).
-
-    ``k_total * value_bytes + CODE_BYTES * (k_total + span // FILLER_SPAN)``, rounded up to a multiple
-    of 4 bytes; the padding is that rounding (0 or 2; filler codes count as index bytes). ``(0, 0)``
-    when ``k_total`` is 0 (nothing is exchanged, no codes are needed).
-    """
-    if k_total < 0 or k_total > span:
-        raise ValueError(f"cannot select {k_total} values out of a bucket of {span} values (0 <= k <= span).")
-    if k_total == 0:
-        return 0, 0
-    raw = k_total * value_bytes + CODE_BYTES * (k_total + _fillers(span))
-    return raw + (-raw) % 4, (-raw) % 4
-
-
-def payload_nbytes(k_total: int, value_dtype: torch.dtype, span: int) -> int:
-    """Bytes of one rank's payload (:func:`payload_size`) with values of ``value_dtype``."""
-    return payload_size(k_total, value_dtype.itemsize, span)[0]
-
-
-def payload_padding(k_total: int, value_dtype: torch.dtype, span: int) -> int:
-    """The alignment bytes of :func:`payload_nbytes` (0 or 2)."""
-    return payload_size(k_total, value_dtype.itemsize, span)[1]
-
-
-def _as_int16(codes: Tensor) -> Tensor:
-    """Codes in ``0..65535`` (any int dtype) as int16 with the same 16 bits (two's complement)."""
-    return (codes - ((codes >> 15) << 16)).to(torch.int16)
-
-
-def pack_into(payload: Tensor, indices: Tensor, values: Tensor, value_dtype: torch.dtype, span: int) -> None:
-    """Write the selected ``indices`` and their ``values`` into ``payload`` (see the module docstring).
-
-    Args:
-        payload: a uint8 tensor of exactly ``payload_nbytes(K, value_dtype, span)`` bytes.
-        indices: the ``K`` selected bucket-flat offsets, any int dtype, **sorted ascending, distinct
-            and in** ``[0, span)``; ``values[i]`` goes with ``indices[i]``.
-        values: ``K`` values, cast to ``value_dtype``.
-        value_dtype: the wire dtype of the values.
-        span: the bucket's numel (the same on every rank).
-
-    The index contract is checked (``ValueError``) only for CPU tensors, where it costs no device
-    synchronisation; on CUDA an index set that breaks it gives a wrong payload (or an out-of-bounds
-    device error), so the caller must sort. Vectorised: no host synchronisation, no Python loop.
-    """
-    k = indices.numel()
-    nbytes = payload_nbytes(k, value_dtype, span)
-    if payload.dtype != torch.uint8 or payload.numel() != nbytes:
-        raise ValueError(
-            f"the payload must be {nbytes} uint8 bytes for {k} values out of {span} ({value_dtype}),"
-            f" got {payload.numel()} {payload.dtype}; allocate it with payload_nbytes(k, value_dtype, span)."
-        )
-    if values.numel() != k:
-        raise ValueError(f"pack_into got {k} indices but {values.numel()} values.")
-    if k == 0:
-        return
-    idx = indices.reshape(-1).to(torch.int64)
-    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))  # d_i >= 1 for a valid index set
-    if idx.device.type == "cpu":
-        if int(gaps.min()) < 1:
-            raise ValueError("pack_into needs indices sorted ascending, distinct and >= 0 (sort them first).")
-        if int(idx[-1]) >= span:
-            raise ValueError(f"pack_into got index {int(idx[-1])} outside the bucket of {span} values.")
-    vbytes = k * value_dtype.itemsize
-    payload_values(payload, k, value_dtype).copy_(values.reshape(-1))
-    slots = k + _fillers(span)
-    codes = payload[vbytes : vbytes + CODE_BYTES * slots].view(torch.int16)
-    if slots == k:  # span < 65535: every gap fits one code, no filler
-        codes.copy_(_as_int16(gaps))
-    else:
-        fill = torch.div(gaps - 1, FILLER_SPAN, rounding_mode="floor")  # fillers before each entry
-        where = torch.cumsum(fill + 1, 0).sub_(1)  # the slot of each entry's code
-        codes.zero_()
-        codes.index_put_((where,), _as_int16(gaps - FILLER_SPAN * fill))
-    payload[vbytes + CODE_BYTES * slots :].zero_()
-
-
-def payload_values(payload: Tensor, k: int, value_dtype: torch.dtype) -> Tensor:
-    """The value part of a payload (a view of its first ``k`` values), for writing values in place."""
-    return payload[: k * value_dtype.itemsize].view(value_dtype)
-
-
-def unpack(gathered: Tensor, k: int, value_dtype: torch.dtype, span: int) -> tuple[Tensor, Tensor]:
-    """Decode a gathered ``(world, nbytes)`` uint8 tensor into flat indices (int64) and values.
-
-    Returns ``(indices, values)`` of shape ``(world * k,)``, rank 0's ``k`` entries first, each rank's
-    in the order it packed them. Vectorised over all rows (no Python loop, no host synchronisation).
-    A row written by :func:`pack_into` decodes exactly. Any other row still decodes to ``k`` indices
-    in ``[0, span)``, so a corrupt row can never index out of the bucket; in particular an all-zero
-    code array (a rank that zeroes its payload and sends NaN values) decodes to ``k`` entries at 0.
-    """
-    world = gathered.shape[0]
-    nbytes = payload_nbytes(k, value_dtype, span)
-    if gathered.dtype != torch.uint8 or gathered.dim() != 2 or gathered.shape[1] != nbytes:
-        raise ValueError(
-            f"unpack expects a (world, {nbytes}) uint8 tensor for {k} values out of {span} ({value_dtype}),"
-            f" got {tuple(gathered.shape)} {gathered.dtype}."
-        )
-    device = gathered.device
-    if k == 0:
-        empty = torch.empty(0, dtype=torch.int64, device=device)
-        return empty, torch.empty(0, dtype=value_dtype, device=device)
-    gathered = gathered.contiguous()
-    vbytes = k * value_dtype.itemsize
-    slots = k + _fillers(span)
-    values = gathered[:, :vbytes].view(value_dtype).reshape(-1)  # rows are 4-byte multiples: views work
-    codes = gathered[:, vbytes : vbytes + CODE_BYTES * slots].view(torch.int16).to(torch.int32)
-    codes.bitwise_and_(0xFFFF)  # uint16 semantics
-    if slots == k:  # no filler slot: every code is an entry
-        indices = codes.cumsum(1, dtype=torch.int64).sub_(1).reshape(-1)
-        return indices.clamp_(0, span - 1), values
-    filler = codes == 0
-    positions = codes.masked_fill_(filler, FILLER_SPAN).cumsum(1, dtype=torch.int64).sub_(1)
-    # Where each slot's position goes in the output: an entry to ``row * k + (its rank in the row) - 1``,
-    # a filler to the discard slot ``world * k``. (A row with more than k entries, which pack_into
-    # never writes, piles the extra ones onto its own last slot.)
-    target = (~filler).cumsum(1).clamp_(max=k)
-    target.add_(torch.arange(-1, world * k - 1, k, device=device).unsqueeze(1))
-    target.masked_fill_(filler, world * k)
-    out = torch.zeros(world * k + 1, dtype=torch.int64, device=device)  # missing entries stay at 0
-    out.scatter_(0, target.reshape(-1), positions.reshape(-1))
-    return out[: world * k].clamp_(0, span - 1), values
+#: What DDP hands a communication hook (re-exported: DDP checks the hook's annotations literally).
+GradBucket = dist.GradBucket
 
 
 class CollectiveError(RuntimeError):
@@ -192,8 +43,7 @@ class CollectiveError(RuntimeError):
     """
 
 
-def _failed(what: str, error: BaseException) -> CollectiveError:
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def _failed(what: str, rank: int, error: BaseException) -> CollectiveError:
     return CollectiveError(
         f"lightning_dgc: the {what} failed on rank {rank}: {error}. A peer process died or stopped"
         " answering (or the network broke) within the process group's timeout, and training cannot go on"
@@ -203,78 +53,94 @@ def _failed(what: str, error: BaseException) -> CollectiveError:
 
 @dataclass(frozen=True)
 class Pending:
-    """A launched collective: what it is (named in errors), its future, and the tensor it fills."""
+    """A started collective: what it is (named in errors), its future, and the tensor it fills."""
 
     what: str
     future: torch.futures.Future
     output: Tensor
+    rank: int = 0
 
     def wait(self) -> Tensor:
-        """``output`` once the collective is done (on CUDA: the current stream waits for it, no host
-        sync); a failure raises :class:`CollectiveError` naming the collective."""
+        """``output`` once the collective is done; a failure raises :class:`CollectiveError` naming it.
+
+        On CUDA the current stream waits for the collective (no host synchronisation); on the CPU the
+        call blocks until it is done.
+        """
         try:
             self.future.wait()
         except Exception as error:
-            raise _failed(self.what, error) from error
+            raise _failed(self.what, self.rank, error) from error
         return self.output
-
-
-def all_gather_payload(
-    payload: Tensor,
-    out: Tensor,
-    group: dist.ProcessGroup | None,
-    what: str = "all-gather of the sparse payload",
-) -> Pending:
-    """Start gathering every rank's ``payload`` into the rows of ``out``."""
-    work = dist.all_gather_into_tensor(out, payload, group=group, async_op=True)
-    return Pending(what, work.get_future(), out)
-
-
-def all_reduce_sum(
-    tensor: Tensor, group: dist.ProcessGroup | None, what: str = "all-reduce of the dense tensors"
-) -> Pending:
-    """Start summing ``tensor`` over ranks in place."""
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return Pending(what, work.get_future(), tensor)
-
-
-def all_reduce_sum_now(tensor: Tensor, group: dist.ProcessGroup | None, what: str) -> Tensor:
-    """Sum ``tensor`` over ranks in place and wait; a failure raises :class:`CollectiveError` naming ``what``."""
-    try:
-        dist.all_reduce(tensor, group=group)
-    except Exception as error:
-        raise _failed(what, error) from error
-    return tensor
 
 
 def _devices(device: torch.device) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
 
+class Collectives(ABC):
+    """The collectives an exchange may use; every rank must call them in the same order with the
+    same sizes. ``all_reduce`` sums in place; ``all_gather`` writes every rank's ``tensor`` into the
+    rows of ``out`` (``world_size * tensor.numel()`` values, rank 0's first)."""
+
+    world_size: int
+    rank: int
+
+    @abstractmethod
+    def all_reduce(self, tensor: Tensor, what: str) -> Pending: ...
+
+    @abstractmethod
+    def all_gather(self, tensor: Tensor, out: Tensor, what: str) -> Pending: ...
+
+
+class TorchCollectives(Collectives):
+    """Collectives on a ``torch.distributed`` process group (``None``: the default group)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.world_size, self.rank = world_size_and_rank(group)
+
+    def all_reduce(self, tensor: Tensor, what: str) -> Pending:
+        if self.world_size == 1:
+            return _done(what, tensor, self.rank)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return Pending(what, work.get_future(), tensor, self.rank)
+
+    def all_gather(self, tensor: Tensor, out: Tensor, what: str) -> Pending:
+        if self.world_size == 1:
+            out.copy_(tensor.reshape(-1))
+            return _done(what, out, self.rank)
+        work = dist.all_gather_into_tensor(out, tensor, group=self.group, async_op=True)
+        return Pending(what, work.get_future(), out, self.rank)
+
+
+def _done(what: str, output: Tensor, rank: int) -> Pending:
+    future: torch.futures.Future = torch.futures.Future(devices=_devices(output.device))
+    future.set_result(output)
+    return Pending(what, future, output, rank)
+
+
 def when_all(
-    pending: Sequence[Pending],
-    fn: Callable[[], Tensor],
-    device: torch.device,
+    pending: Sequence[Pending], fn: Callable[[], Tensor], device: torch.device,
     keep: Sequence[Tensor] = (),
-) -> torch.futures.Future:
+) -> torch.futures.Future:  # fmt: skip
     """A future of ``fn()``, run once every collective in ``pending`` is done; safe on CUDA streams.
 
-    Call it after the last collective of the bucket was launched; ``fn`` reads their outputs. It runs
-    in whatever thread completes the last collective (gloo's worker; inline for NCCL, whose futures
-    complete at launch with CUDA events).
+    Call it after the last collective of the bucket was started; ``fn`` reads their outputs and
+    must not start collectives. It runs in whatever thread completes the last one (gloo's worker;
+    inline for NCCL, whose futures complete at launch with CUDA events).
 
     Why not ``torch.futures.collect_all(...).then(fn)``: the combined future is created without
     devices, so on CUDA its ``then`` callback runs on whichever stream the completing thread left
-    current, and completing the child future records no event for its result. DDP's ``wait()`` on it
-    is then a no-op for streams, and the reducer reads the result (and the strategy the finiteness
-    flag and the memory) while the callback's kernels may still run: ranks decode different updates.
-    Here instead the callback is the ``then`` of a *gate* future created with the device. Per torch's
-    documented semantics, the callback runs with a stream from torch's pool current and must not
-    switch streams; its result is then ordered for every ``wait()`` by an event recorded on that
-    stream once all its work is queued. On that stream the callback first waits for
-    everything the hook queued on its own stream (an event recorded now) and for each collective
-    (``Pending.wait``), and records every tensor of ``keep`` (made on the hook's stream, read by
-    ``fn``, freed after it) on it, so that the caching allocator does not hand that memory back to the
+    current, and completing the child future records no event for its result. DDP's ``wait()`` on
+    it is then a no-op for streams, and the reducer reads the result (and the strategy the
+    finiteness flag and the memory) while the callback's kernels may still run: ranks decode
+    different updates. Here instead ``fn`` is the ``then`` callback of a *gate* future created with
+    the device. Per torch's documented semantics the callback runs with a stream from torch's pool
+    current and must not switch streams; its result is then ordered for every ``wait()`` by an
+    event recorded on that stream once all its work is queued. On that stream the callback first
+    waits for everything the hook queued on its own stream (an event recorded now) and for each
+    collective, and records every tensor of ``keep`` (made on the hook's stream, read by ``fn``,
+    freed after it) on it, so that the caching allocator does not hand that memory back to the
     hook's stream while the callback still reads it. No host synchronisation is added.
 
     A failed collective completes the returned future with a :class:`CollectiveError` naming it,
@@ -307,8 +173,130 @@ def when_all(
     return result
 
 
+# -- N ranks in one process ------------------------------------------------------------------------------
+@dataclass
+class _Meeting:
+    """One collective, as the simulated ranks reach it."""
+
+    kind: str
+    what: str
+    inputs: dict[int, Tensor] = field(default_factory=dict)
+    outputs: dict[int, Tensor] = field(default_factory=dict)
+    futures: dict[int, torch.futures.Future] = field(default_factory=dict)
+
+
+class LocalGroup:
+    """``world_size`` simulated ranks: the i-th collective of every rank meets the i-th of the others.
+
+    The last rank to reach a collective computes it for everyone (sum or gather, in rank order, so
+    every rank gets bit-identical results) and completes every rank's future. Ranks that reach
+    different collectives (another kind, size or name) fail with a :class:`CollectiveError` naming
+    both, where a real process group would hang or mix up data. ``fail_at`` makes the n-th collective
+    fail on every rank, as a dead peer would.
+    """
+
+    def __init__(self, world_size: int, fail_at: int | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.fail_at = fail_at
+        self._lock = threading.Lock()
+        self._count = [0] * world_size
+        self._meetings: dict[int, _Meeting] = {}
+        self.log: list[str] = []  # (what) of every completed collective, in order
+
+    def meet(self, rank: int, kind: str, what: str, tensor: Tensor, out: Tensor) -> Pending:
+        future: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            index = self._count[rank]
+            self._count[rank] += 1
+            meeting = self._meetings.setdefault(index, _Meeting(kind, what))
+            meeting.inputs[rank], meeting.outputs[rank], meeting.futures[rank] = tensor, out, future
+            ready = len(meeting.inputs) == self.world_size
+            if ready:
+                del self._meetings[index]
+        if ready:
+            self._complete(index, meeting)
+        return Pending(what, future, out, rank)
+
+    def _complete(self, index: int, meeting: _Meeting) -> None:
+        first = meeting.inputs[0]
+        problem = None
+        if self.fail_at is not None and index == self.fail_at:
+            problem = "simulated failure: a peer died"
+        for rank, tensor in meeting.inputs.items():
+            if tensor.shape != first.shape or tensor.dtype != first.dtype:
+                problem = f"rank {rank} sent {tuple(tensor.shape)} {tensor.dtype}, rank 0 {tuple(first.shape)} {first.dtype}"
+        if problem is None:
+            if meeting.kind == "all_reduce":
+                total = torch.stack([meeting.inputs[r] for r in range(self.world_size)]).sum(0)
+                for out in meeting.outputs.values():
+                    out.copy_(total)
+            else:
+                gathered = torch.cat([meeting.inputs[r].reshape(-1) for r in range(self.world_size)])
+                for out in meeting.outputs.values():
+                    out.copy_(gathered.reshape(out.shape))
+            self.log.append(meeting.what)
+        for rank in range(self.world_size):
+            future = meeting.futures[rank]
+            if problem is None:
+                future.set_result(meeting.outputs[rank])
+            else:
+                future.set_exception(RuntimeError(f"collective #{index} ({meeting.what}): {problem}"))
+
+
+class LocalCollectives(Collectives):
+    """One simulated rank of a :class:`LocalGroup` (see :func:`simulate`)."""
+
+    def __init__(self, group: LocalGroup, rank: int) -> None:
+        self.group = group
+        self.world_size, self.rank = group.world_size, rank
+
+    def all_reduce(self, tensor: Tensor, what: str) -> Pending:
+        return self.group.meet(self.rank, "all_reduce", what, tensor.clone(), tensor)
+
+    def all_gather(self, tensor: Tensor, out: Tensor, what: str) -> Pending:
+        return self.group.meet(self.rank, "all_gather", what, tensor.clone(), out)
+
+
+def simulate(world_size: int, fn: Callable[[Collectives], Any], fail_at: int | None = None) -> list[Any]:
+    """``[fn(collectives of rank r) for r in range(world_size)]``, the ranks run in parallel threads.
+
+    Every rank's exceptions are re-raised (the first one) after all threads have finished.
+    """
+    group = LocalGroup(world_size, fail_at)
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(LocalCollectives(group, rank))
+        except BaseException as error:  # noqa: BLE001  (re-raised below, in the caller's thread)
+            errors[rank] = error
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"rank{r}") for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+# -- setup, checkpoints and exit (blocking; never on the hot path) ----------------------------------------
+def world_size_and_rank(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(world_size, rank)`` of ``group``, or ``(1, 0)`` when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
 def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
     """Every rank's ``obj`` (blocking; for setup-time consistency checks, never per step)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
     out: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -359,6 +347,12 @@ def average(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     return tensor
 
 
+def bucket_assignment(tensors: Sequence[Tensor], caps: Sequence[int]) -> list[list[int]]:
+    """The buckets DDP builds for ``tensors`` (in the order given) with these byte caps: indices per bucket."""
+    groups, _ = dist._compute_bucket_assignment_by_size(list(tensors), list(caps), [False] * len(tensors))
+    return [list(group) for group in groups]
+
+
 def destroy_process_group() -> None:
     """End the default process group cleanly (a no-op when none is initialised).
 
@@ -390,10 +384,3 @@ def destroy_process_group_at_exit() -> None:
     if not _destroy_registered:
         atexit.register(_destroy_at_exit)
         _destroy_registered = True
-
-
-def world_size_and_rank(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """``(world_size, rank)`` of ``group``, or ``(1, 0)`` when torch.distributed is not initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)

@@ -1,22 +1,26 @@
-"""Momentum correction, local clipping, momentum factor masking and the residual memory.
+"""The exchange's memory: per-parameter buffers that live across steps, committed once per step.
 
-DGC (Lin et al., 2018) keeps, per compressed tensor and per worker,
+What an algorithm holds back between steps lives here, per parameter name and *kind*: DGC's
+``momentum`` u and ``velocity`` v (momentum correction, Lin et al., 2018: ``u <- m u + g``,
+``v <- v + u``; values are selected from v, and what is sent is cleared from v and, with momentum
+factor masking, from u), PowerSGD's ``error`` and ``q``, ... Names, not DDP bucket indices, are the
+keys: DDP rebuilds its buckets after the first step.
 
-* ``momentum`` u: the local momentum, ``u <- m * u + g`` (Nesterov: ``u <- m * (u + g)``);
-* ``velocity`` v: the accumulated, not yet sent update, ``v <- v + u`` (Nesterov: ``v <- v + u + g``).
+One object owns the whole lifecycle of a step (:class:`ResidualMemory`): an algorithm writes the new
+values into *scratch* buffers and stages them; the decode callbacks note their buckets; one call per
+optimizer step, :meth:`ResidualMemory.finish_step`, waits for the buckets and commits the staged
+buffers if the step was finite on every rank, or discards them: a skipped step (inf/NaN anywhere,
+e.g. under a GradScaler) leaves the memory exactly as it was, so nothing is lost or poisoned.
+Buffers of a kind an algorithm never writes are never allocated (no momentum without momentum).
 
-Values are selected from v; what is sent is cleared from v and, with momentum factor masking, from
-u, so that stale momentum does not keep pushing coordinates that were just applied.
-
-Every update is computed into *scratch* buffers and only committed when the whole step turned out
-finite on every rank (:meth:`ResidualMemory.commit`); a skipped step (inf/NaN anywhere, e.g. under a
-GradScaler) leaves the memory exactly as it was, so nothing is lost or poisoned.
+Also here, the tensor math on these buffers: momentum correction, local clipping, and the
+conversion between SGD's momentum buffer and the exchange's momentum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -107,32 +111,40 @@ def momentum_correction(
         torch.add(velocity_buf, momentum_out, out=velocity_out)
 
 
-def momentum_correction_each(grads: Sequence[Tensor], buffers: Sequence[_Buffers], momentum: float,
-                             nesterov: bool) -> None:  # fmt: skip
+def momentum_correction_each(
+    grads: Sequence[Tensor],
+    velocity: Sequence[Tensor],
+    velocity_out: Sequence[Tensor],
+    momentum: float,
+    nesterov: bool,
+    momentum_buf: Sequence[Tensor] = (),
+    momentum_out: Sequence[Tensor] = (),
+) -> None:
     """:func:`momentum_correction` for many tensors: committed buffers in, scratch buffers out.
 
-    Large tensors go one by one; the small ones together through a handful of ``torch._foreach_*``
-    calls whatever their number (a Python loop costs several microseconds per operation, which for a
-    model of a few hundred small tensors was most of the hook's time).
+    ``momentum_buf`` and ``momentum_out`` are needed (one per tensor) only when ``momentum > 0``. Large
+    tensors go one by one; the small ones together through a handful of ``torch._foreach_*`` calls
+    whatever their number (a Python loop costs several microseconds per operation, which for a model of
+    a few hundred small tensors was most of the hook's time).
     """
-    small: list[tuple[Tensor, _Buffers]] = []
-    for g, b in zip(grads, buffers, strict=True):
+    with_momentum = momentum != 0.0
+    small: list[int] = []
+    for i, g in enumerate(grads):
         if g.numel() >= FOREACH_MAX_NUMEL:
-            momentum_correction(
-                g, b.momentum, b.velocity, momentum, nesterov, b.momentum_next, b.velocity_next
-            )
+            u, u_out = (momentum_buf[i], momentum_out[i]) if with_momentum else (g, g)
+            momentum_correction(g, u, velocity[i], momentum, nesterov, u_out, velocity_out[i])
         else:
-            small.append((g, b))
+            small.append(i)
     if not small:
         return
-    g = [t for t, _ in small]
-    mom = [b.momentum for _, b in small]
-    mom_out = [b.momentum_next for _, b in small]
-    vel_out = [b.velocity_next for _, b in small]
-    torch._foreach_copy_(vel_out, [b.velocity for _, b in small])
-    if momentum == 0.0:
+    g = [grads[i] for i in small]
+    vel_out = [velocity_out[i] for i in small]
+    torch._foreach_copy_(vel_out, [velocity[i] for i in small])
+    if not with_momentum:
         torch._foreach_add_(vel_out, g)
         return
+    mom = [momentum_buf[i] for i in small]
+    mom_out = [momentum_out[i] for i in small]
     if nesterov:  # u' = m (u + g); v' = v + u' + g
         torch._foreach_copy_(mom_out, mom)
         torch._foreach_add_(mom_out, g)
@@ -145,103 +157,132 @@ def momentum_correction_each(grads: Sequence[Tensor], buffers: Sequence[_Buffers
         torch._foreach_add_(vel_out, mom_out)
 
 
-@dataclass
-class _Buffers:
-    """Committed and scratch buffers of one parameter (flat fp32)."""
-
-    momentum: Tensor
-    velocity: Tensor
-    momentum_next: Tensor
-    velocity_next: Tensor
-
-
-@dataclass
-class _Pending:
-    """An update computed this step that waits for :meth:`ResidualMemory.commit`."""
-
-    sent: Tensor | None  # indices cleared from the velocity (None: the whole tensor was sent)
-    masked: bool  # whether the sent indices are also cleared from the momentum
-
-
-@dataclass
 class ResidualMemory:
-    """Per-parameter momentum and velocity buffers, keyed by parameter name.
+    """Per-parameter buffers by kind, and the step that commits them (see the module docstring).
 
-    Names, not DDP bucket indices, are the keys: DDP rebuilds its buckets after the first step.
-    Dense (uncompressed) parameters use the same buffers for their plain momentum (``velocity``
-    stays zero for them).
+    ``buffer(kind, name, ...)`` is the committed tensor (zeros when new); ``scratch(kind, name)`` a
+    buffer of the same shape that an algorithm writes this step's value into, and ``stage(kind, name)``
+    marks it to become the committed tensor at :meth:`commit` (the two swap: no copy, no allocation
+    after the first step). The committed tensors are the state: :meth:`state_dict` holds them only.
     """
 
-    buffers: dict[str, _Buffers] = field(default_factory=dict)
-    pending: dict[str, _Pending] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self.committed: dict[str, dict[str, Tensor]] = {}  # kind -> name -> tensor
+        self._scratch: dict[tuple[str, str], Tensor] = {}
+        self._staged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()  # decode callbacks of different buckets may stage at once
+        self._futures: list[torch.futures.Future] = []
+        self._finite: list[Tensor] = []
 
-    def get(self, name: str, numel: int, device: torch.device) -> _Buffers:
-        """The buffers of ``name``, created as zeros on first use."""
-        buf = self.buffers.get(name)
-        if buf is None or buf.momentum.numel() != numel or buf.momentum.device != device:
-            zeros = [torch.zeros(numel, dtype=torch.float32, device=device) for _ in range(4)]
-            buf = _Buffers(*zeros)
-            self.buffers[name] = buf
-        return buf
+    # -- buffers ---------------------------------------------------------------------------------------
+    def has(self, kind: str, name: str) -> bool:
+        return name in self.committed.get(kind, {})
 
-    def set_momentum(self, name: str, momentum: Tensor) -> None:
-        """Start ``name``'s momentum from ``momentum`` (flat, in bucket order), its residual from zero."""
-        flat = momentum.detach().reshape(-1)
-        self.get(name, flat.numel(), flat.device).momentum.copy_(flat)
+    def buffer(self, kind: str, name: str, shape: Sequence[int] | int, device: torch.device) -> Tensor:
+        """The committed ``kind`` buffer of ``name`` (fp32), created as zeros of ``shape`` on first use."""
+        by_name = self.committed.setdefault(kind, {})
+        tensor = by_name.get(name)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if tensor is None or tuple(tensor.shape) != shape or tensor.device != device:
+            tensor = by_name[name] = torch.zeros(shape, dtype=torch.float32, device=device)
+            self._scratch.pop((kind, name), None)
+        return tensor
 
-    def stage(self, name: str, sent: Tensor | None, masked: bool) -> None:
-        """Record that ``name``'s scratch buffers hold this step's update (sent = indices sent)."""
-        self.pending[name] = _Pending(sent, masked)
+    def scratch(self, kind: str, name: str) -> Tensor:
+        """A buffer shaped like the committed one, to write this step's value into (contents undefined)."""
+        committed = self.committed[kind][name]
+        tensor = self._scratch.get((kind, name))
+        if tensor is None:
+            tensor = self._scratch[kind, name] = torch.empty_like(committed)
+        return tensor
+
+    def stage(self, kind: str, name: str) -> None:
+        """The scratch buffer of ``(kind, name)`` holds this step's value: commit it with the step."""
+        with self._lock:
+            self._staged.add((kind, name))
+
+    def unstage(self, name: str) -> None:
+        """Forget every buffer of ``name`` staged this step (its committed state stays as it is)."""
+        with self._lock:
+            self._staged = {key for key in self._staged if key[1] != name}
+
+    @property
+    def staged_names(self) -> set[str]:
+        return {name for _, name in self._staged}
 
     def commit(self) -> None:
-        """Make every staged update the committed state, then clear what was sent."""
-        zero = []
-        for name, pend in self.pending.items():
-            buf = self.buffers[name]
-            buf.momentum, buf.momentum_next = buf.momentum_next, buf.momentum
-            buf.velocity, buf.velocity_next = buf.velocity_next, buf.velocity
-            if pend.sent is None:
-                zero.append(buf.velocity)
-                if pend.masked:
-                    zero.append(buf.momentum)
-            else:
-                buf.velocity.index_fill_(0, pend.sent, 0.0)
-                if pend.masked:
-                    buf.momentum.index_fill_(0, pend.sent, 0.0)
-        if zero:
-            torch._foreach_zero_(zero)
-        self.pending.clear()
+        """Make every staged scratch buffer the committed one (the old committed one becomes scratch)."""
+        with self._lock:
+            staged, self._staged = self._staged, set()
+        for kind, name in staged:
+            committed = self.committed[kind]
+            committed[name], self._scratch[kind, name] = self._scratch[kind, name], committed[name]
 
     def discard(self) -> None:
-        """Forget every staged update: the committed state stays as it was before the step."""
-        self.pending.clear()
+        """Forget everything staged: the committed state stays as it was before the step."""
+        with self._lock:
+            self._staged = set()
 
-    def residual_norm(self) -> float:
-        """L2 norm of all velocities: the size of what is held back, for monitoring."""
-        if not self.buffers:
+    # -- the step ---------------------------------------------------------------------------------------
+    def note_bucket(self, future: torch.futures.Future) -> None:
+        """The future the hook returned for a bucket (waited on by :meth:`finish_step`)."""
+        with self._lock:
+            self._futures.append(future)
+
+    def note_finite(self, flag: Tensor) -> None:
+        """Whether a decoded bucket was finite (a 0-d bool tensor, identical on every rank)."""
+        with self._lock:
+            self._finite.append(flag)
+
+    def finish_step(self, unused: Callable[[str], bool] | None = None) -> bool:
+        """Close the step: commit if every bucket decoded finite, else discard. Returns finiteness.
+
+        Waits first on every bucket's future, which re-raises a failed exchange and, on CUDA, orders
+        this stream after the decode callbacks (no host synchronisation). Every rank reaches the same
+        verdict: it is computed from the decoded buckets, identical on all ranks. ``unused(name)``
+        says which parameters did not take part in the step: their staged buffers are dropped.
+        """
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for future in futures:
+            future.wait()
+        with self._lock:
+            flags, self._finite = self._finite, []
+        finite = bool(torch.stack(flags).all()) if flags else True
+        if finite and unused is not None:
+            for name in [n for n in self.staged_names if unused(n)]:
+                self.unstage(name)
+        if finite:
+            self.commit()
+        else:
+            self.discard()
+        return finite
+
+    # -- inspection and checkpoints -------------------------------------------------------------------------
+    def residual_norm(self, kind: str) -> float:
+        """L2 norm of every committed ``kind`` buffer together (what is held back, for monitoring)."""
+        tensors = list(self.committed.get(kind, {}).values())
+        if not tensors:
             return 0.0
-        sq = sum(float(torch.linalg.vector_norm(b.velocity)) ** 2 for b in self.buffers.values())
-        return sq**0.5
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        """Committed buffers only (``{"momentum": {name: t}, "velocity": {name: t}}``), on CPU."""
+        """The committed buffers only, ``{kind: {name: tensor}}``, on the CPU."""
         return {
-            "momentum": {n: b.momentum.detach().cpu().clone() for n, b in self.buffers.items()},
-            "velocity": {n: b.velocity.detach().cpu().clone() for n, b in self.buffers.items()},
+            kind: {name: t.detach().cpu().clone() for name, t in by_name.items()}
+            for kind, by_name in self.committed.items()
         }
 
     def load_state_dict(
         self, state: dict[str, dict[str, Tensor]], device: torch.device | None = None
     ) -> None:
-        """Restore buffers saved by :meth:`state_dict` (scratch buffers are recreated)."""
-        self.buffers.clear()
-        self.pending.clear()
-        for name, mom in state["momentum"].items():
-            vel = state["velocity"][name]
-            dev = device if device is not None else mom.device
-            self.buffers[name] = _Buffers(
-                mom.to(dev, torch.float32).clone(),
-                vel.to(dev, torch.float32).clone(),
-                torch.zeros_like(mom, dtype=torch.float32, device=dev),
-                torch.zeros_like(vel, dtype=torch.float32, device=dev),
-            )
+        """Restore buffers saved by :meth:`state_dict` (scratch buffers are made again when needed)."""
+        self.committed = {
+            kind: {
+                name: t.to(device if device is not None else t.device, torch.float32).clone()
+                for name, t in by_name.items()
+            }
+            for kind, by_name in state.items()
+        }
+        self._scratch.clear()
+        self.discard()

@@ -34,6 +34,7 @@ __all__ = [
     "SELECTED_COST",
     "Fragment",
     "allocate_k",
+    "fragment_count",
     "fragment_layers",
     "lpt_assign",
     "rank_loads",
@@ -104,6 +105,16 @@ def fragment_layers(names: Sequence[str], numels: Sequence[int], world_size: int
             layer_offset += length
         offset += numel
     return fragments
+
+
+def fragment_count(numels: Sequence[int], world_size: int) -> int:
+    """How many fragments :func:`fragment_layers` makes of layers of these sizes (without making them).
+
+    A layer holding more than ``1 / world_size`` of the values is cut into ``min(world_size, numel)``
+    pieces, every other non-empty layer is one fragment.
+    """
+    total = sum(int(n) for n in numels)
+    return sum((min(world_size, int(n)) if int(n) * world_size > total else 1) for n in numels if int(n) > 0)
 
 
 def _proportional_within_bounds(weights: list[float], caps: list[int], budget: float) -> list[float]:

@@ -5,7 +5,7 @@ Our machines hold two workers; users run 8 to 256. Like the performance model be
 at N workers on links of bandwidth B" from what one node *measures* (a :class:`Profile`, written by
 :class:`lightning_dgc.profiler.ExchangeProfiler`): the compute time of a step, the top-k selection
 time, and the exact bytes every bucket puts on the wire, while communication is modelled
-analytically. Pure Python: no torch, no torch.distributed; every function can be checked by hand.
+analytically. No process group and no Lightning: every function can be checked by hand.
 
 Units: bytes for sizes, **bits per second** for bandwidths, seconds for times.
 
@@ -45,19 +45,15 @@ With ``G = 1`` every local term vanishes and the flat formulas come back.
 and recursive doubling (``ceil(log2 n)`` steps; all-reduce ``log2 n * 8 S / B``, all-gather
 ``(n-1) * 8 P / B``), as MPI and NCCL pick short-message algorithms; the default is the ring.
 
-What each method sends per bucket (sizes in :class:`BucketProfile`, equal to the hook's
-``compression_stats()``):
-
-* ``ddp``: one all-reduce of the bucket (``dense_bytes``).
-* ``dgc``: one all-gather of the payload (``k`` values + ``k + numel // 65535`` uint16 delta codes of
-  the indices, padded to 4 bytes: :func:`payload_nbytes`) and one all-reduce of the tensors averaged
-  dense (1-D and small tensors).
-* ``deft``: an all-reduce of the fragment norms (float64, ``F(n) + n`` entries), an int32 all-reduce
-  of the ``k`` union indices, an all-reduce of the ``k`` values at the union, and the dense
-  all-reduce. The first two are *blocking* (the hook waits for them before it can go on), so they
-  are never overlapped with the backward pass.
-* ``sparse_allreduce``: DGC's payload exchanged by the worst-case sparse all-reduce above, plus the
-  dense all-reduce (a bound, not an implementation).
+What each method sends per bucket comes from the algorithm itself
+(:meth:`lightning_dgc.algorithms.Algorithm.wire_cost`, the formula the runtime statistics use too):
+a list of collectives (all-reduce or all-gather of so many bytes), some *blocking* (the hook waits for
+them before it can go on, e.g. DEFT's norms and union indices, PowerSGD's P), which are never
+overlapped with the backward pass. ``ddp`` is one all-reduce of the bucket; ``sparse_allreduce`` is
+DGC's payload exchanged by the worst-case sparse all-reduce above, plus the dense all-reduce (a bound,
+not an implementation). The selection time of the profile (DGC's top-k over the whole gradient) is
+charged as the algorithm says (:meth:`~lightning_dgc.algorithms.Algorithm.selection_share`): DGC in
+full, DEFT split among the workers, PowerSGD not at all.
 
 Step time of one worker (``C`` compute: forward + backward + optimizer, measured; ``W`` the part of
 it that communication can hide behind, the backward pass when the profile measured it; ``X`` the work
@@ -69,9 +65,7 @@ becomes ready when backward ends)::
     overlap:     T = C + X + max(0, c - c_last - W) + c_last
 
 so overlap is never slower, and equals ``max(C, c) + X`` when the whole step can overlap and the
-last bucket is negligible. Selection: DGC selects over the whole gradient on every worker
-(``selection_s``); DEFT splits the selection among the workers (``selection_s / n``, perfectly
-balanced). With one worker nothing is exchanged: ``T(1) = C`` for every method, so
+last bucket is negligible. With one worker nothing is exchanged: ``T(1) = C`` for every method, so
 ``speedup(1) = 1`` and ``speedup(n) = n C / T(n)``; throughput is ``n * batch_size / T(n)``.
 """
 
@@ -84,7 +78,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_dgc.comm import INDEX_BYTES, payload_size
+from lightning_dgc import algorithms
+from lightning_dgc.algorithms import Message, TensorSpec, WireCost, layout_of
 
 __all__ = [
     "BANDWIDTHS",
@@ -100,11 +95,8 @@ __all__ = [
     "broadcast_time",
     "doubling_allgather_time",
     "doubling_allreduce_time",
-    "fragment_count",
     "gather_time",
     "gradient_bytes",
-    "payload_nbytes",
-    "payload_padding",
     "predict",
     "reduce_time",
     "ring_allreduce_time",
@@ -117,16 +109,15 @@ __all__ = [
     "wire_bytes",
 ]
 
-Method = Literal["ddp", "dgc", "deft", "sparse_allreduce"]
-#: Methods the prediction covers: dense DDP, DGC, DEFT, and the worst-case sparse all-reduce bound.
-METHODS: tuple[Method, ...] = ("ddp", "dgc", "deft", "sparse_allreduce")
+#: Methods the prediction covers: dense DDP, every registered algorithm, and the worst-case sparse
+#: all-reduce bound of DGC's payload.
+METHODS: tuple[str, ...] = ("ddp", *algorithms.registered(), "sparse_allreduce")
 #: Worker counts of the prediction: powers of two from 1 to 256.
 WORKERS: tuple[int, ...] = tuple(2**i for i in range(9))
 #: Link bandwidths of the prediction, bits/s: 100 Mbit/s, 1, 10 and 25 Gbit/s.
 BANDWIDTHS: tuple[float, ...] = (100e6, 1e9, 10e9, 25e9)
 
 DENSE_VALUE_BYTES = 4  # fp32: what plain DDP all-reduces
-NORM_BYTES = 8  # DEFT's norms (and selection times) travel as float64
 
 
 # -- primitives: one collective, flat network ---------------------------------------------------------
@@ -297,91 +288,27 @@ class Network:
 
 
 # -- the profile ----------------------------------------------------------------------------------------
-def payload_nbytes(k: int, value_bytes: int, span: int) -> int:
-    """One rank's DGC payload for ``k`` values out of a bucket of ``span`` values (its numel).
-
-    :func:`lightning_dgc.comm.payload_size`: ``k`` values, then ``k + span // 65535`` uint16 delta
-    codes (one per value, plus the filler codes that long gaps between indices may need), padded to a
-    multiple of 4 bytes; 0 when ``k`` is 0. Example: ``k = 3`` fp16 values in a bucket of 5000:
-    ``6 + 2 * 3 = 12`` bytes; in a bucket of 200 000 (3 filler slots): ``6 + 2 * 6 = 18``, padded to 20.
-    """
-    return payload_size(k, value_bytes, span)[0]
-
-
-def payload_padding(k: int, value_bytes: int, span: int) -> int:
-    """The bytes :func:`payload_nbytes` adds to align the payload to 4 (0 or 2)."""
-    return payload_size(k, value_bytes, span)[1]
-
-
-def fragment_count(numels: Sequence[int], n: int) -> int:
-    """Number of DEFT fragments of one bucket's compressed tensors for ``n`` workers.
-
-    Mirrors :func:`lightning_dgc.partition.fragment_layers`: a tensor holding more than ``1/n`` of the
-    bucket's compressed values is cut into ``min(n, numel)`` pieces, every other tensor is one.
-    """
-    total = sum(numels)
-    return sum((min(n, v) if v * n > total else 1) for v in numels if v > 0)
-
-
 @dataclass
 class BucketProfile:
-    """One DDP gradient bucket, with what every method sends for it per step and rank.
+    """One DDP gradient bucket: the shapes of its tensors, in bucket order, and its dense size.
 
     Attributes:
-        numel: values in the bucket.
+        shapes: every parameter's shape, in the order DDP packs the bucket.
         dense_bytes: the bucket's size, all-reduced by plain DDP.
-        sparse_numels: sizes of the tensors DGC/DEFT compress (more than one dimension, large enough).
-        k: values selected per step over those tensors (``sum(ceil(density * numel))``).
-        exchange_dense_numel: values DGC/DEFT average dense (1-D and small tensors), sent as the values are.
-        value_bytes: bytes per sent value (4 for fp32, 2 for fp16).
+        names: the parameters' names (optional, for reading).
     """
 
-    numel: int
+    shapes: list[list[int]]
     dense_bytes: int
-    sparse_numels: list[int] = field(default_factory=list)
-    k: int = 0
-    exchange_dense_numel: int = 0
-    value_bytes: int = 4
+    names: list[str] = field(default_factory=list)
 
     @property
-    def exchange_dense_bytes(self) -> int:
-        """The dense all-reduce of DGC and DEFT (``compression_stats()["dense_exchange_bytes"]``)."""
-        return self.exchange_dense_numel * self.value_bytes
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
 
-    @property
-    def dgc_payload_bytes(self) -> int:
-        """DGC's all-gathered payload of one rank (``payload_bytes``); 0 when nothing is compressed.
-
-        The indices travel as delta codes over the whole bucket (``numel`` is the code's span).
-        """
-        return payload_nbytes(self.k, self.value_bytes, self.numel)
-
-    @property
-    def dgc_padding_bytes(self) -> int:
-        """The payload's alignment padding (``padding_bytes``); the filler codes count as index bytes."""
-        return payload_padding(self.k, self.value_bytes, self.numel)
-
-    @property
-    def dgc_bytes(self) -> int:
-        """Everything DGC sends for this bucket (``bytes_sent``): payload + dense all-reduce."""
-        return self.dgc_payload_bytes + self.exchange_dense_bytes
-
-    def deft_control_bytes(self, n: int) -> int:
-        """DEFT's norm vector: ``F(n) + n`` float64 entries (fragment norms and selection times)."""
-        return NORM_BYTES * (fragment_count(self.sparse_numels, n) + n)
-
-    def deft_sparse_bytes(self) -> int:
-        """DEFT's union: ``k`` int32 indices + ``k`` values, each all-reduced (no padding)."""
-        return self.k * (INDEX_BYTES + self.value_bytes)
-
-    def deft_bytes(self, n: int) -> int:
-        """Everything DEFT sends for this bucket at ``n`` workers (``bytes_sent``)."""
-        return self.deft_control_bytes(n) + self.deft_sparse_bytes() + self.exchange_dense_bytes
-
-    @property
-    def sparse_dense_bytes(self) -> int:
-        """The compressed tensors as dense fp32: the cap of the worst-case sparse all-reduce."""
-        return sum(self.sparse_numels) * DENSE_VALUE_BYTES
+    def layout(self) -> list[TensorSpec]:
+        names = self.names or [f"tensor{i}" for i in range(len(self.shapes))]
+        return layout_of(names, self.shapes)
 
 
 @dataclass
@@ -396,7 +323,9 @@ class Profile:
             behind), or ``None`` if not measured (then the whole step is taken as overlappable).
         selection_s: median time to select top-k over the whole gradient on one worker.
         batch_size: samples per worker per optimizer step (for throughput).
-        density, value_dtype: the compression settings the byte counts were computed with.
+        density, value_dtype: DGC's and DEFT's compression settings (unless ``configs`` sets them).
+        configs: every algorithm's settings to predict with (its configuration's fields), by name;
+            an algorithm not listed uses its defaults (``density``/``value_dtype`` above for DGC and DEFT).
         world_size, strategy, device, steps: how the profile was taken.
         step_s: median measured step time as is (for reference).
         stats: the last ``compression_stats()`` of the profiled run (empty under plain DDP).
@@ -411,6 +340,7 @@ class Profile:
     batch_size: int = 1
     density: float = 0.001
     value_dtype: str = "fp32"
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     world_size: int = 1
     strategy: str = "dgc"
     device: str = "cpu"
@@ -419,6 +349,24 @@ class Profile:
     stats: dict[str, Any] = field(default_factory=dict)
     stats_match: bool | None = None
     notes: list[str] = field(default_factory=list)
+
+    # -- what each method sends ----------------------------------------------------------------------
+    def config(self, method: str) -> algorithms.AlgorithmConfig:
+        """The settings ``method`` (a registered algorithm) is predicted with."""
+        cls = algorithms.get(method).config_class
+        known = {f.name for f in fields(cls)}
+        defaults = {
+            k: v for k, v in (("density", self.density), ("value_dtype", self.value_dtype)) if k in known
+        }
+        return cls(**(defaults | self.configs.get(method, {})))
+
+    def cost(self, method: str, bucket: BucketProfile, n: int) -> WireCost:
+        """What ``method`` sends for ``bucket`` per step and worker at ``n`` workers."""
+        if method == "ddp":
+            dense = Message("all_reduce", bucket.dense_bytes, "dense")
+            return WireCost((dense,), bucket.dense_bytes, bucket.numel, 0, bucket.numel)
+        cls = algorithms.get(method)
+        return cls.wire_cost(self.config(method), bucket.layout(), n, bucket.dense_bytes)
 
     # -- totals per step and rank, as compression_stats() counts them --------------------------------
     @property
@@ -430,34 +378,27 @@ class Profile:
         """What plain DDP all-reduces per step (``dense_bytes``)."""
         return sum(b.dense_bytes for b in self.buckets)
 
-    @property
-    def dgc_bytes(self) -> int:
-        """What DGC sends per step and rank (``bytes_sent`` under DGC)."""
-        return sum(b.dgc_bytes for b in self.buckets)
-
-    def deft_bytes(self, n: int) -> int:
-        """What DEFT sends per step and rank at ``n`` workers (``bytes_sent`` under DEFT)."""
-        return sum(b.deft_bytes(n) for b in self.buckets)
-
-    @property
-    def k(self) -> int:
-        return sum(b.k for b in self.buckets)
-
-    def totals(self, n: int | None = None) -> dict[str, int]:
-        """The byte counts that ``compression_stats()`` reports, at ``n`` workers (default: as profiled)."""
+    def bytes_sent(self, method: str, n: int | None = None) -> int:
+        """What ``method`` sends per step and rank at ``n`` workers (default: as profiled)."""
         n = self.world_size if n is None else n
+        return sum(self.cost(method, b, n).bytes_sent for b in self.buckets)
+
+    def totals(self, method: str, n: int | None = None) -> dict[str, int]:
+        """The byte counts ``compression_stats()`` reports under ``method`` at ``n`` workers."""
+        n = self.world_size if n is None else n
+        costs = [self.cost(method, b, n) for b in self.buckets]
+        dense = sum(c.bytes_of("dense") for c in costs)
+        sent = sum(c.bytes_sent for c in costs)
         return {
+            "bytes_sent": sent,
+            "payload_bytes": sent - dense,
+            "dense_exchange_bytes": dense,
+            "control_bytes": sum(c.bytes_of("control") for c in costs),
+            "padding_bytes": sum(c.padding_bytes for c in costs),
             "dense_bytes": self.dense_bytes,
             "numel": self.numel,
-            "k": self.k,
+            "k": sum(c.k for c in costs),
             "buckets": len(self.buckets),
-            "dgc_bytes_sent": self.dgc_bytes,
-            "dgc_payload_bytes": sum(b.dgc_payload_bytes for b in self.buckets),
-            "dgc_padding_bytes": sum(b.dgc_padding_bytes for b in self.buckets),
-            "dense_exchange_bytes": sum(b.exchange_dense_bytes for b in self.buckets),
-            "deft_bytes_sent": self.deft_bytes(n),
-            "deft_payload_bytes": sum(b.deft_control_bytes(n) + b.deft_sparse_bytes() for b in self.buckets),
-            "deft_control_bytes": sum(b.deft_control_bytes(n) for b in self.buckets),
         }
 
     # -- JSON ---------------------------------------------------------------------------------------
@@ -468,7 +409,7 @@ class Profile:
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
-        kwargs["buckets"] = [BucketProfile(**b) for b in data["buckets"]]
+        kwargs["buckets"] = [_bucket_from_dict(b) for b in data["buckets"]]
         return cls(**kwargs)
 
     def save(self, path: str | Path) -> Path:
@@ -481,6 +422,18 @@ class Profile:
     def load(cls, path: str | Path) -> Profile:
         data = json.loads(Path(path).read_text())
         return cls.from_dict(data.get("profile", data))
+
+
+def _bucket_from_dict(data: dict[str, Any]) -> BucketProfile:
+    """A bucket of a profile JSON; profiles written before shapes were kept give their compressed tensors
+    as ``sparse_numels`` and the rest as ``exchange_dense_numel``: those become ``[n, 1]`` and one 1-D
+    tensor (exact for DGC and DEFT, not for PowerSGD, which needs the real shapes)."""
+    if "shapes" in data:
+        return BucketProfile(**data)
+    shapes = [[int(n), 1] for n in data.get("sparse_numels", [])]
+    if data.get("exchange_dense_numel"):
+        shapes.append([int(data["exchange_dense_numel"])])
+    return BucketProfile(shapes, int(data["dense_bytes"]))
 
 
 def gradient_bytes(numels: Iterable[int], bytes_per_value: int = 4) -> int:
@@ -514,22 +467,42 @@ class StepTime:
         return self.compute_s + self.selection_s + self.blocking_comm_s + self.exposed_comm_s
 
 
-def _bucket_comm(bucket: BucketProfile, method: str, n: int, net: Network) -> tuple[float, float]:
+def _sparse_worst(
+    profile: Profile, bucket: BucketProfile, n: int, net: Network | None
+) -> tuple[float, int, int]:
+    """DGC's payload through the worst-case sparse all-reduce: (time or volume, payload, dense cap)."""
+    cost = profile.cost("dgc", bucket, n)
+    payload = cost.bytes_of("payload")
+    cap = (cost.numel - (cost.values_sent - cost.k)) * DENSE_VALUE_BYTES  # the compressed tensors, dense fp32
+    if net is None:
+        return sparse_allreduce_worst_volume(payload, cap, n), payload, cap
+    return net.sparse_allreduce_worst(payload, cap, n), payload, cap
+
+
+def _bucket_comm(
+    profile: Profile, bucket: BucketProfile, method: str, n: int, net: Network
+) -> tuple[float, float]:
     """(overlappable, blocking) communication time of one bucket."""
-    dense_part = net.allreduce(bucket.exchange_dense_bytes, n)
-    if method == "ddp":
-        return net.allreduce(bucket.dense_bytes, n), 0.0
-    if method == "dgc":
-        return net.allgather(bucket.dgc_payload_bytes, n) + dense_part, 0.0
     if method == "sparse_allreduce":
-        worst = net.sparse_allreduce_worst(bucket.dgc_payload_bytes, bucket.sparse_dense_bytes, n)
-        return worst + dense_part, 0.0
-    if method == "deft":
-        blocking = net.allreduce(bucket.deft_control_bytes(n), n)
-        if bucket.k:
-            blocking += net.allreduce(bucket.k * INDEX_BYTES, n)
-        return net.allreduce(bucket.k * bucket.value_bytes, n) + dense_part, blocking
-    raise ValueError(f"unknown method {method!r}; choose one of {METHODS}.")
+        worst, _, _ = _sparse_worst(profile, bucket, n, net)
+        return worst + net.allreduce(profile.cost("dgc", bucket, n).bytes_of("dense"), n), 0.0
+    overlappable = blocking = 0.0
+    for message in profile.cost(method, bucket, n).messages:
+        collective = net.allreduce if message.collective == "all_reduce" else net.allgather
+        t = collective(message.nbytes, n)
+        if message.blocking:
+            blocking += t
+        else:
+            overlappable += t
+    return overlappable, blocking
+
+
+def _selection_share(method: str, n: int) -> float:
+    if method == "ddp":
+        return 0.0
+    if method == "sparse_allreduce":
+        return 1.0
+    return algorithms.get(method).selection_share(n)
 
 
 def step_time(profile: Profile, method: str, n: int, network: Network, overlap: bool = True) -> StepTime:
@@ -541,12 +514,9 @@ def step_time(profile: Profile, method: str, n: int, network: Network, overlap: 
     window = profile.compute_s if profile.backward_s is None else min(profile.backward_s, profile.compute_s)
     if n == 1:  # a single worker exchanges nothing
         return StepTime(method, 1, overlap, profile.compute_s, 0.0, 0.0, 0.0, 0.0, window)
-    comm = [_bucket_comm(b, method, n, network) for b in profile.buckets]
-    selection = {"dgc": profile.selection_s, "sparse_allreduce": profile.selection_s}.get(method, 0.0)
-    if method == "deft":
-        selection = profile.selection_s / n
+    comm = [_bucket_comm(profile, b, method, n, network) for b in profile.buckets]
     return StepTime(
-        method, n, overlap, profile.compute_s, selection,
+        method, n, overlap, profile.compute_s, profile.selection_s * _selection_share(method, n),
         blocking_comm_s=sum(b for _, b in comm), comm_s=sum(c for c, _ in comm),
         last_bucket_comm_s=comm[-1][0] if comm else 0.0, window_s=window,
     )  # fmt: skip
@@ -559,19 +529,17 @@ def speedup(profile: Profile, method: str, n: int, network: Network, overlap: bo
 
 def wire_bytes(profile: Profile, method: str, n: int) -> float:
     """Bytes one worker receives per step on a flat network (ring all-reduce, ring all-gather, ...)."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}.")
     total = 0.0
     for b in profile.buckets:
-        dense = ring_allreduce_volume(b.exchange_dense_bytes, n)
-        if method == "ddp":
-            total += ring_allreduce_volume(b.dense_bytes, n)
-        elif method == "dgc":
-            total += allgather_volume(b.dgc_payload_bytes, n) + dense
-        elif method == "sparse_allreduce":
-            total += sparse_allreduce_worst_volume(b.dgc_payload_bytes, b.sparse_dense_bytes, n) + dense
-        elif method == "deft":
-            total += ring_allreduce_volume(b.deft_bytes(n) - b.exchange_dense_bytes, n) + dense
-        else:
-            raise ValueError(f"unknown method {method!r}; choose one of {METHODS}.")
+        if method == "sparse_allreduce":
+            worst, _, _ = _sparse_worst(profile, b, n, None)
+            total += worst + ring_allreduce_volume(profile.cost("dgc", b, n).bytes_of("dense"), n)
+            continue
+        for m in profile.cost(method, b, n).messages:
+            volume = ring_allreduce_volume if m.collective == "all_reduce" else allgather_volume
+            total += volume(m.nbytes, n)
     return total
 
 
@@ -654,7 +622,9 @@ _BANDWIDTH_KEYS = ("bandwidth_bps", "bandwidth_bits", "bandwidth", "rate", "link
 _WORKER_KEYS = ("world_size", "workers", "devices", "processes", "nodes")
 #: One worker's step time measured while the other worker trains alongside on the same cores.
 _SHARED_COMPUTE_KEYS = ("shared_cpu_one_worker_step_time_s", "shared_compute_s")
-_STRATEGY_ALIASES = {"ddp": "ddp", "dense": "ddp", "allreduce": "ddp", "dgc": "dgc", "deft": "deft"}
+_STRATEGY_ALIASES = {"ddp": "ddp", "dense": "ddp", "allreduce": "ddp"} | {
+    m: m for m in algorithms.registered()
+}
 
 
 def parse_bandwidth(value: Any, key: str = "") -> float | None:
@@ -779,7 +749,7 @@ def validate(
     if not rows:
         models = sorted({str(r.get("model")) for r in records})
         print_fn(
-            f"{path} holds no ddp/dgc/deft step time with a bandwidth for model {model!r}"
+            f"{path} holds no step time of {sorted(set(_STRATEGY_ALIASES.values()))} with a bandwidth for model {model!r}"
             f" (models found: {models}); nothing to compare."
         )
     return rows

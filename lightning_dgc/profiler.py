@@ -19,33 +19,34 @@ What it measures, per optimizer step after ``warmup_steps`` (medians over the st
   any other strategy, DGC's sampled top-k is timed once on random tensors of the compressed sizes.
   ``compute_s`` and ``backward_s`` of the profile are the step and backward times minus selection.
 
-The bytes come from the model's DDP buckets (as DDP rebuilt them after the first step; without a DDP
-wrapper, as DDP would build them) with the hook's own rules (:func:`lightning_dgc.hook.tensor_kind`,
-:func:`~lightning_dgc.hook.values_per_step`, :func:`lightning_dgc.comm.payload_nbytes`), for DDP,
-DGC and DEFT at once. Under ``dgc``/``deft`` their totals are checked against ``compression_stats()``
-(``profile.stats_match``; a mismatch warns).
+The profile keeps the model's DDP buckets (as DDP rebuilt them after the first step; without a DDP
+wrapper, as DDP would build them) as the shapes of their tensors; the performance model asks every
+algorithm what it sends for them (:meth:`lightning_dgc.algorithms.Algorithm.wire_cost`, the formula the
+hook's statistics use). Under a compressing strategy the totals of its algorithm are checked against
+``compression_stats()`` (``profile.stats_match``; a mismatch warns).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_dgc.hook import tensor_kind, values_per_step
+from lightning_dgc import comm
+from lightning_dgc.algorithms.dgc import DGCConfig, values_per_step
 from lightning_dgc.perfmodel import BucketProfile, Profile
-from lightning_dgc.state import DGCConfig, DGCState
-from lightning_dgc.strategy import DEFTStrategy, DGCStrategy
+from lightning_dgc.strategy import CompressionStrategy
 
 __all__ = ["ExchangeProfiler", "bucket_layout", "bucket_profiles", "time_selection"]
 
@@ -79,31 +80,20 @@ def bucket_layout(model: nn.Module) -> list[list[tuple[str, Tensor]]]:
     else:
         named, cap = _reducer_parameters(model), BUCKET_BYTES
     ordered = named[::-1]
-    groups, _ = dist._compute_bucket_assignment_by_size(
-        [p for _, p in ordered], [FIRST_BUCKET_BYTES, cap], [False] * len(ordered)
-    )
+    groups = comm.bucket_assignment([p for _, p in ordered], [FIRST_BUCKET_BYTES, cap])
     return [[ordered[i] for i in group] for group in groups]
 
 
-def bucket_profiles(layout: list[list[tuple[str, Tensor]]], state: DGCState) -> list[BucketProfile]:
-    """Per bucket, what DDP, DGC and DEFT send, decided as the hook decides it (``state``'s config)."""
-    value_bytes = state.value_dtype.itemsize
-    buckets = []
-    for group in layout:
-        bucket = BucketProfile(numel=0, dense_bytes=0, value_bytes=value_bytes)
-        for _, p in group:
-            n = p.numel()
-            k = values_per_step(n, state.config.density)
-            kind = tensor_kind(n, p.dim(), k, state)
-            bucket.numel += n
-            bucket.dense_bytes += n * p.element_size()
-            if kind == "sparse":
-                bucket.sparse_numels.append(n)
-                bucket.k += k
-            else:
-                bucket.exchange_dense_numel += n
-        buckets.append(bucket)
-    return buckets
+def bucket_profiles(layout: list[list[tuple[str, Tensor]]]) -> list[BucketProfile]:
+    """Per bucket, its tensors' names and shapes and what plain DDP all-reduces for it."""
+    return [
+        BucketProfile(
+            shapes=[list(p.shape) for _, p in group],
+            dense_bytes=sum(p.numel() * p.element_size() for _, p in group),
+            names=[name for name, _ in group],
+        )
+        for group in layout
+    ]
 
 
 def time_selection(numels: Sequence[int], config: DGCConfig, device: torch.device, repeats: int = 3) -> float:
@@ -257,7 +247,7 @@ class ExchangeProfiler(L.Callback):
     @staticmethod
     def _compression_stats(trainer: L.Trainer) -> dict[str, Any]:
         strategy = trainer.strategy
-        return dict(strategy.compression_stats()) if isinstance(strategy, DGCStrategy) else {}
+        return dict(strategy.compression_stats()) if isinstance(strategy, CompressionStrategy) else {}
 
     # -- the profile --------------------------------------------------------------------------------------
     @override
@@ -266,18 +256,18 @@ class ExchangeProfiler(L.Callback):
         if self.path is not None and trainer.is_global_zero:
             self.profile.save(self.path)
 
-    def _state(self, trainer: L.Trainer) -> DGCState:
+    def _config(self, trainer: L.Trainer) -> Any:
+        """The running algorithm's settings, or this callback's DGC settings under another strategy."""
         strategy = trainer.strategy
-        if isinstance(strategy, DGCStrategy) and strategy._dgc_state is not None:
-            return strategy.dgc_state
-        return DGCState(config=self.config)
+        return strategy.config if isinstance(strategy, CompressionStrategy) else self.config
 
     def build_profile(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Profile:
         """The :class:`Profile` of what was measured so far (called at the end of training)."""
         strategy = trainer.strategy
-        state = self._state(trainer)
+        config = self._config(trainer)
+        dgc = config if isinstance(config, DGCConfig) else self.config  # the selection timed offline
         model = strategy.model if isinstance(strategy.model, DistributedDataParallel) else pl_module
-        buckets = bucket_profiles(bucket_layout(model), state)
+        buckets = bucket_profiles(bucket_layout(model))
         device = strategy.root_device
         notes: list[str] = []
         if not self.step_times:
@@ -288,13 +278,18 @@ class ExchangeProfiler(L.Callback):
         if self.selection_times:
             selection = _median(self.selection_times)
         else:
-            sparse = [n for b in buckets for n in b.sparse_numels]
-            selection = time_selection(sparse, state.config, device)
+            sparse = [
+                math.prod(shape)
+                for b in buckets
+                for shape in b.shapes
+                if not dgc.averaged_dense(math.prod(shape), len(shape))
+            ]
+            selection = time_selection(sparse, dgc, device)
             notes.append("selection_s timed offline on random tensors of the compressed sizes")
         step = _median(self.step_times)
         backward = _median(self.backward_times)
-        name = "sampled" if state.config.selection == "sampled" else "exact"
-        notes.append(f"{name} top-k selection, sample_ratio={state.config.sample_ratio}")
+        notes.append(f"{dgc.selection} top-k selection, sample_ratio={dgc.sample_ratio}")
+        running = strategy.algorithm if isinstance(strategy, CompressionStrategy) else None
         profile = Profile(
             model=self.model_name or type(pl_module).__name__,
             buckets=buckets,
@@ -302,10 +297,11 @@ class ExchangeProfiler(L.Callback):
             backward_s=max(backward - (selection if self.selection_times else 0.0), 0.0),
             selection_s=selection,
             batch_size=self.batch_size or (int(_median([float(s) for s in self._samples])) or 1),
-            density=state.config.density,
-            value_dtype=state.config.value_dtype,
+            density=dgc.density,
+            value_dtype=dgc.value_dtype,
+            configs={running: asdict(config)} if running else {},
             world_size=trainer.world_size,
-            strategy=getattr(strategy, "strategy_name", type(strategy).__name__),
+            strategy=running or type(strategy).__name__,
             device=torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
             steps=len(self.step_times),
             step_s=step,
@@ -318,24 +314,10 @@ class ExchangeProfiler(L.Callback):
     def _check(self, profile: Profile, strategy: Any) -> bool | None:
         """Compare the per-bucket totals with ``compression_stats()`` of the last step."""
         stats = self.stats
-        if not stats or not isinstance(strategy, DGCStrategy):
+        if not stats or not isinstance(strategy, CompressionStrategy):
             return None
-        totals = profile.totals(profile.world_size)
-        prefix = "deft" if isinstance(strategy, DEFTStrategy) else "dgc"
-        pairs = {
-            "bytes_sent": totals[f"{prefix}_bytes_sent"],
-            "payload_bytes": totals[f"{prefix}_payload_bytes"],
-            "dense_exchange_bytes": totals["dense_exchange_bytes"],
-            "dense_bytes": totals["dense_bytes"],
-            "numel": totals["numel"],
-            "k": totals["k"],
-            "buckets": totals["buckets"],
-        }
-        if prefix == "deft":
-            pairs["control_bytes"] = totals["deft_control_bytes"]
-        else:
-            pairs["padding_bytes"] = totals["dgc_padding_bytes"]
-        wrong = {key: (value, stats.get(key)) for key, value in pairs.items() if stats.get(key) != value}
+        totals = profile.totals(strategy.algorithm, profile.world_size)
+        wrong = {key: (value, stats.get(key)) for key, value in totals.items() if stats.get(key) != value}
         if wrong:
             rank_zero_warn(
                 f"ExchangeProfiler: the per-bucket byte counts differ from compression_stats() (profiler, stats):"

@@ -1,155 +1,34 @@
-"""The per-run state of a DGC exchange: hyper-parameters, per-parameter memory, statistics."""
+"""The per-run state of the exchange: the algorithm and its settings, the memory, the step, statistics."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import numbers
 import threading
+import warnings
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_dgc.comm import VALUE_DTYPES, world_size_and_rank
+from lightning_dgc import algorithms
+from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, WireCost
+from lightning_dgc.algorithms.dgc import DGCConfig
+from lightning_dgc.checks import check_density
+from lightning_dgc.comm import Collectives, TorchCollectives
 from lightning_dgc.memory import ResidualMemory
 
-Selection = Literal["sampled", "exact"]
-ValueDType = Literal["fp32", "fp16"]
 
-
-def real_number(value: object, name: str) -> float:
-    """``value`` as a float if it is a real number of any type (numpy scalars too, not bool or str).
-
-    Raises a ``ValueError`` naming the argument otherwise, so that ``momentum="0.9"`` fails with a
-    message that says what to pass rather than a bare ``TypeError`` from a comparison.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"`{name}` must be a number, got {value!r} ({type(value).__name__}).")
-    return float(value)
-
-
-def whole_number(value: object, name: str) -> int:
-    """``value`` as an int if it is an integer of any type (numpy integers too, not bool, float or str)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
-    return int(value)
-
-
-def check_density(density: object, name: str = "density") -> float:
-    """Return ``density`` as a float if it lies in (0, 1]; raise a ``ValueError`` naming the fix."""
-    value = real_number(density, name)
-    if not math.isfinite(value):
-        raise ValueError(f"`{name}` must be a finite number in (0, 1], got {density!r}.")
-    if not 0.0 < value <= 1.0:
-        raise ValueError(
-            f"`{name}` is the fraction of gradient values sent each step and must lie in (0, 1], got {value}."
-            " Use 0.001 for DGC's 99.9% sparsity, or 1.0 to send everything."
-        )
-    return value
-
-
-def _flag(value: object, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
-    return bool(value)
-
-
-@dataclass
-class DGCConfig:
-    """Hyper-parameters of DGC, identical on every rank (checked at setup).
-
-    Selection:
-        density: fraction of each compressed tensor's values sent per step, in (0, 1].
-        sample_ratio: fraction of a tensor sampled to estimate the top-k threshold, in (0, 1].
-        selection: ``"sampled"`` (DGC's threshold sampling, exact k guaranteed) or ``"exact"``.
-        min_compress_numel: tensors with fewer values, and every 1-D tensor (biases, norms), are
-            averaged dense: compressing them saves little and hurts accuracy.
-    Momentum correction (used for parameters whose optimizer momentum was not taken over):
-        momentum, nesterov: the local momentum ``m``; 0 gives plain error feedback.
-        momentum_masking: clear sent coordinates from the momentum too (the paper's default).
-        weight_decay: added to the local gradient before momentum correction.
-    Clipping:
-        local_clip_norm: the paper's local gradient clipping; each tensor's gradient is clipped to
-            ``local_clip_norm / sqrt(world_size)`` before accumulation. ``None`` disables it.
-    Wire:
-        value_dtype: ``"fp32"`` or ``"fp16"``: the dtype of every value on the wire, the payload's and the
-            tensors averaged dense alike (those in fp16 are pre-divided by the world size, as in
-            torch's ``fp16_compress_hook``).
-        seed: seeds the per-rank sampling generator.
-    """
-
-    density: float = 0.001
-    sample_ratio: float = 0.01
-    selection: Selection = "sampled"
-    min_compress_numel: int = 1024
-    momentum: float = 0.0
-    nesterov: bool = False
-    momentum_masking: bool = True
-    weight_decay: float = 0.0
-    local_clip_norm: float | None = None
-    value_dtype: ValueDType = "fp32"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.validate()
-
-    def validate(self) -> None:
-        """Raise a ``ValueError`` that says how to fix the first invalid setting.
-
-        Numbers of any real type are accepted (``numpy.float32(0.1)``, ``fractions.Fraction``) and
-        stored as plain ``float``/``int``, so that the config stays JSON- and checkpoint-friendly.
-        """
-        self.density = check_density(self.density)
-        self.sample_ratio = real_number(self.sample_ratio, "sample_ratio")
-        if not 0.0 < self.sample_ratio <= 1.0:
-            raise ValueError(
-                f"`sample_ratio` is the fraction of each tensor sampled to find the top-k threshold and must lie"
-                f" in (0, 1], got {self.sample_ratio!r}. The paper samples 0.1% to 1% (0.001 to 0.01)."
-            )
-        if self.selection not in ("sampled", "exact"):
-            raise ValueError(f"`selection` must be 'sampled' or 'exact', got {self.selection!r}.")
-        if self.value_dtype not in VALUE_DTYPES:
-            raise ValueError(
-                f"`value_dtype` must be one of {sorted(VALUE_DTYPES)}, got {self.value_dtype!r}."
-            )
-        self.momentum = real_number(self.momentum, "momentum")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"`momentum` must lie in [0, 1), got {self.momentum!r}.")
-        self.nesterov = _flag(self.nesterov, "nesterov")
-        self.momentum_masking = _flag(self.momentum_masking, "momentum_masking")
-        if self.nesterov and self.momentum == 0.0:
-            raise ValueError("`nesterov=True` needs a momentum > 0.")
-        self.weight_decay = real_number(self.weight_decay, "weight_decay")
-        if not self.weight_decay >= 0.0:
-            raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay!r}.")
-        if self.local_clip_norm is not None:
-            self.local_clip_norm = real_number(self.local_clip_norm, "local_clip_norm")
-            if not self.local_clip_norm > 0.0:
-                raise ValueError(
-                    f"`local_clip_norm` must be > 0 or None (off), got {self.local_clip_norm!r}."
-                )
-        self.min_compress_numel = whole_number(self.min_compress_numel, "min_compress_numel")
-        if self.min_compress_numel < 1:
-            raise ValueError(f"`min_compress_numel` must be >= 1, got {self.min_compress_numel!r}.")
-        self.seed = whole_number(self.seed, "seed")
-
-    def averaged_dense(self, numel: int, ndim: int) -> bool:
-        """Whether a tensor of this size and rank is always averaged dense rather than compressed."""
-        return ndim <= 1 or numel < self.min_compress_numel
-
-    def fingerprint(self, exclude: tuple[str, ...] = ("density",)) -> str:
-        """A short hash of the settings that must agree across ranks (density may change by schedule)."""
-        items = {k: v for k, v in asdict(self).items() if k not in exclude}
-        return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
+def algorithm_for(config: AlgorithmConfig) -> type[Algorithm[Any, Any, Any]]:
+    """The registered algorithm whose configuration class is ``type(config)``."""
+    for cls in algorithms.registered().values():
+        if cls.config_class is type(config):
+            return cls
+    raise ValueError(f"no registered algorithm takes a {type(config).__name__}")
 
 
 @dataclass(frozen=True)
 class ParamSettings:
-    """Optimizer settings the hook applies to one parameter (taken over from the optimizer, or defaults)."""
+    """Optimizer settings the exchange applies to one parameter (taken over from SGD, or defaults)."""
 
     momentum: float = 0.0
     nesterov: bool = False
@@ -160,7 +39,7 @@ class ParamSettings:
 class StepStats:
     """What one optimizer step put on the wire, per rank."""
 
-    payload_bytes: int = 0  # sparse indices + values + padding
+    payload_bytes: int = 0  # the compressed part: indices/codes, values or factors, padding, control
     dense_exchange_bytes: int = 0  # tensors averaged dense
     padding_bytes: int = 0
     dense_bytes: int = 0  # what plain DDP would have sent for the same buckets
@@ -168,7 +47,7 @@ class StepStats:
     numel: int = 0
     selection_ms: float = 0.0
     buckets: int = 0
-    density: float = 0.0  # the density the step was compressed with
+    density: float | None = None  # the density the step was compressed with (algorithms that have one)
     control_bytes: int = 0  # DEFT: the norms (and selection times) exchanged to agree on a plan
     k_target: int = 0  # values the density asks for (sum of k over compressed tensors)
     union_values: int = 0  # distinct indices in the union of all ranks' selections
@@ -181,25 +60,33 @@ class StepStats:
         return self.payload_bytes + self.dense_exchange_bytes
 
 
-@dataclass
-class DGCState:
-    """One object per run: hyper-parameters, memory keyed by parameter name, step counter, statistics.
+class ExchangeState:
+    """One object per run: the algorithm, the memory keyed by parameter name, the step counter, statistics.
 
-    Pass it as the ``state`` of :func:`lightning_dgc.hook.dgc_hook`; after every backward pass that
-    ran the hook, call :meth:`finish_step` once (the strategy does this), which commits the memory
-    only if the step was finite on every rank.
+    Pass it as the ``state`` of :func:`lightning_dgc.hook.exchange_hook`. The algorithm is the one
+    registered for the configuration's class (:class:`~lightning_dgc.algorithms.dgc.DGCConfig` by
+    default); ``collectives`` defaults to the process group's (:class:`~lightning_dgc.comm.TorchCollectives`).
+    After every backward pass that ran the hook, call :meth:`finish_step` once (the strategy does): it
+    commits the memory only if the step was finite on every rank. If it is not called, the hook
+    commits the previous step itself when the next one starts, with a warning.
     """
 
-    config: DGCConfig = field(default_factory=DGCConfig)
-    process_group: Any = None
-    #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
-    grad_scale: float = 1.0
-
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        config: AlgorithmConfig | None = None,
+        process_group: Any = None,
+        collectives: Collectives | None = None,
+        grad_scale: float = 1.0,
+    ) -> None:
         # A copy: schedules change the density of this run, never the caller's configuration object.
-        self.config = replace(self.config)
-        self.world_size, self.rank = world_size_and_rank(self.process_group)
-        self.generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rank)
+        self.config = replace(config) if config is not None else DGCConfig()
+        self.collectives = collectives if collectives is not None else TorchCollectives(process_group)
+        self.world_size, self.rank = self.collectives.world_size, self.collectives.rank
+        #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
+        self.grad_scale = grad_scale
+        self.generator = torch.Generator().manual_seed(
+            int(getattr(self.config, "seed", 0)) * 1_000_003 + self.rank
+        )
         self.memory = ResidualMemory()
         self.param_names: dict[int, str] = {}
         self._params: dict[str, Tensor] = {}
@@ -208,129 +95,172 @@ class DGCState:
         self.skipped_steps = 0
         self.last_selection_ms = 0.0  # this rank's selection time in the previous step (DEFT shares it)
         self._plans: dict[tuple[Any, ...], Any] = {}
+        self._planned_this_step: set[tuple[Any, ...]] = set()
         self._current = StepStats()
         self._last: StepStats | None = None
         self._last_finite = True
-        self._finite_flags: list[Tensor] = []
-        # The futures the hook returned this step (one per bucket): finish_step waits on them, which on
-        # CUDA orders its stream after each decode callback's side-stream work (flags, memory).
-        self._bucket_futures: list[torch.futures.Future] = []
-        # Decode callbacks of different buckets may run at once in the backend's threads.
-        self._stats_lock = threading.Lock()
+        self._stats_lock = threading.Lock()  # decode callbacks of different buckets may run at once
+        self.algorithm = algorithm_for(self.config)(self.config, self)
 
     # -- parameters --------------------------------------------------------------------------------
     def register_parameters(self, named_parameters: Any) -> None:
         """Remember parameter names (state is keyed by name; DDP re-buckets after step 1)."""
         named = list(named_parameters)
         self.param_names = {id(p): name for name, p in named}
-        self._params = {name: p for name, p in named}
-        self._plans.clear()
+        self._params = dict(named)
+        self.clear_plans()
 
     def name_of(self, param: Tensor) -> str:
         name = self.param_names.get(id(param))
         if name is None:  # not registered: a stable positional fallback would break after re-bucketing
             raise RuntimeError(
-                "DGCState received a parameter it does not know. Call `state.register_parameters("
-                "model.named_parameters())` before training (DGCStrategy does this for you)."
+                "ExchangeState received a parameter it does not know. Call `state.register_parameters("
+                "model.named_parameters())` before training (the strategies do this for you)."
             )
         return name
 
+    def param(self, name: str) -> Tensor:
+        return self._params[name]
+
     def is_dense(self, name: str) -> bool:
-        """Whether parameter ``name`` is always averaged dense (1-D or fewer than ``min_compress_numel`` values)."""
+        """Whether parameter ``name`` is always averaged dense (DGC and DEFT: 1-D or small)."""
         param = self._params[name]
-        return self.config.averaged_dense(param.numel(), param.dim())
+        averaged_dense = getattr(self.config, "averaged_dense", None)
+        return averaged_dense is None or averaged_dense(param.numel(), param.dim())
 
     def settings_for(self, name: str) -> ParamSettings:
-        default = ParamSettings(self.config.momentum, self.config.nesterov, self.config.weight_decay)
+        cfg = self.config
+        default = ParamSettings(
+            getattr(cfg, "momentum", 0.0), getattr(cfg, "nesterov", False), getattr(cfg, "weight_decay", 0.0)
+        )
         return self.param_settings.get(name, default)
 
     @property
-    def density(self) -> float:
-        return self.config.density
+    def density(self) -> float | None:
+        """The density in force, or ``None`` for an algorithm without one."""
+        return getattr(self.config, "density", None)
 
     @density.setter
     def density(self, value: float) -> None:
+        if not hasattr(self.config, "density"):
+            raise AttributeError(f"the {self.algorithm.name} algorithm has no density")
         value = check_density(value)
-        if value != self.config.density:
-            self.config.density = value
-            self._plans.clear()  # plans (and their payload buffers) are per density
+        if value != self.config.density:  # type: ignore[attr-defined]
+            self.config.density = value  # type: ignore[attr-defined]
+            self.clear_plans()  # plans (and their payload buffers) are per density
+
+    # -- the bucket's plan -----------------------------------------------------------------------------
+    def plan(self, params: list[Tensor], buffer: Tensor) -> Any:
+        """The algorithm's plan for a bucket of ``params`` (made once per layout and :meth:`Algorithm.plan_key`)."""
+        key = (tuple(id(p) for p in params), self.algorithm.plan_key())
+        if key in self._planned_this_step:  # the previous step was never finished: finish it now
+            warnings.warn(
+                "ExchangeState.finish_step() was not called after the previous backward pass; the hook committed"
+                " the memory itself (parameters unused in a step are then not told apart). Call finish_step()"
+                " after every backward pass, before the optimizer's zero_grad().",
+                stacklevel=3,
+            )
+            self.finish_step(check_unused=False)
+        self._planned_this_step.add(key)
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        names = [self.name_of(p) for p in params]
+        if buffer.is_sparse:
+            raise ValueError(sparse_gradient_message(names))
+        layout = algorithms.layout_of(names, [tuple(p.shape) for p in params])
+        numel = sum(s.numel for s in layout)
+        if numel != buffer.numel():
+            raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {numel}.")
+        plan = self._plans[key] = self.algorithm.plan(layout, buffer)
+        return plan
 
     @property
-    def value_dtype(self) -> torch.dtype:
-        return VALUE_DTYPES[self.config.value_dtype]
+    def plans(self) -> list[Any]:
+        """The plans made so far (one per bucket layout in force)."""
+        return list(self._plans.values())
 
-    # -- step boundary -----------------------------------------------------------------------------
-    def note_finite(self, flag: Tensor) -> None:
-        """Record whether a decoded bucket was finite (identical on every rank)."""
-        self._finite_flags.append(flag)
+    def clear_plans(self) -> None:
+        """Forget the plans: they are made again from the next buckets (their buffers too)."""
+        self._plans.clear()
 
-    def note_bucket(self, future: torch.futures.Future) -> torch.futures.Future:
-        """Remember the future the hook returns for a bucket (see :meth:`finish_step`); returns it."""
-        self._bucket_futures.append(future)
-        return future
+    # -- statistics ------------------------------------------------------------------------------------
+    def record(self, cost: WireCost, work: BucketWork, selection_s: float) -> None:
+        """Add one bucket's wire cost and measured figures to this step's statistics."""
+        payload = cost.bytes_sent - cost.bytes_of("dense")
+        with self._stats_lock:
+            stats = self._current
+            stats.payload_bytes += payload
+            stats.control_bytes += cost.bytes_of("control")
+            stats.padding_bytes += cost.padding_bytes
+            stats.dense_exchange_bytes += cost.bytes_of("dense")
+            stats.dense_bytes += cost.dense_bytes
+            stats.values_sent += cost.values_sent
+            stats.k_target += cost.k
+            stats.numel += cost.numel
+            stats.selection_ms += selection_s * 1e3
+            stats.buckets += 1
+            stats.density = self.density
+            stats.rank_selected += work.stats.get("rank_selected", 0)
+            stats.union_values += work.stats.get("union_values", 0)
+            if "rank_selection_ms" in work.stats:
+                stats.rank_selection_ms = work.stats["rank_selection_ms"]
+            if "plan" in work.stats:
+                stats.plans.append(work.stats["plan"])
 
     def add_union_values(self, count: int) -> None:
         """Add to this step's union size (called from decode callbacks, which may run concurrently)."""
         with self._stats_lock:
             self._current.union_values += count
 
-    def finish_step(self) -> bool:
-        """Close the step: commit the memory if every bucket was finite, else discard. Returns finiteness.
+    # -- step boundary -----------------------------------------------------------------------------
+    def finish_step(self, check_unused: bool = True) -> bool:
+        """Close the step (:meth:`ResidualMemory.finish_step`): commit or discard; returns finiteness.
 
-        Every rank reaches the same verdict, because it is computed from the decoded (gathered)
-        buckets, which are identical on all ranks. Call it once the backward pass is over (DDP has
-        waited for every bucket); it first waits on the step's bucket futures, which re-raises a
-        failed exchange and, on CUDA, orders this stream after the decode callbacks' side stream,
-        without a host synchronisation.
-
-        Parameters that DDP found unused on every rank this step keep their ``.grad`` at ``None``
-        and are not stepped by the optimizer; their staged memory update is dropped, so that their
-        momentum does not advance either (as with DDP and SGD).
+        Call it once the backward pass is over and before ``zero_grad()``. Parameters that DDP found
+        unused on every rank this step keep their ``.grad`` at ``None`` and are not stepped by the
+        optimizer; their staged memory is dropped, so that their momentum does not advance either (as
+        with DDP and SGD).
         """
-        futures, self._bucket_futures = self._bucket_futures, []
-        for future in futures:
-            future.wait()
-        if not self._finite_flags and not self.memory.pending:
-            return True
-        finite = bool(torch.stack(self._finite_flags).all()) if self._finite_flags else True
-        self._finite_flags = []
-        unused = [n for n in self.memory.pending if n in self._params and self._params[n].grad is None]
-        if unused and len(unused) == len(self.memory.pending):
-            raise RuntimeError(
-                "DGCState.finish_step() found no gradient on any parameter the exchange updated: call it"
-                " after backward() and before the optimizer's zero_grad() (DGCStrategy does this for you)."
-            )
-        for name in unused:
-            del self.memory.pending[name]
-        if finite:
-            self.memory.commit()
-        else:
-            self.memory.discard()
+        self._planned_this_step.clear()
+        unused = None
+        if check_unused:
+            staged = self.memory.staged_names
+            unused_names = {n for n in staged if n in self._params and self._params[n].grad is None}
+            if staged and unused_names == staged:
+                raise RuntimeError(
+                    "ExchangeState.finish_step() found no gradient on any parameter the exchange updated: call it"
+                    " after backward() and before the optimizer's zero_grad() (the strategies do this for you)."
+                )
+            unused = unused_names.__contains__
+        finite = self.memory.finish_step(unused)
+        if not finite:
             self.skipped_steps += 1
-        self.last_selection_ms = self._current.selection_ms
-        self._last, self._current = self._current, StepStats()
+        with self._stats_lock:
+            self.last_selection_ms = self._current.selection_ms
+            self._last, self._current = self._current, StepStats()
         self._last_finite = finite
         self.step += 1
         return finite
 
-    # -- statistics --------------------------------------------------------------------------------
     def compression_stats(self) -> dict[str, float | int | bool]:
         """What the last finished step sent, per rank (empty before the first step).
 
-        ``bytes_sent`` counts the payload (indices, values, padding) and the dense all-reduce;
-        ``dense_bytes`` is what plain DDP would have sent; ``compression_ratio`` is their quotient.
+        ``bytes_sent`` counts the compressed part (indices, values or factors, padding, control) and
+        the dense all-reduce; ``dense_bytes`` is what plain DDP would have sent; ``compression_ratio``
+        is their quotient.
         """
         s = self._last
         if s is None:
             return {}
-        return {
+        stats: dict[str, Any] = {
+            "algorithm": self.algorithm.name,
             "bytes_sent": s.bytes_sent,
             "payload_bytes": s.payload_bytes,
             "dense_exchange_bytes": s.dense_exchange_bytes,
             "padding_bytes": s.padding_bytes,
             "dense_bytes": s.dense_bytes,
             "compression_ratio": s.dense_bytes / s.bytes_sent if s.bytes_sent else float("inf"),
-            "density": s.density,
             "values_sent": s.values_sent,
             "numel": s.numel,
             "selection_ms": s.selection_ms,
@@ -342,50 +272,62 @@ class DGCState:
             "buckets": s.buckets,
             "step": self.step,
             "finite": self._last_finite,
-        } | (
-            {
-                "rank_selection_ms": list(s.rank_selection_ms),
-                "max_rank_selection_ms": max(s.rank_selection_ms),
-            }
-            if s.rank_selection_ms
-            else {}
-        )
+        }
+        if s.density is not None:
+            stats["density"] = s.density
+        if s.rank_selection_ms:
+            stats["rank_selection_ms"] = list(s.rank_selection_ms)
+            stats["max_rank_selection_ms"] = max(s.rank_selection_ms)
+        return stats
 
     def residual_norm(self) -> float:
-        return self.memory.residual_norm()
+        """L2 norm of what the memory holds back (DGC's velocity, PowerSGD's error), for monitoring."""
+        return self.memory.residual_norm(getattr(self.algorithm, "residual_kind", "velocity"))
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self, memory: bool = True) -> dict[str, Any]:
-        """This rank's state: config, step, memory and generator, loadable with ``weights_only=True``.
+        """This rank's state: config, step, memory and generators, loadable with ``weights_only=True``.
 
         ``memory=False`` leaves the buffers out (a checkpoint gathers them tensor by tensor instead).
         """
         state = {
-            "algorithm": "dgc",
+            "algorithm": self.algorithm.name,
             "config": asdict(self.config),
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "world_size": self.world_size,
             "rank": self.rank,
             "generator": self.generator.get_state(),
+            "extra": self.algorithm.extra_state(),
         }
         return state | {"memory": self.memory.state_dict()} if memory else state
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
-        """Restore memory, step and generator. The density stays as configured (arguments and callbacks own it)."""
+        """Restore memory, step and generators. The density stays as configured (arguments and callbacks own it)."""
         self.step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.memory.load_state_dict(state["memory"], device)
         if "generator" in state:
             self.generator.set_state(state["generator"])
-        self._plans.clear()
+        self.algorithm.load_extra_state(state.get("extra", {}))
+        self.clear_plans()
+
+
+def sparse_gradient_message(names: list[str]) -> str:
+    """The error for parameters whose gradients are sparse tensors (``nn.Embedding(sparse=True)``)."""
+    return (
+        f"Parameter(s) {names} get sparse gradients (e.g. nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)),"
+        " which the compressed exchange cannot take: it selects from dense gradient buckets. Create the module"
+        " with sparse=False (the exchange already sends only the largest values), or train with"
+        " strategy='ddp'."
+    )
 
 
 def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[dict[str, Any], bool]:
     """This rank's state from a checkpoint entry ``{"world_size": N, "ranks": [state_0, ...]}``.
 
     Same world size: rank r gets exactly what rank r saved. Another world size M: every new rank
-    gets the *mean* of the N saved momentum and velocity buffers. The update still owed to the model,
+    gets the *mean* of the N saved buffers of every kind. For DGC the update still owed to the model,
     ``sum(v_r) / N``, is then preserved exactly (``M * mean / M``), while per-rank detail is lost; the
     sampling generator restarts from the seed. Returns ``(state, redistributed)``.
     """
@@ -393,10 +335,10 @@ def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[d
     if int(saved["world_size"]) == world_size:
         return ranks[rank], False
     first = ranks[0]
-    memory: dict[str, dict[str, Tensor]] = {"momentum": {}, "velocity": {}}
-    for kind in memory:
-        for name in first["memory"][kind]:
-            memory[kind][name] = torch.stack([r["memory"][kind][name] for r in ranks]).mean(0)
+    memory: dict[str, dict[str, Tensor]] = {
+        kind: {name: torch.stack([r["memory"][kind][name] for r in ranks]).mean(0) for name in by_name}
+        for kind, by_name in first["memory"].items()
+    }
     merged = {k: v for k, v in first.items() if k not in ("memory", "generator", "rank")}
     merged["memory"] = memory
     return merged, True

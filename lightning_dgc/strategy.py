@@ -1,4 +1,10 @@
-"""Lightning glue: ``DGCStrategy`` keeps Lightning's DDP wrapper and swaps the gradient exchange."""
+"""Lightning glue: one strategy keeps Lightning's DDP wrapper and swaps the gradient exchange.
+
+:class:`CompressionStrategy` runs any registered algorithm (:mod:`lightning_dgc.algorithms`); every
+algorithm is registered with Lightning under its name (``Trainer(strategy="dgc")``, ``"deft"``,
+``"powersgd"``, plus ``"<name>_spawn"``). :class:`DGCStrategy` and :class:`DEFTStrategy` are thin
+names with DGC's and DEFT's arguments spelled out (Lightning's CLI builds its schema from them).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -26,19 +32,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dgc import comm
-from lightning_dgc.hook import deft_hook, dgc_hook, sparse_gradient_message
+from lightning_dgc import algorithms, comm
+from lightning_dgc.algorithms import AlgorithmConfig
+from lightning_dgc.algorithms.deft import DEFTConfig
+from lightning_dgc.algorithms.dgc import DGCConfig, Selection, ValueDType
+from lightning_dgc.checks import check_density
+from lightning_dgc.hook import exchange_hook
 from lightning_dgc.memory import bucket_order_flat, momentum_from_sgd, momentum_to_sgd
-from lightning_dgc.state import (
-    DGCConfig,
-    DGCState,
-    ParamSettings,
-    Selection,
-    ValueDType,
-    check_density,
-    real_number,
-    state_for_rank,
-)
+from lightning_dgc.state import ExchangeState, ParamSettings, sparse_gradient_message, state_for_rank
 
 log = logging.getLogger(__name__)
 
@@ -103,53 +104,41 @@ def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
     ]
 
 
-class DGCStrategy(DDPStrategy):
-    """Data-parallel training with Deep Gradient Compression (Lin et al., ICLR 2018).
+class CompressionStrategy(DDPStrategy):
+    """Data-parallel training with a compressed gradient exchange (any registered algorithm).
 
     Subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` and keeps the DDP
     wrapper (overlap with backward, ``no_sync`` under gradient accumulation, unused parameters,
-    buffer sync, the distributed sampler), but replaces DDP's dense all-reduce with DGC's sparse
-    exchange through a communication hook that is registered on every device type, CPU included.
+    buffer sync, the distributed sampler), but replaces DDP's dense all-reduce with the algorithm's
+    exchange through one communication hook that is registered on every device type, CPU included
+    (stock Lightning registers hooks on CUDA only and silently drops them elsewhere).
 
-    Optimizer contract (momentum must not be applied twice):
+    Optimizer contract (momentum must not be applied twice), for algorithms that apply momentum in the
+    exchange (DGC; DEFT with ``momentum_correction=True``):
 
-    * ``torch.optim.SGD``: DGC **takes over** its ``momentum``, ``nesterov`` and ``weight_decay``
-      per parameter group (they are set to 0 in the optimizer and applied by the hook as momentum
-      correction, with weight decay added to the local gradient before it). SGD then applies the
-      averaged sparse update with its learning rate only.
+    * ``torch.optim.SGD``: the exchange **takes over** its ``momentum``, ``nesterov`` and
+      ``weight_decay`` per parameter group while ``fit`` runs (they are set to 0 in the optimizer and
+      applied by the hook as momentum correction, with weight decay added to the local gradient
+      before it). SGD then applies the averaged update with its learning rate only.
     * other optimizers whose parameter groups have ``momentum > 0`` (RMSprop, ...): rejected.
     * Adam-family optimizers (``betas``): allowed with ``momentum=0`` (plain error feedback); their
       own moments and weight decay stay in the optimizer.
 
-    Args:
-        density: fraction of each compressed tensor sent per step, in (0, 1] (paper: 0.001).
-        sample_ratio: fraction sampled to estimate the top-k threshold, in (0, 1].
-        selection: ``"sampled"`` (DGC's threshold sampling) or ``"exact"`` (``torch.topk``).
-        min_compress_numel: smaller tensors and all 1-D tensors are averaged dense.
-        momentum: momentum correction for parameters whose optimizer has none (SGD with momentum 0,
-            or no optimizer). Giving both this and an SGD momentum raises an error.
-        nesterov: Nesterov momentum correction (with ``momentum``).
-        momentum_masking: clear sent coordinates from the momentum as well (paper default: on).
-        local_clip_norm: local per-tensor gradient clipping before accumulation, scaled by
-            ``world_size ** -0.5``; ``None`` (default) disables it.
-        value_dtype: ``"fp32"`` or ``"fp16"`` values on the wire.
-        seed: seed of the per-rank sampling generator.
-    """
+    Other algorithms (DEFT by default, PowerSGD) leave momentum and weight decay to the optimizer.
 
-    strategy_name = "dgc"
+    Args:
+        algorithm: a registered algorithm's name (``"dgc"``, ``"deft"``, ``"powersgd"``, ...) or its
+            configuration object (``DGCConfig(...)``, ``PowerSGDConfig(...)``).
+        options: the configuration's fields, with an algorithm given by name
+            (``CompressionStrategy("powersgd", {"matrix_approximation_rank": 2})``).
+        **kwargs: every argument of ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
+            ``process_group_backend``, ``timeout``, ``start_method``, ...).
+    """
 
     def __init__(
         self,
-        density: float = 0.001,
-        sample_ratio: float = 0.01,
-        selection: Selection = "sampled",
-        min_compress_numel: int = 1024,
-        momentum: float = 0.0,
-        nesterov: bool = False,
-        momentum_masking: bool = True,
-        local_clip_norm: float | None = None,
-        value_dtype: ValueDType = "fp32",
-        seed: int = 0,
+        algorithm: str | AlgorithmConfig = "dgc",
+        options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -168,18 +157,12 @@ class DGCStrategy(DDPStrategy):
                 )
             kwargs.pop(forbidden, None)
         # Validate before anything else, so a bad value fails at construction, on the launching process.
-        self._dgc_config = DGCConfig(
-            density=density,
-            sample_ratio=sample_ratio,
-            selection=selection,
-            min_compress_numel=min_compress_numel,
-            momentum=momentum,
-            nesterov=nesterov,
-            momentum_masking=momentum_masking,
-            local_clip_norm=local_clip_norm,
-            value_dtype=value_dtype,
-            seed=seed,
-        )
+        if isinstance(algorithm, AlgorithmConfig):
+            if options:
+                raise ValueError("pass either a configuration object or `options`, not both")
+            self._config = algorithm
+        else:
+            self._config = algorithms.get(algorithm).config_class(**(options or {}))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -191,7 +174,7 @@ class DGCStrategy(DDPStrategy):
             start_method=start_method,
             **kwargs,
         )
-        self._dgc_state: DGCState | None = None
+        self._state: ExchangeState | None = None
         self._checkpoint_entry: dict[str, Any] | None = None  # restored in setup(), once the state exists
         self._taken_over: list[_TakenOver] = []  # SGD groups whose momentum the exchange applies
         self._legacy_checkpoint = (
@@ -201,28 +184,51 @@ class DGCStrategy(DDPStrategy):
 
     # -- public API ------------------------------------------------------------------------------
     @property
-    def dgc_state(self) -> DGCState:
-        if self._dgc_state is None:
+    def algorithm(self) -> str:
+        """The algorithm's registered name (stored with the exchange state in checkpoints)."""
+        return self.algorithm_class.name
+
+    @property
+    def algorithm_class(self) -> type[algorithms.Algorithm[Any, Any, Any]]:
+        from lightning_dgc.state import algorithm_for
+
+        return algorithm_for(self._config)
+
+    @property
+    def config(self) -> AlgorithmConfig:
+        """The algorithm's settings in force (``density`` may change during training)."""
+        return self._state.config if self._state is not None else self._config
+
+    @property
+    def exchange_state(self) -> ExchangeState:
+        if self._state is None:
             raise RuntimeError(
                 f"{type(self).__name__} has no exchange state before `trainer.fit` has set up the model."
             )
-        return self._dgc_state
+        return self._state
 
     @property
-    def density(self) -> float:
-        """The density in force (set it to change sparsity during training, identically on all ranks)."""
-        return self._dgc_state.density if self._dgc_state is not None else self._dgc_config.density
+    def density(self) -> float | None:
+        """The density in force, ``None`` for an algorithm without one (set it to change the sparsity
+        during training, identically on all ranks: ``SparsityWarmup`` does)."""
+        return getattr(self.config, "density", None)
 
     @density.setter
     def density(self, value: float) -> None:
-        if self._dgc_state is not None:
-            self._dgc_state.density = value
+        if not hasattr(self._config, "density"):
+            raise AttributeError(f"the {self.algorithm} algorithm has no density")
+        if self._state is not None:
+            self._state.density = value
         else:
-            self._dgc_config.density = check_density(value)
+            self._config.density = check_density(value)  # type: ignore[attr-defined]
 
     def compression_stats(self) -> dict[str, float | int | bool]:
-        """Statistics of the last optimizer step on this rank (see :meth:`DGCState.compression_stats`)."""
-        return self._dgc_state.compression_stats() if self._dgc_state is not None else {}
+        """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`)."""
+        return self._state.compression_stats() if self._state is not None else {}
+
+    def residual_norm(self) -> float | None:
+        """L2 norm of what this rank's memory holds back (``None`` before ``fit`` set the exchange up)."""
+        return self._state.residual_norm() if self._state is not None else None
 
     # -- setup -----------------------------------------------------------------------------------
     @override
@@ -230,18 +236,12 @@ class DGCStrategy(DDPStrategy):
         super().setup_environment()
         comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
 
-    def _make_state(self) -> DGCState:
-        return DGCState(config=self._dgc_config)
-
-    #: The DDP communication hook that implements the algorithm.
-    exchange_hook = staticmethod(dgc_hook)
-
     def _hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
         strategy = self
 
         def counted_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
             strategy.hook_calls += 1
-            return strategy.exchange_hook(state, bucket)
+            return exchange_hook(state, bucket)
 
         return counted_hook
 
@@ -254,19 +254,20 @@ class DGCStrategy(DDPStrategy):
         if sparse:
             raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
         named = list(self.model.module.named_parameters())
-        state = self._dgc_state
+        state = self._state
         if state is None or list(state.param_names.values()) != [n for n, _ in named]:
-            state = self._dgc_state = self._make_state()  # else a second fit: the memory carries on
+            state = self._state = ExchangeState(self._config)  # else a second fit: the memory carries on
         state.register_parameters(named)
         self.model.register_comm_hook(state, self._hook())
-        log.debug("%s: registered the compression hook on %s", type(self).__name__, self.root_device)
+        log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._take_over_optimizers()
+        if self.exchange_state.algorithm.takes_over_momentum:
+            self._take_over_optimizers()
         self._check_ranks_agree()
         self._restore_exchange_state()
 
@@ -280,7 +281,7 @@ class DGCStrategy(DDPStrategy):
         SGD ``momentum_buffer`` found in the optimizer state (a DDP checkpoint, or a previous ``fit``)
         becomes the exchange's momentum for parameters that have none yet, and is removed from SGD.
         """
-        state = self.dgc_state
+        state = self.exchange_state
         cfg = state.config
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         before = {(t.optimizer, t.group): t for t in self._taken_over}
@@ -323,7 +324,7 @@ class DGCStrategy(DDPStrategy):
                         f" momentum correction (momentum={cfg.momentum}) momentum would be applied twice."
                         f" Use {type(self).__name__}(momentum=0) with Adam-family optimizers."
                     )
-        state._plans.clear()
+        state.clear_plans()
         if taken and not before:
             rank_zero_info(
                 f"{type(self).__name__}: took over SGD momentum/weight decay of {taken} parameter group(s);"
@@ -336,7 +337,7 @@ class DGCStrategy(DDPStrategy):
             )
 
     def _check_sgd(self, momentum: float, group: dict[str, Any]) -> None:
-        cfg = self.dgc_state.config
+        cfg = self.exchange_state.config
         if momentum > 0 and cfg.momentum > 0:
             raise ValueError(
                 f"Momentum would be applied twice: the SGD optimizer has momentum={momentum} and"
@@ -353,33 +354,34 @@ class DGCStrategy(DDPStrategy):
     ) -> int:
         """Move SGD's ``momentum_buffer`` of ``param`` (if any) into the exchange's momentum; 1 if carried."""
         buffer = opt.state.get(param, {}).pop("momentum_buffer", None)
-        state = self.dgc_state
-        if buffer is None or not settings.momentum or name in state.memory.buffers:
+        state = self.exchange_state
+        if buffer is None or not settings.momentum or state.memory.has("momentum", name):
             return 0  # no buffer, no momentum, or the exchange has its own (checkpoint, earlier fit)
         flat = bucket_order_flat(buffer.detach()).to(self.root_device, torch.float32)
-        state.memory.set_momentum(
-            name, momentum_from_sgd(flat, settings.momentum, settings.nesterov, state.is_dense(name))
-        )
+        momentum = momentum_from_sgd(flat, settings.momentum, settings.nesterov, state.is_dense(name))
+        state.memory.buffer("momentum", name, flat.numel(), flat.device).copy_(momentum)
         return 1
 
     def _sgd_momentum(self, name: str, momentum: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The exchange's momentum of ``name`` (flat) as an SGD ``momentum_buffer`` shaped and laid out like ``like``."""
-        settings = self.dgc_state.settings_for(name)
-        flat = momentum_to_sgd(momentum, settings.momentum, settings.nesterov, self.dgc_state.is_dense(name))
+        settings = self.exchange_state.settings_for(name)
+        flat = momentum_to_sgd(
+            momentum, settings.momentum, settings.nesterov, self.exchange_state.is_dense(name)
+        )
         buffer = torch.empty_like(like, device=flat.device)
         bucket_order_flat(buffer).copy_(flat)
         return buffer
 
     def _check_ranks_agree(self) -> None:
         """Fail fast, on every rank, if ranks were configured differently (instead of hanging later)."""
-        state = self.dgc_state
+        state = self.exchange_state
         settings = sorted(
             (n, s.momentum, s.nesterov, s.weight_decay) for n, s in state.param_settings.items()
         )
         digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[
             :16
         ]  # hash() is salted per process
-        mine = (type(self).__name__, state.config.fingerprint(), state.config.density, digest)
+        mine = (type(self).__name__, state.algorithm.name, state.config.fingerprint(), state.density, digest)
         everyone = comm.all_gather_object(mine)
         if any(other != mine for other in everyone):
             raise RuntimeError(
@@ -392,9 +394,9 @@ class DGCStrategy(DDPStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
-        if self._dgc_state is not None:
+        if self._state is not None:
             scaler = getattr(self.precision_plugin, "scaler", None)
-            self._dgc_state.grad_scale = (
+            self._state.grad_scale = (
                 float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
             )
         return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -415,7 +417,7 @@ class DGCStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     def _finish_step(self, optimizer: Optimizer) -> None:
-        if self._dgc_state is None or self._dgc_state.finish_step():
+        if self._state is None or self._state.finish_step():
             return
         if getattr(self.precision_plugin, "scaler", None) is not None:
             return  # the GradScaler sees the non-finite gradients, skips the step and lowers its scale
@@ -423,16 +425,11 @@ class DGCStrategy(DDPStrategy):
             for p in group["params"]:
                 p.grad = None
         rank_zero_warn(
-            f"{type(self).__name__}: non-finite gradients at step {self._dgc_state.step - 1}; the optimizer step was"
+            f"{type(self).__name__}: non-finite gradients at step {self._state.step - 1}; the optimizer step was"
             " skipped on every rank and the compression memory was left as it was before the step."
         )
 
     # -- checkpoints -------------------------------------------------------------------------------
-    @property
-    def algorithm(self) -> str:
-        """Name stored with the exchange state in checkpoints (a checkpoint of another algorithm is refused)."""
-        return self.strategy_name
-
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
@@ -445,7 +442,7 @@ class DGCStrategy(DDPStrategy):
         rank 0 (``2 x world_size`` model sizes there, plus one for the SGD buffers, as DDP's own
         checkpoint holds); the other ranks send their buffers as they are, without copies.
         """
-        if self._dgc_state is None:
+        if self._state is None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         entry = self._gather_exchange_state()
@@ -460,26 +457,25 @@ class DGCStrategy(DDPStrategy):
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _gather_exchange_state(self) -> dict[str, Any] | None:
-        state = self.dgc_state
-        names = sorted(state.memory.buffers)
-        numels = [state.memory.buffers[n].momentum.numel() for n in names]
-        layout = hashlib.sha256(json.dumps([names, numels]).encode()).hexdigest()
-        if len(set(comm.all_gather_object(layout))) != 1:
+        state = self.exchange_state
+        committed = state.memory.committed
+        keys = sorted((kind, name) for kind, by_name in committed.items() for name in by_name)
+        layout = [(kind, name, list(committed[kind][name].shape)) for kind, name in keys]
+        digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+        if len(set(comm.all_gather_object(digest))) != 1:
             raise RuntimeError(
                 f"{type(self).__name__}: the ranks hold memory for different parameters and cannot write one"
                 " checkpoint; every rank must train the same model."
             )
         metadata = comm.gather_object(state.state_dict(memory=False))
-        tensors = [getattr(state.memory.buffers[n], kind) for n in names for kind in ("momentum", "velocity")]
-        gathered = comm.gather_tensors(tensors)
+        gathered = comm.gather_tensors([committed[kind][name] for kind, name in keys])
         if metadata is None or gathered is None:
             return None
         ranks = []
         for r, meta in enumerate(metadata):
-            memory: dict[str, dict[str, torch.Tensor]] = {"momentum": {}, "velocity": {}}
-            for i, name in enumerate(names):
-                memory["momentum"][name] = gathered[2 * i][r]
-                memory["velocity"][name] = gathered[2 * i + 1][r]
+            memory: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in committed}
+            for (kind, name), copies in zip(keys, gathered, strict=True):
+                memory[kind][name] = copies[r]
             ranks.append({**meta, "memory": memory})  # type: ignore[dict-item]
         return {
             "algorithm": self.algorithm,
@@ -493,7 +489,7 @@ class DGCStrategy(DDPStrategy):
     ) -> None:
         """The user's hyper-parameters and the mean momentum as SGD buffers, into the checkpoint's copy."""
         params = dict(self.lightning_module.named_parameters())
-        momenta = [r["memory"]["momentum"] for r in entry["ranks"]]
+        momenta = [r["memory"].get("momentum", {}) for r in entry["ranks"]]
         for taken in self._taken_over:
             packed = optimizer_states[taken.optimizer]
             group = packed["param_groups"][taken.group]
@@ -545,17 +541,17 @@ class DGCStrategy(DDPStrategy):
         """Hand the momentum back to SGD (mean over ranks), so that the optimizer object continues it if it
         is used again (a later ``fit`` with a new Trainer, or under another strategy)."""
         super().on_train_end()
-        if self._dgc_state is None:
+        if self._state is None:
             return
-        state = self.dgc_state
+        state = self.exchange_state
         for taken in self._taken_over:
             if not taken.user.momentum:
                 continue
             opt = self.optimizers[taken.optimizer]
             opt = getattr(opt, "_optimizer", opt)
             for param, name in zip(opt.param_groups[taken.group]["params"], taken.names, strict=True):
-                if name in state.memory.buffers:
-                    mean = comm.average(state.memory.buffers[name].momentum.clone())
+                if state.memory.has("momentum", name):
+                    mean = comm.average(state.memory.committed["momentum"][name].clone())
                     opt.state[param]["momentum_buffer"] = self._sgd_momentum(name, mean, param.detach()).to(
                         param.dtype
                     )
@@ -581,65 +577,79 @@ class DGCStrategy(DDPStrategy):
                 " every rank starts from the mean of the saved momentum and residual buffers, which keeps the"
                 " pending update of the whole group and drops per-rank detail."
             )
-        self.dgc_state.load_state_dict(state, self.root_device)
+        self.exchange_state.load_state_dict(state, self.root_device)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in ((cls.strategy_name, "popen"), (f"{cls.strategy_name}_spawn", "spawn")):
-            if name in strategy_registry:
-                continue
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"{cls.__name__} with start_method '{start_method}'",
-                start_method=start_method,
-            )
+        """Register every algorithm under its name (and ``<name>_spawn``): DGC and DEFT as their thin
+        classes, every other one as this class with ``algorithm=<name>``."""
+        thin: dict[str, type[CompressionStrategy]] = {"dgc": DGCStrategy, "deft": DEFTStrategy}
+        for name in algorithms.registered():
+            strategy = thin.get(name, CompressionStrategy)
+            fixed = {} if name in thin else {"algorithm": name}
+            for registered, start_method in ((name, "popen"), (f"{name}_spawn", "spawn")):
+                if registered not in strategy_registry:
+                    strategy_registry.register(
+                        registered, strategy, description=f"{strategy.__name__} ({name}), start_method"
+                        f" '{start_method}'", start_method=start_method, **fixed,
+                    )  # fmt: skip
+
+
+class DGCStrategy(CompressionStrategy):
+    """Data-parallel training with Deep Gradient Compression (Lin et al., ICLR 2018).
+
+    ``CompressionStrategy(DGCConfig(...))`` with DGC's settings as arguments (each one is described
+    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), plus every ``DDPStrategy`` argument.
+    """
+
+    def __init__(
+        self,
+        density: float = DGCConfig.density,
+        sample_ratio: float = DGCConfig.sample_ratio,
+        selection: Selection = DGCConfig.selection,
+        min_compress_numel: int = DGCConfig.min_compress_numel,
+        momentum: float = DGCConfig.momentum,
+        nesterov: bool = DGCConfig.nesterov,
+        momentum_masking: bool = DGCConfig.momentum_masking,
+        local_clip_norm: float | None = DGCConfig.local_clip_norm,
+        value_dtype: ValueDType = DGCConfig.value_dtype,
+        seed: int = DGCConfig.seed,
+        **kwargs: Any,
+    ) -> None:
+        options = {
+            "density": density, "sample_ratio": sample_ratio, "selection": selection,
+            "min_compress_numel": min_compress_numel, "momentum": momentum, "nesterov": nesterov,
+            "momentum_masking": momentum_masking, "local_clip_norm": local_clip_norm, "value_dtype": value_dtype,
+            "seed": seed,
+        }  # fmt: skip
+        super().__init__(self.config_class(**options, **self._more_options()), **kwargs)
+
+    #: The configuration the arguments fill.
+    config_class: ClassVar[type[DGCConfig]] = DGCConfig
+
+    def _more_options(self) -> dict[str, Any]:
+        """Arguments a subclass adds to DGC's."""
+        return {}
 
 
 class DEFTStrategy(DGCStrategy):
     """Data-parallel training with DEFT's partitioned gradient selection (Yoon and Oh, ICPP 2023).
 
-    Same exchange layer, statistics, callbacks and checkpoints as :class:`DGCStrategy`, but each rank
-    selects top-k only inside the layers (fragments) assigned to it: the fragments' k is shared in
-    proportion to their gradient norms, they are packed onto ranks by LPT bin-packing on
-    ``n_l log2 k_l`` (rotated every step), and since the ranks' selections never intersect, the
-    exchanged volume stays about k whatever the number of ranks (no gradient build-up). Every rank
-    derives the identical plan from all-reduced fragment norms (one small all-reduce per bucket):
-    no leader, no broadcast, and nothing to disagree about.
-
-    Momentum follows DEFT's code by default: error feedback only in the exchange, and the optimizer's
-    own momentum and weight decay applied to the averaged sparse gradient (any optimizer works).
-    ``momentum_correction=True`` uses DGC's momentum correction instead, with DGC's optimizer contract
-    (SGD momentum taken over, other momentum optimizers rejected).
-
-    Args:
-        density: fraction of the compressed values sent per step, in (0, 1] (shared among fragments).
-        momentum_correction: DGC's momentum correction instead of DEFT's plain error feedback.
-        momentum: momentum correction (only with ``momentum_correction=True``).
-        **kwargs: every other argument of :class:`DGCStrategy` (and so of ``DDPStrategy``).
+    ``CompressionStrategy(DEFTConfig(...))``: DGC's arguments plus ``momentum_correction`` (each
+    described in :class:`~lightning_dgc.algorithms.deft.DEFTConfig`), plus every ``DDPStrategy``
+    argument. By default momentum follows DEFT's code: error feedback only in the exchange, and the
+    optimizer's own momentum and weight decay applied to the averaged update (any optimizer works).
     """
 
-    strategy_name = "deft"
-    exchange_hook = staticmethod(deft_hook)
+    config_class = DEFTConfig
 
     def __init__(
-        self,
-        density: float = 0.001,
-        momentum_correction: bool = False,
-        momentum: float = 0.0,
+        self, density: float = DEFTConfig.density, momentum_correction: bool = DEFTConfig.momentum_correction,
         **kwargs: Any,
-    ) -> None:
-        momentum = real_number(momentum, "momentum")
-        if momentum and not momentum_correction:
-            raise ValueError(
-                "DEFTStrategy applies no momentum in the exchange unless `momentum_correction=True`; leave"
-                " momentum to the optimizer, or pass `DEFTStrategy(momentum_correction=True, momentum=...)`."
-            )
+    ) -> None:  # fmt: skip
         self.momentum_correction = momentum_correction
-        super().__init__(density=density, momentum=momentum, **kwargs)
+        super().__init__(density=density, **kwargs)
 
-    @override
-    def _take_over_optimizers(self) -> None:
-        if self.momentum_correction:
-            super()._take_over_optimizers()
+    def _more_options(self) -> dict[str, Any]:
+        return {"momentum_correction": self.momentum_correction}

@@ -7,8 +7,17 @@ import random
 import pytest
 import torch
 
-from lightning_dgc import comm, perfmodel
-from lightning_dgc.comm import CODE_BYTES, FILLER_SPAN, pack_into, payload_nbytes, payload_values, unpack
+from lightning_dgc import algorithms, comm
+from lightning_dgc.algorithms.dgc import DGC, DGCConfig
+from lightning_dgc.compression import codec
+from lightning_dgc.compression.codec import (
+    CODE_BYTES,
+    FILLER_SPAN,
+    pack_into,
+    payload_nbytes,
+    payload_values,
+    unpack,
+)
 
 DTYPES = (torch.float32, torch.float16)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -62,18 +71,26 @@ def test_payload_size_by_hand() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_payload_is_four_byte_aligned_and_mirrored_by_the_perfmodel(dtype: torch.dtype) -> None:
-    rng = random.Random(0)
+def test_payload_is_four_byte_aligned_and_is_what_dgc_reports(dtype: torch.dtype) -> None:
+    """The payload formula, and DGC's wire cost (read by the statistics and the performance model) uses it."""
+    value_dtype = {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
     for span in (1, 7, 1000, 65_534, 65_535, 65_536, 131_070, 10**6, 25_557_032):
         for k in {min(span, k) for k in (1, 2, 3, 5, 17, 999, span // 2 or 1, span if span < 10**5 else 1)}:
             n = payload_nbytes(k, dtype, span)
             assert n % 4 == 0 and 0 <= n - (k * dtype.itemsize + 2 * (k + span // 65535)) <= 2
-            assert n == perfmodel.payload_nbytes(k, dtype.itemsize, span)
-            assert comm.payload_padding(k, dtype, span) == perfmodel.payload_padding(k, dtype.itemsize, span)
-    for _ in range(200):
-        span = rng.randint(1, 10**8)
-        k = rng.randint(0, min(span, 10**5))
-        assert payload_nbytes(k, dtype, span) == perfmodel.payload_nbytes(k, dtype.itemsize, span)
+            assert (n, codec.payload_padding(k, dtype, span)) == codec.payload_size(k, dtype.itemsize, span)
+    rng = random.Random(0)
+    for _ in range(50):  # one compressed [rows, cols] tensor of `span` values: k = ceil(density * span)
+        cols = rng.randint(1024, 10**6)
+        density = rng.choice((0.001, 0.01))
+        layout = algorithms.layout_of(["w"], [[1, cols]])
+        cost = DGC.wire_cost(
+            DGCConfig(density=density, value_dtype=value_dtype, min_compress_numel=1), layout, 2, 4 * cols
+        )
+        k = cost.k
+        assert cost.bytes_of("payload") == payload_nbytes(
+            k, dtype, cols
+        ) and cost.padding_bytes == codec.payload_padding(k, dtype, cols)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

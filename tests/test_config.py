@@ -87,7 +87,7 @@ def test_numbers_of_any_real_type_are_accepted_and_stored_as_python_numbers() ->
         density=np.float32(0.1), momentum=np.float64(0.9), sample_ratio=fractions.Fraction(1, 100),
         min_compress_numel=np.int64(2048), local_clip_norm=np.float16(5), nesterov=np.bool_(True), seed=np.int32(3),
     )  # fmt: skip
-    config = strategy._dgc_config
+    config = strategy.config
     assert config.density == pytest.approx(0.1) and type(config.density) is float
     assert (
         config.sample_ratio == 0.01

@@ -10,13 +10,26 @@ from lightning_dgc.compression import sampled_topk
 from lightning_dgc.memory import ResidualMemory, clip_by_norm_, momentum_correction
 
 
+def _compensate(
+    mem: ResidualMemory, g: torch.Tensor, m: float, nesterov: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DGC's momentum correction of ``g`` into the scratch buffers of parameter "w"; returns (u', v')."""
+    u, v = (mem.buffer(kind, "w", g.numel(), g.device) for kind in ("momentum", "velocity"))
+    u_next, v_next = mem.scratch("momentum", "w"), mem.scratch("velocity", "w")
+    momentum_correction(g, u, v, m, nesterov, u_next, v_next)
+    mem.stage("momentum", "w")
+    mem.stage("velocity", "w")
+    return u_next, v_next
+
+
 def _step(mem: ResidualMemory, g: torch.Tensor, m: float, nesterov: bool, k: int, masking: bool = True):
-    buf = mem.get("w", g.numel(), g.device)
-    momentum_correction(g, buf.momentum, buf.velocity, m, nesterov, buf.momentum_next, buf.velocity_next)
-    idx = sampled_topk(buf.velocity_next, k, 0.01, torch.Generator().manual_seed(0))
-    sent = buf.velocity_next[idx].clone()
-    accumulated = buf.velocity_next.clone()
-    mem.stage("w", idx, masking)
+    u_next, v_next = _compensate(mem, g, m, nesterov)
+    idx = sampled_topk(v_next, k, 0.01, torch.Generator().manual_seed(0))
+    sent = v_next[idx].clone()
+    accumulated = v_next.clone()
+    v_next[idx] = 0.0  # sent: cleared, as DGC's select does
+    if masking:
+        u_next[idx] = 0.0
     mem.commit()
     return idx, sent, accumulated
 
@@ -30,13 +43,13 @@ def test_nothing_is_lost_sent_plus_residual_equals_accumulated() -> None:
         grad = torch.randn(10_000, generator=g)
         total_grad += grad
         idx, sent, accumulated = _step(mem, grad, 0.0, False, 10)
-        residual = mem.buffers["w"].velocity
+        residual = mem.committed["velocity"]["w"]
         rebuilt = residual.clone()
         rebuilt[idx] += sent
         torch.testing.assert_close(rebuilt, accumulated)
         total_sent.index_add_(0, idx, sent)
     # with plain error feedback, everything ever computed is either sent or still in the residual
-    torch.testing.assert_close(total_sent + mem.buffers["w"].velocity, total_grad, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(total_sent + mem.committed["velocity"]["w"], total_grad, rtol=1e-5, atol=1e-4)
 
 
 def test_momentum_correction_formulas() -> None:
@@ -59,22 +72,19 @@ def test_momentum_factor_masking_clears_sent_coordinates_only_when_on() -> None:
         mem = ResidualMemory()
         grad = torch.arange(1.0, 101.0)
         idx, _, _ = _step(mem, grad, 0.9, False, 5, masking)
-        buf = mem.buffers["w"]
-        assert torch.all(buf.velocity[idx] == 0)
-        assert bool(torch.all(buf.momentum[idx] == 0)) is masking
+        velocity, momentum = mem.committed["velocity"]["w"], mem.committed["momentum"]["w"]
+        assert torch.all(velocity[idx] == 0)
+        assert bool(torch.all(momentum[idx] == 0)) is masking
         rest = torch.ones(100, dtype=torch.bool)
         rest[idx] = False
-        torch.testing.assert_close(buf.momentum[rest], grad[rest])
+        torch.testing.assert_close(momentum[rest], grad[rest])
 
 
 def test_discard_leaves_state_untouched() -> None:
     mem = ResidualMemory()
     _step(mem, torch.randn(100), 0.9, False, 3)
     before = pickle.loads(pickle.dumps(mem.state_dict()))
-    buf = mem.get("w", 100, torch.device("cpu"))
-    momentum_correction(torch.full((100,), float("inf")), buf.momentum, buf.velocity, 0.9, False,
-                        buf.momentum_next, buf.velocity_next)  # fmt: skip
-    mem.stage("w", torch.tensor([0]), True)
+    _compensate(mem, torch.full((100,), float("inf")), 0.9, False)
     mem.discard()
     after = mem.state_dict()
     for kind in ("momentum", "velocity"):
@@ -89,7 +99,7 @@ def test_state_dict_round_trip_weights_only(tmp_path) -> None:
     restored = ResidualMemory()
     restored.load_state_dict(torch.load(path, weights_only=True))
     for kind in ("momentum", "velocity"):
-        assert torch.equal(getattr(restored.buffers["w"], kind), getattr(mem.buffers["w"], kind))
+        assert torch.equal(restored.committed[kind]["w"], mem.committed[kind]["w"])
 
 
 def test_clip_by_norm() -> None:
@@ -99,3 +109,30 @@ def test_clip_by_norm() -> None:
     small = torch.tensor([0.3, 0.4])
     clip_by_norm_(small, 1.0)
     torch.testing.assert_close(small, torch.tensor([0.3, 0.4]))
+
+
+def test_a_kind_that_is_never_written_is_never_allocated() -> None:
+    """Plain error feedback (momentum 0) keeps a velocity only: no momentum buffers (2 model sizes saved)."""
+    mem = ResidualMemory()
+    v = mem.buffer("velocity", "w", 10, torch.device("cpu"))
+    mem.scratch("velocity", "w").copy_(v + 1)
+    mem.stage("velocity", "w")
+    assert mem.finish_step() and set(mem.committed) == {"velocity"} and set(mem.state_dict()) == {"velocity"}
+    assert torch.equal(mem.committed["velocity"]["w"], torch.ones(10))
+
+
+def test_finish_step_commits_only_finite_steps_and_drops_unused_parameters() -> None:
+    mem = ResidualMemory()
+    for name in ("used", "unused"):
+        mem.buffer("velocity", name, 3, torch.device("cpu"))
+        mem.scratch("velocity", name).fill_(1.0)
+        mem.stage("velocity", name)
+    mem.note_finite(torch.tensor(True))
+    assert mem.finish_step(unused=lambda name: name == "unused")
+    assert mem.committed["velocity"]["used"].tolist() == [1.0] * 3
+    assert mem.committed["velocity"]["unused"].tolist() == [0.0] * 3
+    mem.scratch("velocity", "used").fill_(2.0)
+    mem.stage("velocity", "used")
+    mem.note_finite(torch.tensor(False))
+    assert not mem.finish_step()
+    assert mem.committed["velocity"]["used"].tolist() == [1.0] * 3

@@ -8,8 +8,10 @@ import random
 
 import pytest
 
-from lightning_dgc.partition import fragment_layers
+from lightning_dgc.compression.codec import payload_size
+from lightning_dgc.partition import fragment_count, fragment_layers
 from lightning_dgc.perfmodel import (
+    METHODS,
     BucketProfile,
     Network,
     Profile,
@@ -17,11 +19,8 @@ from lightning_dgc.perfmodel import (
     allgather_volume,
     doubling_allgather_time,
     doubling_allreduce_time,
-    fragment_count,
     measured_records,
     parse_bandwidth,
-    payload_nbytes,
-    payload_padding,
     predict,
     ring_allreduce_time,
     ring_allreduce_volume,
@@ -34,15 +33,24 @@ from lightning_dgc.perfmodel import (
 )
 
 
-def bucket(
-    numel: int = 1_000_000, sparse: tuple[int, ...] = (999_000,), density: float = 0.001
-) -> BucketProfile:
-    k = sum(math.ceil(density * n) for n in sparse)
-    return BucketProfile(numel, 4 * numel, list(sparse), k, numel - sum(sparse), 4)
+def bucket(numel: int = 1_000_000, sparse: tuple[int, ...] = (999_000,)) -> BucketProfile:
+    """A bucket of compressed ``[n, 1]`` tensors of these sizes and one 1-D tensor of the rest."""
+    shapes = [[n, 1] for n in sparse] + ([[numel - sum(sparse)]] if numel > sum(sparse) else [])
+    return BucketProfile(shapes, 4 * numel)
 
 
-def profile(buckets: list[BucketProfile] | None = None, compute: float = 0.1, **kw) -> Profile:
-    return Profile("toy", buckets or [bucket()], compute_s=compute, **kw)
+def profile(
+    buckets: list[BucketProfile] | None = None, compute: float = 0.1, density: float = 0.001,
+    value_dtype: str = "fp32", **kw,
+) -> Profile:  # fmt: skip
+    """DGC and DEFT compress every tensor of more than one dimension (``min_compress_numel=1``)."""
+    configs = {m: {"min_compress_numel": 1} for m in ("dgc", "deft")}
+    return Profile("toy", buckets or [bucket()], compute_s=compute, density=density, value_dtype=value_dtype,
+                   configs=configs, **kw)  # fmt: skip
+
+
+def k_of(sparse: tuple[int, ...], density: float) -> int:
+    return sum(math.ceil(density * n) for n in sparse)
 
 
 # -- primitives ---------------------------------------------------------------------------------------
@@ -129,27 +137,37 @@ def test_best_algorithm_is_never_slower_than_the_ring() -> None:
 def test_payload_is_padded_to_four_bytes() -> None:
     # k values + (k + span // 65535) uint16 delta codes, padded to a multiple of 4 bytes:
     # span 5000 has no filler slot: 3 fp32 values + 3 codes = 12 + 6 = 18 -> 20; fp16: 6 + 6 = 12
-    assert payload_nbytes(3, 4, 5000) == 20 and payload_nbytes(3, 2, 5000) == 12
+    assert payload_size(3, 4, 5000) == (20, 2) and payload_size(3, 2, 5000) == (12, 0)
     # span 200 000 reserves 200 000 // 65535 = 3 filler slots: fp16 6 + 2 * (3 + 3) = 18 -> 20
-    assert payload_nbytes(3, 2, 200_000) == 20 and payload_padding(3, 2, 200_000) == 2
-    assert payload_nbytes(0, 4, 10**6) == 0  # nothing selected, nothing sent
-    b = BucketProfile(200_000, 800_000, [190_000], 3, 10_000, value_bytes=2)
+    assert payload_size(3, 2, 200_000) == (20, 2)
+    assert payload_size(0, 4, 10**6) == (0, 0)  # nothing selected, nothing sent
+    p = profile([bucket(200_000, (190_000,))], density=3 / 190_000, value_dtype="fp16")
+    dgc, deft = p.cost("dgc", p.buckets[0], 2), p.cost("deft", p.buckets[0], 2)
     # the 10 000 values averaged dense travel in the value dtype too (fp16: 2 bytes each)
-    assert b.dgc_payload_bytes == 20 and b.dgc_padding_bytes == 2 and b.dgc_bytes == 20 + 20_000
-    assert b.deft_sparse_bytes() == 18  # DEFT: 3 int32 indices + 3 fp16 values, all-reduced unpadded
-    b = BucketProfile(5000, 20000, [4000], 3, 1000, value_bytes=2)
-    assert b.dgc_payload_bytes == 12 and b.dgc_padding_bytes == 0 and b.dgc_bytes == 12 + 2000
-    assert BucketProfile(10, 40, [], 0, 10).dgc_payload_bytes == 0
+    assert dgc.k == 3 and dgc.bytes_of("payload") == 20 and dgc.padding_bytes == 2
+    assert dgc.bytes_sent == 20 + 20_000 and dgc.bytes_of("dense") == 20_000
+    assert deft.bytes_of("payload") == 18  # DEFT: 3 int32 indices + 3 fp16 values, all-reduced unpadded
+    p = profile([bucket(5000, (4000,))], density=3 / 4000, value_dtype="fp16")
+    dgc = p.cost("dgc", p.buckets[0], 2)
+    assert dgc.bytes_of("payload") == 12 and dgc.padding_bytes == 0 and dgc.bytes_sent == 12 + 2000
+    assert (
+        profile([BucketProfile([[10]], 40)]).cost("dgc", BucketProfile([[10]], 40), 2).bytes_of("payload")
+        == 0
+    )
 
 
 def test_deft_bytes_grow_with_the_norm_vector_only() -> None:
-    b = BucketProfile(7000, 28000, [4000, 2000, 1000], 7, 0)
+    b = bucket(7000, (4000, 2000, 1000))
+    p = profile([b], density=2 / 1000)  # k = 8 + 4 + 2 = 14
     # n = 4: tensors holding more than 1/4 of the 7000 values (4000, 2000) are cut in 4, 1000 stays whole
-    assert fragment_count(b.sparse_numels, 4) == 4 + 4 + 1
-    assert b.deft_control_bytes(4) == 8 * (9 + 4)
-    assert b.deft_bytes(4) == 8 * 13 + 7 * 8  # + k int32 indices and k fp32 values
-    # n = 64: every tensor holds more than 1/64 and is cut in 64; the union stays k = 7
-    assert b.deft_bytes(64) == 8 * (3 * 64 + 64) + 7 * 8
+    assert fragment_count([4000, 2000, 1000], 4) == 4 + 4 + 1
+    deft = p.cost("deft", b, 4)
+    assert deft.bytes_of("control") == 8 * (9 + 4) and all(
+        m.blocking for m in deft.messages if m.role == "control"
+    )
+    assert deft.bytes_sent == 8 * 13 + 14 * 8  # + k int32 indices and k fp32 values
+    # n = 64: every tensor holds more than 1/64 and is cut in 64; the union stays k = 14
+    assert p.cost("deft", b, 64).bytes_sent == 8 * (3 * 64 + 64) + 14 * 8
 
 
 def test_fragment_count_mirrors_partition() -> None:
@@ -162,13 +180,19 @@ def test_fragment_count_mirrors_partition() -> None:
 
 
 def test_wire_volume_per_method() -> None:
-    b = bucket(1000, (800,), density=0.01)  # k = 8, payload 8 * 4 + 8 * 2 = 48 B, 200 dense values
-    p = profile([b])
+    b = bucket(1000, (800,))  # k = 8, payload 8 * 4 + 8 * 2 = 48 B, 200 dense values
+    p = profile([b], density=0.01)
     assert wire_bytes(p, "ddp", 4) == pytest.approx(1.5 * 4000)
     assert wire_bytes(p, "dgc", 4) == pytest.approx(3 * 48 + 1.5 * 800)
     assert wire_bytes(p, "sparse_allreduce", 4) == pytest.approx(48 + 96 + 1.5 * 800)
-    deft = b.deft_bytes(4) - b.exchange_dense_bytes
-    assert wire_bytes(p, "deft", 4) == pytest.approx(1.5 * deft + 1.5 * 800)
+    deft = p.cost("deft", b, 4)
+    assert wire_bytes(p, "deft", 4) == pytest.approx(1.5 * (deft.bytes_sent - 800) + 1.5 * 800)
+    # PowerSGD at rank 1: the [800, 1] matrix cannot be compressed (rank 1 costs 801 values): all dense
+    assert wire_bytes(p, "powersgd", 4) == pytest.approx(1.5 * 4000)
+
+
+def test_every_registered_algorithm_is_a_method() -> None:
+    assert {"ddp", "dgc", "deft", "powersgd", "sparse_allreduce"} <= set(METHODS)
 
 
 # -- the step -----------------------------------------------------------------------------------------
@@ -196,7 +220,9 @@ def test_selection_and_blocking_are_not_overlapped() -> None:
     deft = step_time(p, "deft", 8, net, overlap=True)
     assert deft.selection_s == pytest.approx(0.2 / 8)  # DEFT splits the selection
     b = p.buckets[0]
-    one = net.allreduce(b.deft_control_bytes(8), 8) + net.allreduce(4 * b.k, 8)
+    control, indices = (m.nbytes for m in p.cost("deft", b, 8).messages if m.blocking)
+    one = net.allreduce(control, 8) + net.allreduce(indices, 8)
+    assert indices == 4 * k_of((999_000,), 0.001)
     assert deft.blocking_comm_s == pytest.approx(2 * one)
     assert deft.total_s == pytest.approx(1.0 + 0.2 / 8 + 2 * one + deft.exposed_comm_s)
 
@@ -204,13 +230,13 @@ def test_selection_and_blocking_are_not_overlapped() -> None:
 def test_overlap_is_never_slower_and_speedup_is_n_c_over_t() -> None:
     rng = random.Random(1)
     for _ in range(50):
-        buckets = [bucket(rng.randint(2000, 10**7), (1000,), 0.01) for _ in range(rng.randint(1, 6))]
-        p = profile(buckets, compute=rng.uniform(0.01, 2), selection_s=rng.uniform(0, 0.1),
+        buckets = [bucket(rng.randint(2000, 10**7), (1000,)) for _ in range(rng.randint(1, 6))]
+        p = profile(buckets, compute=rng.uniform(0.01, 2), selection_s=rng.uniform(0, 0.1), density=0.01,
                     backward_s=rng.choice([None, rng.uniform(0, 0.5)]))  # fmt: skip
         net = Network(
             rng.choice([1e8, 1e9, 1e10]), latency=rng.uniform(0, 1e-4), gpus_per_node=rng.choice([1, 4])
         )
-        for method in ("ddp", "dgc", "deft", "sparse_allreduce"):
+        for method in METHODS:
             for n in (1, 2, 16, 256):
                 with_overlap = step_time(p, method, n, net, overlap=True).total_s
                 without = step_time(p, method, n, net, overlap=False).total_s
@@ -230,7 +256,7 @@ def test_dgc_beats_dense_on_a_slow_link_and_dense_catches_up_on_a_fast_one() -> 
 
 def test_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="unknown method"):
-        step_time(profile(), "powersgd", 2, Network(1e9))
+        step_time(profile(), "signsgd", 2, Network(1e9))
     with pytest.raises(ValueError, match=">= 1"):
         step_time(profile(), "ddp", 0, Network(1e9))
     with pytest.raises(ValueError, match="bandwidths"):
@@ -243,15 +269,26 @@ def test_errors_name_the_fix() -> None:
 def test_profile_json_round_trip(tmp_path) -> None:
     p = profile([bucket(), bucket(4096, (4000,))], selection_s=0.01, backward_s=0.05, stats={"bytes_sent": 1})
     loaded = Profile.load(p.save(tmp_path / "p.json"))
-    assert loaded == p and loaded.totals(8) == p.totals(8)
-    assert p.totals()["dgc_bytes_sent"] == p.dgc_bytes == sum(b.dgc_bytes for b in p.buckets)
+    assert loaded == p and loaded.totals("deft", 8) == p.totals("deft", 8)
+    assert (
+        p.totals("dgc")["bytes_sent"]
+        == p.bytes_sent("dgc")
+        == sum(p.cost("dgc", b, 1).bytes_sent for b in p.buckets)
+    )
     json.dumps(p.to_dict())  # plain JSON
+
+
+def test_profile_written_before_shapes_were_kept_still_loads() -> None:
+    old = {"model": "old", "compute_s": 0.1, "buckets": [
+        {"numel": 5000, "dense_bytes": 20000, "sparse_numels": [4000], "k": 4, "exchange_dense_numel": 1000}]}  # fmt: skip
+    p = Profile.from_dict(old)
+    assert p.buckets[0].shapes == [[4000, 1], [1000]] and p.totals("dgc")["k"] == 4
 
 
 def test_predict_grid() -> None:
     p = profile(batch_size=32)
     pred = predict(p, workers=(1, 2, 64), bandwidths=(1e9, 1e10))
-    assert len(pred.rows) == 4 * 2 * 2 * 3  # methods x bandwidths x overlap x workers
+    assert len(pred.rows) == len(METHODS) * 2 * 2 * 3  # methods x bandwidths x overlap x workers
     row = pred.lookup("dgc", 64, 1e9, True)
     assert row["speedup"] == pytest.approx(speedup(p, "dgc", 64, Network(1e9)))
     assert row["throughput"] == pytest.approx(row["speedup"] * 32 / p.compute_s)
@@ -289,7 +326,7 @@ def test_validate(tmp_path, capsys) -> None:
         {"model": "toy", "strategy": "dgc", "bandwidth_mbit": 100, "world_size": 2, "step_s": 0.15,
          "shared_cpu_one_worker_step_time_s": 0.2},
         {"model": "other", "strategy": "dgc", "bandwidth": "1gbit", "step_s": 9.0},
-        {"model": "toy", "strategy": "powersgd", "bandwidth": "1gbit", "step_s": 0.3},
+        {"model": "toy", "strategy": "signsgd", "bandwidth": "1gbit", "step_s": 0.3},
     ]}))  # fmt: skip
     rows = validate(pred, measured)
     assert [(r["strategy"], r["bandwidth_bps"]) for r in rows] == [("ddp", 1e9), ("dgc", 1e8)]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401  (DDP imports it when constructed: once here, not in every forked child)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

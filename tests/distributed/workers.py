@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_dgc import DGCConfig, DGCState, deft_hook, dgc_hook
+from lightning_dgc import DGCConfig, ExchangeState, algorithms, exchange_hook
 from lightning_dgc.compression import topk_indices
 
 
@@ -99,7 +99,7 @@ def train(
     sgd = dict(sgd or {"lr": 0.1})
     state = None
     if use_hook:
-        state = DGCState(config=DGCConfig(**(config or {})))
+        state = ExchangeState(algorithms.get(hook).config_class(**(config or {})))
         state.register_parameters(model.named_parameters())
         if take_over:  # what DGCStrategy does with an SGD optimizer
             from lightning_dgc.state import ParamSettings
@@ -109,7 +109,7 @@ def train(
             )
             for name, _ in model.named_parameters():
                 state.param_settings[name] = s
-        ddp.register_comm_hook(state, {"dgc": dgc_hook, "deft": deft_hook}[hook])
+        ddp.register_comm_hook(state, exchange_hook)
     opt = torch.optim.SGD(model.parameters(), **sgd)
     params, losses, stats, finite, memory, plans_agree = [], [], [], [], [], []
     for step in range(steps):
@@ -158,9 +158,9 @@ def sparse_reference(rank: int, world_size: int, *, steps: int, density: float) 
     model = make_model()
     ref_model = copy.deepcopy(model)
     ddp = DDP(model)
-    state = DGCState(config=DGCConfig(density=density, selection="exact"))
+    state = ExchangeState(config=DGCConfig(density=density, selection="exact"))
     state.register_parameters(model.named_parameters())
-    ddp.register_comm_hook(state, dgc_hook)
+    ddp.register_comm_hook(state, exchange_hook)
     residual = {n: torch.zeros(world_size, p.numel()) for n, p in model.named_parameters()}
     max_err = 0.0
     for step in range(steps):
@@ -197,9 +197,9 @@ def clipped_grad_norms(rank: int, world_size: int, *, clip: float, density: floa
     """Per-tensor norms of the averaged gradients DDP writes back, with DGC's local clipping on."""
     model = make_model()
     ddp = DDP(model)
-    state = DGCState(config=DGCConfig(density=density, local_clip_norm=clip))
+    state = ExchangeState(config=DGCConfig(density=density, local_clip_norm=clip))
     state.register_parameters(model.named_parameters())
-    ddp.register_comm_hook(state, dgc_hook)
+    ddp.register_comm_hook(state, exchange_hook)
     norms: list[float] = []
     for step in range(3):
         x, y = batch(rank, step)
@@ -214,11 +214,57 @@ def sparse_embedding_error(rank: int, world_size: int) -> str:
     """The error the hook raises for a bucket of sparse gradients (``nn.Embedding(sparse=True)``)."""
     model = nn.Sequential(nn.Embedding(100, 16, sparse=True), nn.Flatten(), nn.Linear(32, 1))
     ddp = DDP(model)
-    state = DGCState(config=DGCConfig(density=0.01))
+    state = ExchangeState(config=DGCConfig(density=0.01))
     state.register_parameters(model.named_parameters())
-    ddp.register_comm_hook(state, dgc_hook)
+    ddp.register_comm_hook(state, exchange_hook)
     try:
         ddp(torch.tensor([[1, 2], [3, 4]])).sum().backward()
     except Exception as error:  # DDP re-raises the hook's error from backward()
         return str(error)
     return ""
+
+
+def powersgd_against_torch(rank: int, world_size: int, *, steps: int, config: dict) -> dict[str, Any]:
+    """The same model and data through torch's ``powerSGD_hook`` and through ``algorithm="powersgd"``:
+    every step's parameters of both, and the last step's statistics of ours.
+
+    One bucket: with several, torch's hook hangs on gloo (it starts the P and Q all-reduces from
+    future callbacks, in backend threads, and waits there, so ranks can start collectives in different
+    orders). Ours starts every collective from the hook's thread; its several-bucket runs are tested
+    elsewhere.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from lightning_dgc.algorithms.powersgd import PowerSGDConfig
+
+    ours = PowerSGDConfig(**config)
+    runs: dict[str, Any] = {}
+    for name in ("torch", "ours"):
+        model = make_model(kind="conv")
+        ddp = DDP(model)
+        if name == "torch":
+            state: Any = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=ours.matrix_approximation_rank,
+                start_powerSGD_iter=ours.start_iter, use_error_feedback=ours.use_error_feedback,
+                warm_start=ours.warm_start, random_seed=ours.seed,
+            )  # fmt: skip
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            state = ExchangeState(ours)
+            state.register_parameters(model.named_parameters())
+            ddp.register_comm_hook(state, exchange_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        params = []
+        for step in range(steps):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            if name == "ours":
+                state.finish_step()
+            opt.step()
+            params.append(flat_params(model))
+        runs[name] = params
+        if name == "ours":
+            runs["stats"] = state.compression_stats()
+            runs["memory"] = state.memory.state_dict()
+    return runs

@@ -107,14 +107,16 @@ class HookProbe(L.Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             record["scale"] = float(scaler.get_scale())
-        if isinstance(strategy, lightning_dgc.DGCStrategy):
+        if isinstance(strategy, lightning_dgc.CompressionStrategy):
             if trainer.global_step > 0:  # after the first optimizer step (accumulation delays it)
                 assert strategy.hook_calls > 0, "the DGC communication hook was not called"
             self.stats.append(dict(strategy.compression_stats()))
-            buffers = strategy.dgc_state.memory.buffers.values()
+            committed = strategy.exchange_state.memory.committed
             record["hook_calls"] = strategy.hook_calls
-            record["velocity_sum"] = sum(float(b.velocity.double().abs().sum()) for b in buffers)
-            record["momentum_sum"] = sum(float(b.momentum.double().abs().sum()) for b in buffers)
+            for kind in ("velocity", "momentum"):
+                record[f"{kind}_sum"] = sum(
+                    float(t.double().abs().sum()) for t in committed.get(kind, {}).values()
+                )
         self.records.append(record)
 
 
@@ -125,7 +127,7 @@ class MemoryDump(L.Callback):
         self.prefix = prefix
 
     def _dump(self, trainer, tag: str) -> None:
-        state = trainer.strategy.dgc_state
+        state = trainer.strategy.exchange_state
         torch.save(state.memory.state_dict(), f"{self.prefix}.rank{trainer.global_rank}.{tag}.pt")
 
     def on_train_start(self, trainer, pl_module):
@@ -184,6 +186,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=512, help="dataset size (16 per batch, per rank)")
     p.add_argument("--no-shuffle", action="store_true", help="every epoch sees the batches in the same order")
     p.add_argument("--fit-twice", type=int, default=0, help="fit to this many steps, then on to --max-steps")
+    p.add_argument("--options", default=None, help="JSON: CompressionStrategy(--strategy, options)")
     args = p.parse_args()
 
     L.seed_everything(0)
@@ -195,6 +198,8 @@ def main() -> None:
             density=args.density if args.density is not None else 0.001, local_clip_norm=args.local_clip,
             momentum_masking=not args.no_masking, selection=args.selection,
         )  # fmt: skip
+    if args.options is not None:
+        strategy = lightning_dgc.CompressionStrategy(args.strategy, json.loads(args.options))
     if args.timeout is not None:
         kinds = {"dgc": lightning_dgc.DGCStrategy, "deft": lightning_dgc.DEFTStrategy, "ddp": DDPStrategy}
         strategy = kinds[args.strategy](timeout=timedelta(seconds=args.timeout))

@@ -69,7 +69,7 @@ def main() -> None:
     summary = {
         "rank": trainer.global_rank,
         "profile": profile.to_dict(),
-        "totals": profile.totals(),
+        "totals": profile.totals(args.strategy),
         "stats": last.stats[-1],
         "hook_calls": strategy.hook_calls,
     }

@@ -53,7 +53,7 @@ def test_sgd_momentum_and_weight_decay_are_taken_over() -> None:
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.9, True, 1e-4), (
         "after fit the optimizer holds the user's values again"
     )
-    settings = set(strategy.dgc_state.param_settings.values())
+    settings = set(strategy.exchange_state.param_settings.values())
     assert len(settings) == 1
     s = settings.pop()
     assert (s.momentum, s.nesterov, s.weight_decay) == (0.9, True, 1e-4)
@@ -132,6 +132,8 @@ def test_checkpoint_of_an_earlier_version_keeps_the_momentum_of_configure_optimi
             _Configurable(make), DataLoader(dataset(64), batch_size=16), ckpt_path=tmp_path / "old.ckpt"
         )
     assert probe.groups == [(0.0, False, 0.0)] * 2
-    assert {(s.momentum, s.weight_decay) for s in strategy.dgc_state.param_settings.values()} == {(0.9, 1e-4)}
+    assert {(s.momentum, s.weight_decay) for s in strategy.exchange_state.param_settings.values()} == {
+        (0.9, 1e-4)
+    }
     group = resumed.optimizers[0].param_groups[0]
     assert (group["momentum"], group["weight_decay"]) == (0.9, 1e-4)

@@ -1,0 +1,41 @@
+"""Compression algorithms, one file each: ``dgc.py``, ``deft.py``, ``powersgd.py``, ...
+
+Every module of this package is imported here, and each registers its :class:`Algorithm` with
+:func:`register`, so that adding an algorithm is adding a file: the strategy names
+(``Trainer(strategy="<name>")``), the statistics and the performance model pick it up by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from lightning_dgc.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    BucketWork,
+    Message,
+    TensorSpec,
+    WireCost,
+    get,
+    layout_of,
+    register,
+    registered,
+)
+
+__all__ = [
+    "Algorithm",
+    "AlgorithmConfig",
+    "BucketWork",
+    "Message",
+    "TensorSpec",
+    "WireCost",
+    "get",
+    "layout_of",
+    "register",
+    "registered",
+]
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")

@@ -1,0 +1,249 @@
+"""What a compression algorithm is: its configuration, its per-bucket plan, its steps and its wire cost.
+
+The generic hook (:mod:`lightning_dgc.hook`) drives one :class:`Algorithm` per run, bucket by bucket:
+
+1. :meth:`Algorithm.plan` once per bucket layout (and whatever :meth:`Algorithm.plan_key` says changes it);
+2. :meth:`Algorithm.compensate`: the local gradient plus what the memory holds back (error feedback,
+   momentum correction), written to scratch memory;
+3. :meth:`Algorithm.select`: what to send (timed as the selection);
+4. :meth:`Algorithm.exchange`: the collectives, through the injected :class:`~lightning_dgc.comm.Collectives`,
+   all started from the hook's thread in the same order on every rank;
+5. :meth:`Algorithm.decode`: the averaged update, once the collectives are done;
+
+and :meth:`Algorithm.wire_cost` says what a bucket puts on the wire, read by the runtime statistics and
+by :mod:`lightning_dgc.perfmodel` alike, so that each formula is written once. An algorithm registers
+itself under a name with :func:`register`; ``Trainer(strategy="<name>")`` then works.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_dgc.comm import Collectives, Pending
+    from lightning_dgc.state import ExchangeState
+
+
+@dataclass
+class AlgorithmConfig:
+    """Base of an algorithm's hyper-parameters: a dataclass, validated (and normalised) on construction.
+
+    Subclasses document every field in their docstring: the one place a hyper-parameter is described.
+    """
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a ``ValueError`` that names the argument and says how to fix it."""
+
+    def fingerprint(self, exclude: tuple[str, ...] = ("density",)) -> str:
+        """A short hash of the settings that must agree across ranks (a schedule may change ``density``)."""
+        items = {k: v for k, v in asdict(self).items() if k not in exclude}
+        return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter of a bucket: where its gradient lies in the bucket's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def layout_of(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[TensorSpec]:
+    """The :class:`TensorSpec` of consecutive tensors of these shapes (as DDP packs a bucket)."""
+    specs, offset = [], 0
+    for name, shape in zip(names, shapes, strict=True):
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        specs.append(TensorSpec(name, tuple(int(s) for s in shape), offset, numel))
+        offset += numel
+    return specs
+
+
+@dataclass(frozen=True)
+class Message:
+    """One collective a bucket's exchange runs per step: what this rank contributes to it.
+
+    ``role``: ``"payload"`` (the compressed gradient: values, indices, factors), ``"dense"`` (tensors
+    averaged uncompressed) or ``"control"`` (what ranks exchange to agree on a plan). ``blocking``: the
+    hook waits for it before the bucket's next step, so it cannot overlap with the backward pass.
+    """
+
+    collective: Literal["all_reduce", "all_gather"]
+    nbytes: int
+    role: Literal["payload", "dense", "control"]
+    blocking: bool = False
+
+
+@dataclass(frozen=True)
+class WireCost:
+    """What one bucket puts on the wire per step and rank.
+
+    ``k``: values the algorithm selects (0 when it does not select values); ``values_sent``: values
+    this rank's messages carry in all; ``padding_bytes``: alignment bytes inside the payload.
+    """
+
+    messages: tuple[Message, ...]
+    dense_bytes: int  # what plain DDP would all-reduce for the bucket
+    numel: int
+    k: int = 0
+    values_sent: int = 0
+    padding_bytes: int = 0
+
+    def bytes_of(self, role: str) -> int:
+        return sum(m.nbytes for m in self.messages if m.role == role)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(m.nbytes for m in self.messages)
+
+
+#: Dtypes a value may travel in.
+VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass
+class BucketWork:
+    """What one hook call carries from step to step (an algorithm subclasses it for its own tensors).
+
+    ``keep``: tensors made on the hook's stream that the decode reads (recorded on its stream, CUDA).
+    """
+
+    grads: list[Tensor]  # per tensor of the plan: the local gradient, fp32, flat views of one buffer
+    flat: Tensor  # the bucket's local gradient, fp32 (``grads`` are views of it)
+    keep: list[Tensor] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)  # measured extras for compression_stats()
+    selection_s: float | None = None  # set by an algorithm that selects outside step 3 (DEFT)
+
+
+ConfigT = TypeVar("ConfigT", bound=AlgorithmConfig)
+PlanT = TypeVar("PlanT")
+WorkT = TypeVar("WorkT", bound=BucketWork)
+
+
+class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
+    """One run's compression algorithm, driven by the generic hook (see the module docstring).
+
+    Class attributes:
+        name: the registered name (also ``Trainer(strategy=name)``).
+        config_class: its hyper-parameters.
+        takes_over_momentum: whether SGD's momentum, Nesterov and weight decay are applied inside the
+            exchange (set to 0 in the optimizer while ``fit`` runs), as DGC's momentum correction does.
+        memory_kinds: the per-parameter buffers it keeps (the checkpoint's ``"memory"`` keys).
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[AlgorithmConfig]]
+    memory_kinds: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: ConfigT, state: ExchangeState) -> None:
+        self.config = config
+        self.state = state
+
+    @property
+    def takes_over_momentum(self) -> bool:
+        return False
+
+    # -- the plan --------------------------------------------------------------------------------------
+    def plan_key(self) -> tuple[Any, ...]:
+        """What, besides the bucket layout, the plan depends on (a new value makes a new plan)."""
+        return ()
+
+    @abstractmethod
+    def plan(self, layout: list[TensorSpec], buffer: Tensor) -> PlanT:
+        """What the algorithm decides once per bucket layout (``buffer``: the bucket's gradients, for their
+        device and dtype): which tensors it compresses, its buffers, ... The plan must have ``layout``
+        and ``dense_bytes`` (what plain DDP would send for the bucket) attributes."""
+
+    # -- the step --------------------------------------------------------------------------------------
+    @abstractmethod
+    def compensate(self, plan: PlanT, grads: list[Tensor], flat: Tensor) -> WorkT:
+        """Step 2: add what the memory holds back to the local gradient, into scratch memory."""
+
+    @abstractmethod
+    def select(self, plan: PlanT, work: WorkT) -> None:
+        """Step 3: decide what to send (may stage what was sent for the memory)."""
+
+    @abstractmethod
+    def exchange(self, plan: PlanT, work: WorkT, collectives: Collectives) -> list[Pending]:
+        """Step 4: start the collectives (in the same order on every rank); the decode waits for the
+        returned ones. An exchange of several rounds waits for a round with ``Pending.wait()``."""
+
+    @abstractmethod
+    def decode(self, plan: PlanT, work: WorkT) -> Tensor:
+        """Step 5: the averaged update of the bucket, fp32, flat in bucket order (runs in a callback)."""
+
+    # -- the cost ----------------------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def wire_cost(
+        cls, config: ConfigT, layout: list[TensorSpec], world_size: int, dense_bytes: int
+    ) -> WireCost:
+        """What a bucket of this layout puts on the wire per (compressing) step, at ``world_size`` ranks."""
+
+    @classmethod
+    def selection_share(cls, world_size: int) -> float:
+        """The part of a DGC-style top-k over the whole gradient each rank runs per step (for the
+        performance model): 1 for DGC, ``1 / world_size`` for DEFT, 0 for an algorithm that selects nothing."""
+        return 0.0
+
+    def cost(self, plan: PlanT) -> WireCost:
+        """This step's :meth:`wire_cost` for ``plan`` (an algorithm may vary it, e.g. before compressing)."""
+        layout: list[TensorSpec] = plan.layout  # type: ignore[attr-defined]
+        return self.wire_cost(self.config, layout, self.state.world_size, plan.dense_bytes)  # type: ignore[attr-defined]
+
+    # -- statistics and checkpoints ------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        """Algorithm state beside the memory to keep in checkpoints (``weights_only``-loadable)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`extra_state`."""
+
+
+_REGISTRY: dict[str, type[Algorithm[Any, Any, Any]]] = {}
+
+A = TypeVar("A", bound=type)
+
+
+def register(cls: A) -> A:
+    """Class decorator: register an :class:`Algorithm` under its ``name``."""
+    name = cls.name  # type: ignore[attr-defined]
+    if name in _REGISTRY and _REGISTRY[name] is not cls:
+        raise ValueError(
+            f"an algorithm named {name!r} is already registered ({_REGISTRY[name].__qualname__})"
+        )
+    _REGISTRY[name] = cls  # type: ignore[assignment]
+    return cls
+
+
+def registered() -> dict[str, type[Algorithm[Any, Any, Any]]]:
+    """Every registered algorithm by name (the package's own are imported first)."""
+    from lightning_dgc import algorithms  # noqa: F401  (imports every algorithm module of the package)
+
+    return dict(_REGISTRY)
+
+
+def get(name: str) -> type[Algorithm[Any, Any, Any]]:
+    """The algorithm registered as ``name``; a ``ValueError`` lists the names there are."""
+    known = registered()
+    if name not in known:
+        raise ValueError(f"no compression algorithm named {name!r}; registered: {sorted(known)}")
+    return known[name]

@@ -1,0 +1,240 @@
+"""DEFT (Yoon and Oh, ICPP 2023): partitioned top-k selection, with no gradient build-up.
+
+Steps 2 and 5 as DGC (:mod:`lightning_dgc.algorithms.dgc`): error feedback, or DGC's momentum
+correction with ``momentum_correction=True``; then, per bucket:
+
+3. **norms**: the L2 norm of every fragment of the compensated gradient (a layer larger than 1/N of
+   the bucket is cut into N pieces, :func:`lightning_dgc.partition.fragment_layers`);
+4. **exchange**:
+   a. the norms' squares are all-reduced, with every rank's previous selection time in the same small
+      vector, so every rank holds identical norms and derives the same plan without a leader or a
+      broadcast: k shared among fragments in proportion to their norms (total = what DGC sends),
+      fragments packed onto ranks by LPT on their selection cost (``partition.selection_cost``),
+      rotated by the step counter;
+   b. each rank selects top-k only inside its own fragments, and writes its indices into the slot
+      range each fragment owns in the union; one int32 all-reduce (sum) merges the disjoint
+      selections;
+   c. every rank all-reduces its own velocity at the union (and clears the union from its memory: its
+      values there were sent). The volume is about k whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lightning_dgc.algorithms.base import Message, TensorSpec, WireCost, register
+from lightning_dgc.algorithms.dgc import (
+    DGC,
+    DGCConfig,
+    DGCPlan,
+    DGCWork,
+    Entry,
+    average,
+    dense_sum,
+    exchange_dense,
+    tensor_kind,
+    values_per_step,
+)
+from lightning_dgc.checks import flag
+from lightning_dgc.compression import codec
+from lightning_dgc.compression.deft import deft_select, fragment_norms
+from lightning_dgc.partition import (
+    Fragment,
+    allocate_k,
+    fragment_count,
+    fragment_layers,
+    lpt_assign,
+    selection_cost,
+)
+
+if TYPE_CHECKING:
+    from lightning_dgc.comm import Collectives, Pending
+
+#: DEFT's norms (and selection times) travel as float64.
+NORM_BYTES = 8
+
+
+@dataclass
+class DEFTConfig(DGCConfig):
+    """DGC's hyper-parameters (:class:`~lightning_dgc.algorithms.dgc.DGCConfig`), plus:
+
+    momentum_correction: DGC's momentum correction in the exchange (SGD's momentum and weight decay
+        taken over) instead of DEFT's plain error feedback, which leaves momentum and weight decay to
+        the optimizer (any optimizer works then); ``momentum`` needs it.
+    """
+
+    momentum_correction: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        self.momentum_correction = flag(self.momentum_correction, "momentum_correction")
+        if self.momentum and not self.momentum_correction:
+            raise ValueError(
+                "DEFTStrategy applies no momentum in the exchange unless `momentum_correction=True`; leave"
+                " momentum to the optimizer, or pass `DEFTStrategy(momentum_correction=True, momentum=...)`."
+            )
+
+
+@dataclass
+class DEFTPlan(DGCPlan):
+    # The fragments of the compressed tensors (offsets into their concatenation) and, grouped by layer,
+    # each layer's entry with its fragments rebased to the layer.
+    fragments: list[Fragment] = field(default_factory=list)
+    layers: list[tuple[Entry, list[tuple[int, Fragment]]]] = field(default_factory=list)
+    control: Tensor | None = None  # fragment norms (squared) and every rank's selection time, float64
+    union: Tensor | None = None  # the k selected indices of all ranks, int32, one slot range per fragment
+    values: Tensor | None = None  # this rank's velocity at the union, in the value dtype
+
+
+@dataclass
+class DEFTWork(DGCWork):
+    summed: Pending | None = None
+
+
+def _rebased(f: Fragment) -> Fragment:
+    """The fragment with its offset inside its own layer (selection runs on the layer's buffer)."""
+    return Fragment(f.name, f.layer_offset, f.numel, f.layer_offset)
+
+
+@register
+class DEFT(DGC):
+    """DEFT's partitioned selection through DGC's compensation and decode (see the module docstring)."""
+
+    name = "deft"
+    config_class = DEFTConfig
+    work_class = DEFTWork
+    config: DEFTConfig
+
+    @property
+    def takes_over_momentum(self) -> bool:
+        return self.config.momentum_correction
+
+    def payload_nbytes(self, k_total: int, numel: int) -> int:
+        return 0  # no packed payload: indices and values are all-reduced on their own
+
+    def plan(self, layout: list[TensorSpec], buffer: Tensor) -> DEFTPlan:
+        base = super().plan(layout, buffer)
+        plan = DEFTPlan(**{f: getattr(base, f) for f in DGCPlan.__dataclass_fields__})
+        sparse = [e for e in plan.entries if e.kind == "sparse"]
+        plan.fragments = fragment_layers(
+            [e.name for e in sparse], [e.numel for e in sparse], self.state.world_size
+        )
+        by_name = {e.name: e for e in sparse}
+        for i, f in enumerate(plan.fragments):
+            if not plan.layers or plan.layers[-1][0].name != f.name:
+                plan.layers.append((by_name[f.name], []))
+            plan.layers[-1][1].append((i, _rebased(f)))
+        device = buffer.device
+        plan.control = torch.zeros(
+            len(plan.fragments) + self.state.world_size, dtype=torch.float64, device=device
+        )
+        plan.union = torch.zeros(plan.k_total, dtype=torch.int32, device=device)
+        plan.values = torch.zeros(plan.k_total, dtype=self.config.value_dtype_torch, device=device)
+        return plan
+
+    def select(self, plan: DEFTPlan, work: DEFTWork) -> None:  # type: ignore[override]
+        """Step 3: this rank's fragment norms (and its previous selection time) into the control vector."""
+        assert plan.control is not None
+        plan.control.zero_()
+        count = len(plan.fragments)
+        if count:
+            velocity = {e.name: v for e, v in work.sparse}
+            norms = torch.cat([fragment_norms(velocity[e.name], [f for _, f in fs]) for e, fs in plan.layers])
+            plan.control[:count] = norms.double().square()
+        plan.control[count + self.state.rank] = self.state.last_selection_ms
+
+    def exchange(self, plan: DEFTPlan, work: DEFTWork, collectives: Collectives) -> list[Pending]:  # type: ignore[override]
+        assert plan.control is not None and plan.union is not None and plan.values is not None
+        world, rank, memory = self.state.world_size, self.state.rank, self.state.memory
+        count = len(plan.fragments)
+        # 4a. identical norms on every rank, hence the identical plan
+        collectives.all_reduce(plan.control, "all-reduce of DEFT's fragment norms").wait()
+        work.stats["rank_selection_ms"] = plan.control[count:].tolist()
+        work.selection_s = 0.0
+        if plan.k_total:
+            norms = plan.control[:count].sqrt().cpu()
+            sizes = [f.numel for f in plan.fragments]
+            ks = allocate_k(norms, sizes, plan.k_total).tolist()
+            owners = lpt_assign(selection_cost(sizes, ks), world, rotation=self.state.step)
+            work.stats["plan"] = (ks, owners)
+            slot_starts = [0]
+            for k in ks:
+                slot_starts.append(slot_starts[-1] + k)
+            # 4b. select only in this rank's fragments; write bucket offsets into their slots
+            t0 = time.perf_counter()
+            plan.union.zero_()
+            velocity = {e.name: v for e, v in work.sparse}
+            selected = 0
+            for entry, fs in plan.layers:
+                mine = [(i, f) for i, f in fs if owners[i] == rank]
+                if not mine:
+                    continue
+                idx, _ = deft_select(
+                    velocity[entry.name], [f for _, f in mine], [rank] * len(mine), [ks[i] for i, _ in mine], rank,
+                    selector=self.choose,
+                )  # fmt: skip
+                pos = 0
+                for i, _ in mine:
+                    plan.union[slot_starts[i] : slot_starts[i + 1]] = idx[pos : pos + ks[i]] + entry.offset
+                    pos += ks[i]
+                selected += pos
+            work.selection_s = time.perf_counter() - t0
+            work.stats["rank_selected"] = selected
+            # the union of indices (disjoint slots: the sum is a merge)
+            collectives.all_reduce(plan.union, "all-reduce of DEFT's selected indices").wait()
+            work.stats["union_values"] = int(torch.unique(plan.union).numel())  # k: no build-up
+            # 4c. this rank's values at the union, which it no longer holds back
+            masking = self.config.momentum_masking
+            for entry, fs in plan.layers:
+                lo, hi = slot_starts[fs[0][0]], slot_starts[fs[-1][0] + 1]
+                local_idx = plan.union[lo:hi].long() - entry.offset
+                v = velocity[entry.name]
+                plan.values[lo:hi] = v.index_select(0, local_idx)
+                v.index_fill_(0, local_idx, 0.0)
+                if masking and memory.has("momentum", entry.name):
+                    memory.scratch("momentum", entry.name).index_fill_(0, local_idx, 0.0)
+            work.summed = collectives.all_reduce(plan.values, "all-reduce of DEFT's values")
+        work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives)
+        for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
+            if e.kind == "full":
+                memory.scratch("velocity", e.name).zero_()
+        return [p for p in (work.summed, work.dense) if p is not None]
+
+    def decode(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
+        dense = dense_sum(self.state.world_size, work.dense)
+        if work.summed is None:
+            return average(self, plan, work.flat, dense, None, None)
+        assert plan.union is not None
+        return average(self, plan, work.flat, dense, plan.union, work.summed.output)
+
+    @classmethod
+    def selection_share(cls, world_size: int) -> float:
+        return 1.0 / world_size  # the fragments are shared among the ranks (balanced by LPT)
+
+    @classmethod
+    def wire_cost(
+        cls, config: DGCConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int
+    ) -> WireCost:
+        value_bytes = config.value_dtype_torch.itemsize
+        numel = sum(s.numel for s in layout)
+        sparse_numels, k_total, dense_numel = [], 0, 0
+        for spec in layout:
+            k = values_per_step(spec.numel, config.density)
+            if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
+                sparse_numels.append(spec.numel)
+                k_total += k
+            else:
+                dense_numel += spec.numel
+        messages = [Message("all_reduce", NORM_BYTES * (fragment_count(sparse_numels, world_size) + world_size),
+                            "control", blocking=True)]  # fmt: skip
+        if k_total:
+            messages.append(Message("all_reduce", k_total * codec.INDEX_BYTES, "payload", blocking=True))
+            messages.append(Message("all_reduce", k_total * value_bytes, "payload"))
+        if dense_numel:
+            messages.append(Message("all_reduce", dense_numel * value_bytes, "dense"))
+        return WireCost(tuple(messages), dense_bytes, numel, k_total, k_total + dense_numel)

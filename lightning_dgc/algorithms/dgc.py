@@ -1,0 +1,474 @@
+"""DGC: Deep Gradient Compression (Lin, Han et al., ICLR 2018), one DDP bucket at a time.
+
+Per bucket and step:
+
+2. **compensate**: local clipping (optional), weight decay, momentum correction into scratch memory
+   (``u' = m u + g``, ``v' = v + u'``; Nesterov ``u' = m (u + g)``, ``v' = v + u' + g``);
+3. **select** exactly ``k = ceil(density * numel)`` values of every compressed tensor from ``v'``
+   (sampled threshold or exact top-k), clear them from ``v'`` (and, with momentum factor masking,
+   from ``u'``), and pack them into the bucket's fixed-size payload (:mod:`lightning_dgc.compression.codec`);
+4. **exchange**: one all-gather of the payloads; one all-reduce of the tensors averaged dense;
+5. **decode**: scatter-add every rank's values, divide by the world size; SGD momentum of the tensors
+   averaged dense.
+
+A tensor is handled in one of three ways, decided once per bucket layout and density (the *plan*):
+``sparse`` (compressed), ``full`` (density so high that sending everything dense is cheaper: the
+velocity is all-reduced and cleared, which is what selecting every index means; the momentum is
+not masked, so this is DDP + SGD momentum) and ``dense`` (1-D or too small to compress: plain
+averaging, then the optimizer's momentum in the decode).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_dgc.algorithms.base import (
+    VALUE_DTYPES,
+    Algorithm,
+    AlgorithmConfig,
+    BucketWork,
+    Message,
+    TensorSpec,
+    WireCost,
+    register,
+)
+from lightning_dgc.checks import check_density, flag, real_number, whole_number
+from lightning_dgc.compression import codec, sampled_topk, topk_indices
+from lightning_dgc.memory import bucket_order_flat, clip_each_by_norm_, momentum_correction_each
+
+if TYPE_CHECKING:
+    from lightning_dgc.comm import Collectives, Pending
+
+Selection = Literal["sampled", "exact"]
+ValueDType = Literal["fp32", "fp16"]
+Kind = Literal["sparse", "full", "dense"]
+
+
+@dataclass
+class DGCConfig(AlgorithmConfig):
+    """Hyper-parameters of DGC, identical on every rank (checked at setup).
+
+    Selection:
+        density: fraction of each compressed tensor's values sent per step, in (0, 1].
+        sample_ratio: fraction of a tensor sampled to estimate the top-k threshold, in (0, 1].
+        selection: ``"sampled"`` (DGC's threshold sampling, exact k guaranteed) or ``"exact"``.
+        min_compress_numel: tensors with fewer values, and every 1-D tensor (biases, norms), are
+            averaged dense: compressing them saves little and hurts accuracy.
+    Momentum correction (used for parameters whose optimizer momentum was not taken over):
+        momentum, nesterov: the local momentum ``m``; 0 gives plain error feedback.
+        momentum_masking: clear sent coordinates from the momentum too (the paper's default; tensors
+            sent whole are never masked, see the module docstring).
+        weight_decay: added to the local gradient before momentum correction.
+    Clipping:
+        local_clip_norm: the paper's local gradient clipping; each tensor's gradient is clipped to
+            ``local_clip_norm / sqrt(world_size)`` before accumulation. ``None`` disables it.
+    Wire:
+        value_dtype: ``"fp32"`` or ``"fp16"``: the dtype of every value on the wire, the payload's and the
+            tensors averaged dense alike (those in fp16 are pre-divided by the world size, as in
+            torch's ``fp16_compress_hook``).
+        seed: seeds the per-rank sampling generator.
+    """
+
+    density: float = 0.001
+    sample_ratio: float = 0.01
+    selection: Selection = "sampled"
+    min_compress_numel: int = 1024
+    momentum: float = 0.0
+    nesterov: bool = False
+    momentum_masking: bool = True
+    weight_decay: float = 0.0
+    local_clip_norm: float | None = None
+    value_dtype: ValueDType = "fp32"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise a ``ValueError`` that says how to fix the first invalid setting.
+
+        Numbers of any real type are accepted (``numpy.float32(0.1)``, ``fractions.Fraction``) and
+        stored as plain ``float``/``int``, so that the config stays JSON- and checkpoint-friendly.
+        """
+        self.density = check_density(self.density)
+        self.sample_ratio = real_number(self.sample_ratio, "sample_ratio")
+        if not 0.0 < self.sample_ratio <= 1.0:
+            raise ValueError(
+                f"`sample_ratio` is the fraction of each tensor sampled to find the top-k threshold and must lie"
+                f" in (0, 1], got {self.sample_ratio!r}. The paper samples 0.1% to 1% (0.001 to 0.01)."
+            )
+        if self.selection not in ("sampled", "exact"):
+            raise ValueError(f"`selection` must be 'sampled' or 'exact', got {self.selection!r}.")
+        if self.value_dtype not in VALUE_DTYPES:
+            raise ValueError(
+                f"`value_dtype` must be one of {sorted(VALUE_DTYPES)}, got {self.value_dtype!r}."
+            )
+        self.momentum = real_number(self.momentum, "momentum")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"`momentum` must lie in [0, 1), got {self.momentum!r}.")
+        self.nesterov = flag(self.nesterov, "nesterov")
+        self.momentum_masking = flag(self.momentum_masking, "momentum_masking")
+        if self.nesterov and self.momentum == 0.0:
+            raise ValueError("`nesterov=True` needs a momentum > 0.")
+        self.weight_decay = real_number(self.weight_decay, "weight_decay")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay!r}.")
+        if self.local_clip_norm is not None:
+            self.local_clip_norm = real_number(self.local_clip_norm, "local_clip_norm")
+            if not self.local_clip_norm > 0.0:
+                raise ValueError(
+                    f"`local_clip_norm` must be > 0 or None (off), got {self.local_clip_norm!r}."
+                )
+        self.min_compress_numel = whole_number(self.min_compress_numel, "min_compress_numel")
+        if self.min_compress_numel < 1:
+            raise ValueError(f"`min_compress_numel` must be >= 1, got {self.min_compress_numel!r}.")
+        self.seed = whole_number(self.seed, "seed")
+
+    def averaged_dense(self, numel: int, ndim: int) -> bool:
+        """Whether a tensor of this size and rank is always averaged dense rather than compressed."""
+        return ndim <= 1 or numel < self.min_compress_numel
+
+    @property
+    def value_dtype_torch(self) -> torch.dtype:
+        return VALUE_DTYPES[self.value_dtype]
+
+
+def values_per_step(numel: int, density: float) -> int:
+    """k for a tensor of ``numel`` values: ``ceil(density * numel)``, at least 1."""
+    return min(numel, max(1, math.ceil(density * numel)))
+
+
+def tensor_kind(numel: int, ndim: int, k: int, config: DGCConfig) -> Kind:
+    """How one tensor is exchanged (see the module docstring)."""
+    if config.averaged_dense(numel, ndim):
+        return "dense"
+    if k * (codec.INDEX_BYTES + config.value_dtype_torch.itemsize) >= numel * 4:
+        return "full"
+    return "sparse"
+
+
+@dataclass
+class Entry:
+    """One tensor of a DGC bucket."""
+
+    spec: TensorSpec
+    kind: Kind
+    k: int  # values sent per step (sparse) or numel (full/dense)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def offset(self) -> int:
+        return self.spec.offset
+
+    @property
+    def numel(self) -> int:
+        return self.spec.numel
+
+
+@dataclass
+class DGCPlan:
+    layout: list[TensorSpec]
+    entries: list[Entry]
+    k_total: int
+    dense_numel: int
+    dense_bytes: int  # what DDP would send for this bucket
+    payload: Tensor  # this rank's payload (uint8), reused every step
+    gathered: Tensor  # every rank's payload, concatenated (gloo wants a flat output), reused
+    # Bucket positions of the tensors exchanged dense, in entry order (None: every tensor is, in
+    # bucket order), so that decompression places them with one index_copy_.
+    dense_index: Tensor | None = None
+    # Entries (positions in ``entries``) grouped by the setting that decides their update, so that
+    # each group runs as a few ``torch._foreach_*`` calls instead of a Python loop per tensor.
+    decay_groups: list[tuple[float, list[int]]] = field(default_factory=list)  # weight decay
+    memory_groups: list[tuple[tuple[float, bool], list[int]]] = field(default_factory=list)  # full/sparse
+    dense_momentum_groups: list[tuple[tuple[float, bool], list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class DGCWork(BucketWork):
+    dense_parts: list[Tensor] = field(default_factory=list)  # entry order: dense gradients, full velocities
+    sparse: list[tuple[Entry, Tensor]] = field(default_factory=list)  # compressed tensors, their v'
+    gathered: Pending | None = None
+    dense: Pending | None = None
+
+
+def grouped(items: list[Entry], key: Callable[[Entry], object]) -> list[tuple[object, list[int]]]:
+    """Positions of ``items`` grouped by ``key`` (``None``: left out), groups in first-seen order."""
+    groups: dict[object, list[int]] = {}
+    for i, item in enumerate(items):
+        value = key(item)
+        if value is not None:
+            groups.setdefault(value, []).append(i)
+    return list(groups.items())
+
+
+@register
+class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
+    """Deep Gradient Compression: every rank selects its own top-k, one all-gather (see the module doc)."""
+
+    name = "dgc"
+    config_class = DGCConfig
+    memory_kinds = ("momentum", "velocity")
+    residual_kind = "velocity"
+    work_class: type[DGCWork] = DGCWork
+
+    @property
+    def takes_over_momentum(self) -> bool:
+        return True
+
+    def plan_key(self) -> tuple[object, ...]:
+        return (self.config.density, self.config.value_dtype)
+
+    # -- the plan ------------------------------------------------------------------------------------------
+    def entries(self, layout: list[TensorSpec]) -> list[Entry]:
+        entries = []
+        for spec in layout:
+            k = values_per_step(spec.numel, self.config.density)
+            kind = tensor_kind(spec.numel, spec.ndim, k, self.config)
+            entries.append(Entry(spec, kind, k if kind == "sparse" else spec.numel))
+        return entries
+
+    def plan(self, layout: list[TensorSpec], buffer: Tensor) -> DGCPlan:
+        device = buffer.device
+        entries = self.entries(layout)
+        k_total = sum(e.k for e in entries if e.kind == "sparse")
+        dense_numel = sum(e.numel for e in entries if e.kind != "sparse")
+        numel = sum(s.numel for s in layout)
+        nbytes = self.payload_nbytes(k_total, numel)
+        plan = DGCPlan(
+            layout, entries, k_total, dense_numel, buffer.numel() * buffer.element_size(),
+            payload=torch.zeros(nbytes, dtype=torch.uint8, device=device),
+            gathered=torch.empty(self.state.world_size * nbytes, dtype=torch.uint8, device=device),
+        )  # fmt: skip
+        if plan.dense_numel and plan.dense_numel != numel:
+            plan.dense_index = torch.cat(
+                [
+                    torch.arange(e.offset, e.offset + e.numel, device=device)
+                    for e in entries
+                    if e.kind != "sparse"
+                ]
+            )
+        settings = self.state.settings_for
+        plan.decay_groups = grouped(entries, lambda e: settings(e.name).weight_decay or None)  # type: ignore[assignment]
+        plan.memory_groups = grouped(  # type: ignore[assignment]
+            entries,
+            lambda e: (settings(e.name).momentum, settings(e.name).nesterov) if e.kind != "dense" else None,
+        )
+        plan.dense_momentum_groups = grouped(  # type: ignore[assignment]
+            entries,
+            lambda e: (
+                (settings(e.name).momentum, settings(e.name).nesterov)
+                if e.kind == "dense" and settings(e.name).momentum
+                else None
+            ),
+        )
+        return plan
+
+    def payload_nbytes(self, k_total: int, numel: int) -> int:
+        """This algorithm's payload per rank (0 when it compresses nothing in the bucket)."""
+        return codec.payload_nbytes(k_total, self.config.value_dtype_torch, numel)
+
+    # -- step 2 ----------------------------------------------------------------------------------------------
+    def compensate(self, plan: DGCPlan, grads: list[Tensor], flat: Tensor) -> DGCWork:
+        """Local clipping, weight decay, momentum correction into scratch memory."""
+        work = self.work_class(grads, flat)
+        cfg, memory, device = self.config, self.state.memory, flat.device
+        if cfg.local_clip_norm is not None:
+            clip_each_by_norm_(grads, cfg.local_clip_norm / math.sqrt(self.state.world_size))
+        for decay, members in plan.decay_groups:
+            params = [bucket_order_flat(self.state.param(plan.entries[i].name).detach()) for i in members]
+            if params[0].dtype != torch.float32:
+                params = [p.float() for p in params]
+            torch._foreach_add_([grads[i] for i in members], params, alpha=decay)
+        velocity_out: dict[int, Tensor] = {}
+        for (momentum, nesterov), members in plan.memory_groups:
+            names = [plan.entries[i].name for i in members]
+            sizes = [plan.entries[i].numel for i in members]
+            velocity = [
+                memory.buffer("velocity", n, size, device) for n, size in zip(names, sizes, strict=True)
+            ]
+            v_out = [memory.scratch("velocity", n) for n in names]
+            u: list[Tensor] = []
+            u_out: list[Tensor] = []
+            if momentum:
+                u = [memory.buffer("momentum", n, size, device) for n, size in zip(names, sizes, strict=True)]
+                u_out = [memory.scratch("momentum", n) for n in names]
+            momentum_correction_each(
+                [grads[i] for i in members], velocity, v_out, momentum, nesterov, u, u_out
+            )
+            velocity_out.update(zip(members, v_out, strict=True))
+            for name in names:
+                memory.stage("velocity", name)
+                if momentum:
+                    memory.stage("momentum", name)
+        for _, members in plan.dense_momentum_groups:  # made here, on the hook's stream, not in the callback
+            for i in members:
+                memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
+        for i, e in enumerate(plan.entries):
+            if e.kind == "dense":
+                work.dense_parts.append(grads[i])
+            elif e.kind == "full":
+                work.dense_parts.append(velocity_out[i])
+            else:
+                work.sparse.append((e, velocity_out[i]))
+        return work
+
+    # -- step 3 ----------------------------------------------------------------------------------------------
+    def choose(self, values: Tensor, k: int) -> Tensor:
+        """Exactly ``k`` indices of the largest magnitudes of ``values`` (the configured selection)."""
+        if self.config.selection == "exact":
+            return topk_indices(values, k)
+        return sampled_topk(values, k, self.config.sample_ratio, self.state.generator)
+
+    def select(self, plan: DGCPlan, work: DGCWork) -> None:
+        """Top-k per compressed tensor into the payload; what is sent is cleared from the scratch memory."""
+        if not plan.k_total:
+            return
+        masking, memory = self.config.momentum_masking, self.state.memory
+        indices, values = [], []
+        for e, velocity in work.sparse:
+            idx = self.choose(velocity, e.k)
+            indices.append(idx + e.offset)
+            values.append(velocity.index_select(0, idx))
+            velocity.index_fill_(0, idx, 0.0)  # sent: no longer held back
+            if masking and memory.has("momentum", e.name):
+                memory.scratch("momentum", e.name).index_fill_(0, idx, 0.0)
+        flat, order = torch.cat(indices).sort()  # the wire format wants ascending indices
+        codec.pack_into(
+            plan.payload, flat, torch.cat(values)[order], self.config.value_dtype_torch, work.flat.numel()
+        )
+        work.stats["rank_selected"] = plan.k_total
+
+    # -- step 4 ----------------------------------------------------------------------------------------------
+    def exchange(self, plan: DGCPlan, work: DGCWork, collectives: Collectives) -> list[Pending]:
+        if plan.k_total:
+            work.gathered = collectives.all_gather(
+                plan.payload, plan.gathered, "all-gather of the sparse payload"
+            )
+        work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives)
+        for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
+            if e.kind == "full":
+                self.state.memory.scratch("velocity", e.name).zero_()
+        return [p for p in (work.gathered, work.dense) if p is not None]
+
+    # -- step 5 ----------------------------------------------------------------------------------------------
+    def decode(self, plan: DGCPlan, work: DGCWork) -> Tensor:
+        dense = dense_sum(self.state.world_size, work.dense)
+        indices = values = None
+        if work.gathered is not None:
+            gathered = work.gathered.output.view(self.state.world_size, -1)
+            indices, values = codec.unpack(
+                gathered, plan.k_total, self.config.value_dtype_torch, work.flat.numel()
+            )
+            self.state.add_union_values(int(torch.unique(indices).numel()))  # gradient build-up
+        return average(self, plan, work.flat, dense, indices, values)
+
+    # -- the cost ----------------------------------------------------------------------------------------------
+    @classmethod
+    def selection_share(cls, world_size: int) -> float:
+        return 1.0  # every rank selects over the whole gradient
+
+    @classmethod
+    def wire_cost(
+        cls, config: DGCConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int
+    ) -> WireCost:
+        value_bytes = config.value_dtype_torch.itemsize
+        numel = sum(s.numel for s in layout)
+        k_total, dense_numel = 0, 0
+        for spec in layout:
+            k = values_per_step(spec.numel, config.density)
+            if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
+                k_total += k
+            else:
+                dense_numel += spec.numel
+        payload, padding = codec.payload_size(k_total, value_bytes, numel)
+        messages = []
+        if payload:
+            messages.append(Message("all_gather", payload, "payload"))
+        if dense_numel:
+            messages.append(Message("all_reduce", dense_numel * value_bytes, "dense"))
+        return WireCost(tuple(messages), dense_bytes, numel, k_total, k_total + dense_numel, padding)
+
+
+def exchange_dense(parts: list[Tensor], value_dtype: torch.dtype, collectives: Collectives) -> Pending | None:
+    """Start the all-reduce of the tensors exchanged dense (see :func:`dense_sum` for its result).
+
+    With fp16 values they travel in fp16 too, pre-divided by the world size like torch's
+    ``fp16_compress_hook`` (so the sum cannot overflow where the average would not); a value that
+    still overflows makes the step non-finite, and it is skipped on every rank.
+    """
+    if not parts:
+        return None
+    dense = torch.cat(parts)
+    if value_dtype != torch.float32:
+        dense = dense.div_(collectives.world_size).to(value_dtype)
+    return collectives.all_reduce(dense, "all-reduce of the dense tensors")
+
+
+def dense_sum(world_size: int, pending: Pending | None) -> Tensor | None:
+    """The fp32 sum over ranks of the tensors exchanged dense (in a decode callback, once done)."""
+    if pending is None:
+        return None
+    if pending.output.dtype == torch.float32:
+        return pending.output
+    return pending.output.float().mul_(world_size)
+
+
+def average(
+    algorithm: DGC,
+    plan: DGCPlan,
+    flat: Tensor,
+    dense: Tensor | None,
+    indices: Tensor | None,
+    values: Tensor | None,
+) -> Tensor:
+    """The averaged update of the bucket from the exchanged parts (fp32); SGD momentum of dense tensors."""
+    world = algorithm.state.world_size
+    if indices is None and dense is not None and plan.dense_index is None:
+        result = dense  # every tensor went dense, in bucket order: the all-reduced buffer is the result
+    else:
+        # The local gradient is no longer needed (the dense parts were copied for the wire, the
+        # compressed ones live on in the memory): its buffer becomes the result.
+        result = flat.zero_()
+        if indices is not None and values is not None:
+            result.index_add_(0, indices, values.float())
+        if dense is not None:
+            result.index_copy_(0, plan.dense_index, dense)
+    result.div_(world)
+    if plan.dense_momentum_groups:  # momentum of dense tensors works on the average
+        averages = result.split([e.numel for e in plan.entries])
+        for (momentum, nesterov), members in plan.dense_momentum_groups:
+            dense_momentum(
+                algorithm,
+                [plan.entries[i] for i in members],
+                [averages[i] for i in members],
+                momentum,
+                nesterov,
+            )
+    return result
+
+
+def dense_momentum(
+    algorithm: DGC, entries: list[Entry], avg: list[Tensor], momentum: float, nesterov: bool
+) -> None:
+    """SGD momentum on densely averaged tensors, in place: ``b' = m b + g``; ``d = b'`` (Nesterov ``g + m b'``).
+
+    The inputs are identical on every rank, so the buffers stay identical too. The new buffers are
+    staged like any other memory update, so a skipped step leaves them untouched.
+    """
+    memory = algorithm.state.memory
+    nxt = [memory.scratch("momentum", e.name) for e in entries]
+    torch._foreach_copy_(nxt, avg)
+    torch._foreach_add_(nxt, [memory.committed["momentum"][e.name] for e in entries], alpha=momentum)
+    if nesterov:
+        torch._foreach_add_(avg, nxt, alpha=momentum)
+    else:
+        torch._foreach_copy_(avg, nxt)
+    for e in entries:
+        memory.stage("momentum", e.name)

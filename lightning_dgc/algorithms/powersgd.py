@@ -1,0 +1,335 @@
+"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019): low-rank gradient compression.
+
+The peer users would pick instead of DGC: every matrix ``M`` (a gradient viewed as ``shape[0] x rest``)
+is replaced by a rank-``r`` approximation ``P Q^T`` found by one step of power iteration, and the
+factors are all-reduced instead of ``M``. Behaviour follows torch's DDP hook
+(``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``), which is the reference: with the same
+settings both train to the same parameters. Per bucket and step:
+
+* before ``start_iter`` optimizer steps: plain all-reduce of the bucket (DDP rebuilds its buckets
+  after the first step, and compressing from the very start costs accuracy);
+* then: 2. **compensate**: add the error the approximation missed last step (error feedback) and keep
+  a copy of the result; 3. **select**: ``Q`` from the previous step (warm start, orthogonalised) or
+  random (the same seed on every rank), and ``P = M Q``; 4. **exchange**: all-reduce of the tensors
+  left uncompressed (too small to gain ``min_compression_rate``), all-reduce of every ``P`` (the hook
+  waits for it), orthogonalise, ``Q = M^T P``, all-reduce of every ``Q``; 5. **decode**: ``M ~= P Q^T
+  / N``, the error ``M - P Q^T / N`` kept for the next step.
+
+Unlike torch's hook, the error and ``Q`` are kept per parameter name (not per bucket index) and are
+committed only when the step is finite on every rank, as every memory here is; they and the random
+generator are saved in checkpoints, per rank. The optimizer keeps its own momentum and weight decay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lightning_dgc.algorithms.base import (
+    Algorithm,
+    AlgorithmConfig,
+    BucketWork,
+    Message,
+    TensorSpec,
+    WireCost,
+    register,
+)
+from lightning_dgc.checks import flag, real_number, whole_number
+
+if TYPE_CHECKING:
+    from lightning_dgc.comm import Collectives, Pending
+
+VALUE_BYTES = 4  # the factors and the uncompressed tensors travel in fp32
+
+
+@dataclass
+class PowerSGDConfig(AlgorithmConfig):
+    """Hyper-parameters of PowerSGD, identical on every rank; the defaults are torch's hook's.
+
+    matrix_approximation_rank: ``r``, the rank of the factors ``P`` (``n x r``) and ``Q`` (``m x r``).
+    start_iter: optimizer steps of plain all-reduce before compression starts; at least 2 with error
+        feedback or warm start (DDP rebuilds its buckets after the first step).
+    min_compression_rate: a matrix is compressed only when ``(n + m) r * rate < n m``.
+    use_error_feedback: add what the approximation missed to the next step's gradient.
+    warm_start: start each step's power iteration from the previous step's ``Q``.
+    orthogonalization_epsilon: added to the column norms in Gram-Schmidt (0: exactly as QR).
+    seed: of the random initial ``Q`` (the same on every rank, a new draw per bucket).
+    """
+
+    matrix_approximation_rank: int = 1
+    start_iter: int = 1_000
+    min_compression_rate: float = 2.0
+    use_error_feedback: bool = True
+    warm_start: bool = True
+    orthogonalization_epsilon: float = 0.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        self.matrix_approximation_rank = whole_number(
+            self.matrix_approximation_rank, "matrix_approximation_rank"
+        )
+        if self.matrix_approximation_rank < 1:
+            raise ValueError(
+                f"`matrix_approximation_rank` must be >= 1, got {self.matrix_approximation_rank}."
+            )
+        self.start_iter = whole_number(self.start_iter, "start_iter")
+        self.use_error_feedback = flag(self.use_error_feedback, "use_error_feedback")
+        self.warm_start = flag(self.warm_start, "warm_start")
+        if (self.use_error_feedback or self.warm_start) and self.start_iter < 2:
+            raise ValueError(
+                f"`start_iter` must be >= 2 with error feedback or warm start, got {self.start_iter}: DDP rebuilds"
+                " its buckets after the first step, and the memory must start on the final buckets."
+            )
+        self.min_compression_rate = real_number(self.min_compression_rate, "min_compression_rate")
+        self.orthogonalization_epsilon = real_number(
+            self.orthogonalization_epsilon, "orthogonalization_epsilon"
+        )
+        if self.orthogonalization_epsilon < 0:
+            raise ValueError(
+                f"`orthogonalization_epsilon` must be >= 0, got {self.orthogonalization_epsilon}."
+            )
+        self.seed = whole_number(self.seed, "seed")
+
+
+def matrix_shape(spec: TensorSpec) -> tuple[int, int]:
+    """The gradient of ``spec`` as a matrix: ``shape[0] x (numel / shape[0])`` (a 0-d tensor: ``1 x 1``)."""
+    rows = spec.shape[0] if spec.shape else 1
+    return rows, spec.numel // rows if rows else 0
+
+
+def compressed_rank(spec: TensorSpec, config: PowerSGDConfig) -> int:
+    """The rank ``spec``'s matrix is approximated with, or 0 when it travels uncompressed."""
+    n, m = matrix_shape(spec)
+    r = min(n, m, config.matrix_approximation_rank)
+    return r if (n + m) * r * config.min_compression_rate < n * m else 0
+
+
+def orthogonalize_(matrices: Tensor, epsilon: float = 0.0) -> None:
+    """Orthonormalise the columns of each ``n x r`` matrix of the batch, in place.
+
+    Gram-Schmidt for ranks up to 2 (and half precision, where QR does not work), QR otherwise, as
+    torch's PowerSGD hook decides; with ``epsilon > 0`` a column's norm gets ``epsilon`` added so that
+    an all-zero gradient column does not divide by zero.
+    """
+    rank = matrices.shape[2]
+    if rank <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
+        for i in range(rank):
+            col = matrices[:, :, i : i + 1]
+            norm = torch.norm(col, dim=1, keepdim=True)
+            col /= norm + epsilon if epsilon else norm
+            if i + 1 < rank:
+                rest = matrices[:, :, i + 1 :]
+                rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+    else:
+        r_factor = torch.empty(matrices.shape[0], rank, rank, device=matrices.device, dtype=matrices.dtype)
+        torch.linalg.qr(matrices, out=(matrices, r_factor))
+
+
+@dataclass
+class Factor:
+    """One compressed tensor: where it is in the bucket, its matrix shape, and views of P and Q."""
+
+    spec: TensorSpec
+    n: int
+    m: int
+    r: int
+    p: Tensor  # (1, n, r) view of the plan's flat P
+    q: Tensor  # (1, m, r) view of the plan's flat Q
+
+
+@dataclass
+class PowerSGDPlan:
+    layout: list[TensorSpec]
+    dense_bytes: int
+    uncompressed: list[TensorSpec]  # bucket order
+    factors: list[Factor]  # grouped by matrix shape, shapes in first-seen order (as torch's hook)
+    p_flat: Tensor  # every P of the bucket, all-reduced at once
+    q_flat: Tensor  # every Q
+    uncompressed_index: Tensor | None  # bucket positions of the uncompressed tensors (None: none)
+
+
+@dataclass
+class PowerSGDWork(BucketWork):
+    compressing: bool = True
+    input_copy: Tensor | None = None  # the error-compensated gradient (for the next error)
+    uncompressed: Pending | None = None
+    q: Pending | None = None
+    plain: Pending | None = None
+
+
+@register
+class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
+    """PowerSGD with error feedback and warm start (see the module docstring)."""
+
+    name = "powersgd"
+    config_class = PowerSGDConfig
+    memory_kinds = ("error", "q")
+    residual_kind = "error"
+
+    def __init__(self, config: PowerSGDConfig, state: Any) -> None:
+        super().__init__(config, state)
+        # Seeds of the random Q: the same sequence on every rank, a draw per bucket that starts (or per
+        # bucket and step without warm start).
+        self.rng = np.random.RandomState(config.seed)
+
+    def compressing(self) -> bool:
+        return self.state.step >= self.config.start_iter
+
+    # -- the plan ------------------------------------------------------------------------------------------
+    def plan(self, layout: list[TensorSpec], buffer: Tensor) -> PowerSGDPlan:
+        device = buffer.device
+        uncompressed, by_shape = [], {}
+        for spec in layout:
+            r = compressed_rank(spec, self.config)
+            if r:
+                n, m = matrix_shape(spec)
+                by_shape.setdefault((n, m), []).append(spec)
+            else:
+                uncompressed.append(spec)
+        grouped = [spec for specs in by_shape.values() for spec in specs]
+        p_flat = torch.empty(
+            sum(matrix_shape(s)[0] * compressed_rank(s, self.config) for s in grouped), device=device
+        )
+        q_flat = torch.empty(
+            sum(matrix_shape(s)[1] * compressed_rank(s, self.config) for s in grouped), device=device
+        )
+        factors, p_at, q_at = [], 0, 0
+        for spec in grouped:
+            (n, m), r = matrix_shape(spec), compressed_rank(spec, self.config)
+            p, q = p_flat[p_at : p_at + n * r].view(1, n, r), q_flat[q_at : q_at + m * r].view(1, m, r)
+            factors.append(Factor(spec, n, m, r, p, q))
+            p_at, q_at = p_at + n * r, q_at + m * r
+        index = None
+        if uncompressed:
+            index = torch.cat(
+                [torch.arange(s.offset, s.offset + s.numel, device=device) for s in uncompressed]
+            )
+        return PowerSGDPlan(
+            layout, buffer.numel() * buffer.element_size(), uncompressed, factors, p_flat, q_flat, index
+        )
+
+    def _matrix(self, work: PowerSGDWork, factor: Factor) -> Tensor:
+        spec = factor.spec
+        return work.flat[spec.offset : spec.offset + spec.numel].view(1, factor.n, factor.m)
+
+    # -- step 2 ----------------------------------------------------------------------------------------------
+    def compensate(self, plan: PowerSGDPlan, grads: list[Tensor], flat: Tensor) -> PowerSGDWork:
+        work = PowerSGDWork(grads, flat, compressing=self.compressing())
+        if not work.compressing or not self.config.use_error_feedback:
+            return work
+        memory = self.state.memory
+        errors = [memory.buffer("error", s.name, s.numel, flat.device) for s in plan.layout]
+        torch._foreach_add_(grads, errors)
+        work.input_copy = flat.clone()
+        work.keep.append(work.input_copy)
+        return work
+
+    # -- step 3 ----------------------------------------------------------------------------------------------
+    def select(self, plan: PowerSGDPlan, work: PowerSGDWork) -> None:
+        """``Q`` (warm or random) and ``P = M Q`` for every compressed tensor."""
+        if not work.compressing or not plan.factors:
+            return
+        memory, epsilon = self.state.memory, self.config.orthogonalization_epsilon
+        warm = self.config.warm_start and all(memory.has("q", f.spec.name) for f in plan.factors)
+        if warm:
+            for f in plan.factors:
+                f.q.copy_(memory.committed["q"][f.spec.name].view_as(f.q))
+                orthogonalize_(f.q, epsilon)
+        else:
+            # The same seed on every rank; a CPU generator, forked so that the global one is untouched.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(self.rng.randint(1_000_000_000)))
+                for f in plan.factors:
+                    f.q.copy_(torch.randn(*f.q.shape, device="cpu"))
+                    orthogonalize_(f.q, epsilon)
+        for f in plan.factors:
+            torch.bmm(self._matrix(work, f), f.q, out=f.p)
+
+    # -- step 4 ----------------------------------------------------------------------------------------------
+    def exchange(self, plan: PowerSGDPlan, work: PowerSGDWork, collectives: Collectives) -> list[Pending]:
+        if not work.compressing:
+            work.plain = collectives.all_reduce(
+                work.flat, "all-reduce of the gradient (before PowerSGD starts)"
+            )
+            return [work.plain]
+        if plan.uncompressed_index is not None:
+            values = work.flat.index_select(0, plan.uncompressed_index)
+            work.uncompressed = collectives.all_reduce(values, "all-reduce of the uncompressed tensors")
+        if not plan.factors:
+            return [p for p in (work.uncompressed,) if p is not None]
+        # P must be summed before it is orthogonalised and Q computed from it: the hook waits for it
+        # (on CUDA only the stream waits), so that every collective starts from the hook's thread.
+        collectives.all_reduce(plan.p_flat, "all-reduce of PowerSGD's P").wait()
+        for f in plan.factors:
+            orthogonalize_(f.p, self.config.orthogonalization_epsilon)
+            torch.bmm(self._matrix(work, f).transpose(1, 2), f.p, out=f.q)
+        work.q = collectives.all_reduce(plan.q_flat, "all-reduce of PowerSGD's Q")
+        return [p for p in (work.uncompressed, work.q) if p is not None]
+
+    # -- step 5 ----------------------------------------------------------------------------------------------
+    def decode(self, plan: PowerSGDPlan, work: PowerSGDWork) -> Tensor:
+        world, memory, result = self.state.world_size, self.state.memory, work.flat
+        if work.plain is not None:
+            return result.div_(world)
+        if work.uncompressed is not None:
+            result.index_copy_(0, plan.uncompressed_index, work.uncompressed.output.div_(world))
+        if work.q is not None:
+            plan.q_flat.div_(world)
+            for f in plan.factors:
+                torch.bmm(f.p, f.q.transpose(1, 2), out=self._matrix(work, f))
+                if self.config.warm_start:
+                    name = f.spec.name
+                    memory.buffer("q", name, (f.m, f.r), result.device)
+                    memory.scratch("q", name).copy_(f.q.view(f.m, f.r))
+                    memory.stage("q", name)
+        if work.input_copy is not None:  # error feedback: what the approximation missed, per tensor
+            for spec in plan.layout:
+                part = slice(spec.offset, spec.offset + spec.numel)
+                torch.sub(work.input_copy[part], result[part], out=memory.scratch("error", spec.name))
+                memory.stage("error", spec.name)
+        return result
+
+    # -- the cost ----------------------------------------------------------------------------------------------
+    @classmethod
+    def wire_cost(
+        cls, config: PowerSGDConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int
+    ) -> WireCost:
+        numel = sum(s.numel for s in layout)
+        uncompressed = sum(s.numel for s in layout if not compressed_rank(s, config))
+        p = sum(matrix_shape(s)[0] * compressed_rank(s, config) for s in layout)
+        q = sum(matrix_shape(s)[1] * compressed_rank(s, config) for s in layout)
+        messages = []
+        if uncompressed:
+            messages.append(Message("all_reduce", uncompressed * VALUE_BYTES, "dense"))
+        if p:
+            messages.append(Message("all_reduce", p * VALUE_BYTES, "payload", blocking=True))
+            messages.append(Message("all_reduce", q * VALUE_BYTES, "payload"))
+        return WireCost(tuple(messages), dense_bytes, numel, 0, uncompressed + p + q)
+
+    def cost(self, plan: PowerSGDPlan) -> WireCost:
+        if self.compressing():
+            return super().cost(plan)
+        return WireCost((Message("all_reduce", plan.dense_bytes, "dense"),), plan.dense_bytes,
+                        sum(s.numel for s in plan.layout), 0, sum(s.numel for s in plan.layout))  # fmt: skip
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        kind, keys, position, has_gauss, cached = self.rng.get_state()
+        return {
+            "rng": {
+                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                "position": int(position),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }  # fmt: skip
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        rng = state.get("rng")
+        if rng is not None:
+            keys = rng["keys"].numpy().astype(np.uint32)
+            self.rng.set_state(("MT19937", keys, rng["position"], rng["has_gauss"], rng["cached_gaussian"]))

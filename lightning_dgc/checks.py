@@ -1,0 +1,46 @@
+"""Argument checks shared by the configurations and callbacks: clear errors that name the argument."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+
+def real_number(value: object, name: str) -> float:
+    """``value`` as a float if it is a real number of any type (numpy scalars too, not bool or str).
+
+    Raises a ``ValueError`` naming the argument otherwise, so that ``momentum="0.9"`` fails with a
+    message that says what to pass rather than a bare ``TypeError`` from a comparison.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"`{name}` must be a number, got {value!r} ({type(value).__name__}).")
+    return float(value)
+
+
+def whole_number(value: object, name: str) -> int:
+    """``value`` as an int if it is an integer of any type (numpy integers too, not bool, float or str)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
+    return int(value)
+
+
+def flag(value: object, name: str) -> bool:
+    """``value`` as a bool if it is one (numpy's too)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False, got {value!r} ({type(value).__name__}).")
+    return bool(value)
+
+
+def check_density(density: object, name: str = "density") -> float:
+    """Return ``density`` as a float if it lies in (0, 1]; raise a ``ValueError`` naming the fix."""
+    value = real_number(density, name)
+    if not math.isfinite(value):
+        raise ValueError(f"`{name}` must be a finite number in (0, 1], got {density!r}.")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(
+            f"`{name}` is the fraction of gradient values sent each step and must lie in (0, 1], got {value}."
+            " Use 0.001 for DGC's 99.9% sparsity, or 1.0 to send everything."
+        )
+    return value

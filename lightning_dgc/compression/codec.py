@@ -1,0 +1,178 @@
+"""DGC's wire format: the selected values and their indices packed into one fixed-size payload.
+
+Wire format of one bucket's sparse part (the *payload*, one flat uint8 tensor per rank, the same
+size on every rank because every rank selects exactly ``K`` values and the code array has a fixed
+length; gloo has no all-gather of uneven sizes)::
+
+    [ K values (fp32 or fp16) | K + F uint16 delta codes | 0-2 bytes of padding (zeros) ]
+
+    F = span // FILLER_SPAN   (FILLER_SPAN = 65535; span = the bucket's numel; F = 0 below 65535)
+    nbytes = K * value_bytes + 2 * (K + F), rounded up to a multiple of 4   (0 when K = 0)
+
+Values come first so that the fp32 view is 4-byte aligned (the codes then start at an even
+offset); the padding keeps every row of the gathered ``(world, nbytes)`` tensor a multiple of 4
+bytes. The ``K`` selected bucket-flat indices ``p_1 < p_2 < ... < p_K`` (in ``[0, span)``) travel as
+gaps ``d_i = p_i - p_{i-1}`` with ``p_0 = -1``, so every ``d_i >= 1``:
+
+* a code ``c`` in ``1..65535`` means "advance ``c`` positions; an entry is here" (the i-th entry
+  code goes with the i-th value);
+* code ``0`` is a *filler*: "advance 65535 positions, no entry";
+* a gap ``d`` is written as ``f = (d - 1) // 65535`` fillers followed by the code ``d - 65535 f``;
+* after the last entry the rest of the ``K + F`` codes are 0 (trailing fillers, ignored).
+
+Decoding a row: ``advance = where(code == 0, 65535, code)``, ``position = cumsum(advance) - 1``,
+and the entries are the slots with ``code != 0``, exactly ``K`` of them, in order.
+
+Why ``K + F`` codes always suffice: the gaps sum to ``p_K + 1 <= span``, so the fillers number
+``sum_i (d_i - 1) // 65535 <= sum_i (d_i - 1) / 65535 <= (span - K) / 65535``; being an integer, the
+count is at most ``(span - K) // 65535 <= span // 65535 = F``. (The worst case puts ``span - K``
+unselected positions in one gap; spreading them over several gaps only loses fillers to rounding.)
+
+Compared with int32 indices a value costs ``2 + value_bytes`` bytes instead of ``4 + value_bytes``
+(plus ``2 F`` bytes per bucket: 778 bytes for a bucket of 25.6 M values). One
+``all_gather_into_tensor`` moves every rank's payload; tensors too small to compress travel in one
+dense ``all_reduce``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
+#: Bytes of one int32 index (DEFT still all-reduces its union indices as int32).
+INDEX_BYTES = 4
+#: Bytes of one delta code of DGC's payload (uint16).
+CODE_BYTES = 2
+#: Positions a filler code (0) advances; also the largest gap a single entry code covers.
+FILLER_SPAN = 65535
+
+
+def _fillers(span: int) -> int:
+    """``F``: the filler slots a payload reserves for a bucket of ``span`` values."""
+    return span // FILLER_SPAN
+
+
+def payload_size(k_total: int, value_bytes: int, span: int) -> tuple[int, int]:
+    """``(bytes, padding)`` of one rank's payload for ``k_total`` values of ``value_bytes`` bytes each,
+    out of a bucket of ``span`` values (plain integers: the performance model uses it too).
+
+    ``k_total * value_bytes + CODE_BYTES * (k_total + span // FILLER_SPAN)``, rounded up to a multiple
+    of 4 bytes; the padding is that rounding (0 or 2; filler codes count as index bytes). ``(0, 0)``
+    when ``k_total`` is 0 (nothing is exchanged, no codes are needed).
+    """
+    if k_total < 0 or k_total > span:
+        raise ValueError(f"cannot select {k_total} values out of a bucket of {span} values (0 <= k <= span).")
+    if k_total == 0:
+        return 0, 0
+    raw = k_total * value_bytes + CODE_BYTES * (k_total + _fillers(span))
+    return raw + (-raw) % 4, (-raw) % 4
+
+
+def payload_nbytes(k_total: int, value_dtype: torch.dtype, span: int) -> int:
+    """Bytes of one rank's payload (:func:`payload_size`) with values of ``value_dtype``."""
+    return payload_size(k_total, value_dtype.itemsize, span)[0]
+
+
+def payload_padding(k_total: int, value_dtype: torch.dtype, span: int) -> int:
+    """The alignment bytes of :func:`payload_nbytes` (0 or 2)."""
+    return payload_size(k_total, value_dtype.itemsize, span)[1]
+
+
+def _as_int16(codes: Tensor) -> Tensor:
+    """Codes in ``0..65535`` (any int dtype) as int16 with the same 16 bits (two's complement)."""
+    return (codes - ((codes >> 15) << 16)).to(torch.int16)
+
+
+def pack_into(payload: Tensor, indices: Tensor, values: Tensor, value_dtype: torch.dtype, span: int) -> None:
+    """Write the selected ``indices`` and their ``values`` into ``payload`` (see the module docstring).
+
+    Args:
+        payload: a uint8 tensor of exactly ``payload_nbytes(K, value_dtype, span)`` bytes.
+        indices: the ``K`` selected bucket-flat offsets, any int dtype, **sorted ascending, distinct
+            and in** ``[0, span)``; ``values[i]`` goes with ``indices[i]``.
+        values: ``K`` values, cast to ``value_dtype``.
+        value_dtype: the wire dtype of the values.
+        span: the bucket's numel (the same on every rank).
+
+    The index contract is checked (``ValueError``) only for CPU tensors, where it costs no device
+    synchronisation; on CUDA an index set that breaks it gives a wrong payload (or an out-of-bounds
+    device error), so the caller must sort. Vectorised: no host synchronisation, no Python loop.
+    """
+    k = indices.numel()
+    nbytes = payload_nbytes(k, value_dtype, span)
+    if payload.dtype != torch.uint8 or payload.numel() != nbytes:
+        raise ValueError(
+            f"the payload must be {nbytes} uint8 bytes for {k} values out of {span} ({value_dtype}),"
+            f" got {payload.numel()} {payload.dtype}; allocate it with payload_nbytes(k, value_dtype, span)."
+        )
+    if values.numel() != k:
+        raise ValueError(f"pack_into got {k} indices but {values.numel()} values.")
+    if k == 0:
+        return
+    idx = indices.reshape(-1).to(torch.int64)
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))  # d_i >= 1 for a valid index set
+    if idx.device.type == "cpu":
+        if int(gaps.min()) < 1:
+            raise ValueError("pack_into needs indices sorted ascending, distinct and >= 0 (sort them first).")
+        if int(idx[-1]) >= span:
+            raise ValueError(f"pack_into got index {int(idx[-1])} outside the bucket of {span} values.")
+    vbytes = k * value_dtype.itemsize
+    payload_values(payload, k, value_dtype).copy_(values.reshape(-1))
+    slots = k + _fillers(span)
+    codes = payload[vbytes : vbytes + CODE_BYTES * slots].view(torch.int16)
+    if slots == k:  # span < 65535: every gap fits one code, no filler
+        codes.copy_(_as_int16(gaps))
+    else:
+        fill = torch.div(gaps - 1, FILLER_SPAN, rounding_mode="floor")  # fillers before each entry
+        where = torch.cumsum(fill + 1, 0).sub_(1)  # the slot of each entry's code
+        codes.zero_()
+        codes.index_put_((where,), _as_int16(gaps - FILLER_SPAN * fill))
+    payload[vbytes + CODE_BYTES * slots :].zero_()
+
+
+def payload_values(payload: Tensor, k: int, value_dtype: torch.dtype) -> Tensor:
+    """The value part of a payload (a view of its first ``k`` values), for writing values in place."""
+    return payload[: k * value_dtype.itemsize].view(value_dtype)
+
+
+def unpack(gathered: Tensor, k: int, value_dtype: torch.dtype, span: int) -> tuple[Tensor, Tensor]:
+    """Decode a gathered ``(world, nbytes)`` uint8 tensor into flat indices (int64) and values.
+
+    Returns ``(indices, values)`` of shape ``(world * k,)``, rank 0's ``k`` entries first, each rank's
+    in the order it packed them. Vectorised over all rows (no Python loop, no host synchronisation).
+    A row written by :func:`pack_into` decodes exactly. Any other row still decodes to ``k`` indices
+    in ``[0, span)``, so a corrupt row can never index out of the bucket; in particular an all-zero
+    code array (a rank that zeroes its payload and sends NaN values) decodes to ``k`` entries at 0.
+    """
+    world = gathered.shape[0]
+    nbytes = payload_nbytes(k, value_dtype, span)
+    if gathered.dtype != torch.uint8 or gathered.dim() != 2 or gathered.shape[1] != nbytes:
+        raise ValueError(
+            f"unpack expects a (world, {nbytes}) uint8 tensor for {k} values out of {span} ({value_dtype}),"
+            f" got {tuple(gathered.shape)} {gathered.dtype}."
+        )
+    device = gathered.device
+    if k == 0:
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return empty, torch.empty(0, dtype=value_dtype, device=device)
+    gathered = gathered.contiguous()
+    vbytes = k * value_dtype.itemsize
+    slots = k + _fillers(span)
+    values = gathered[:, :vbytes].view(value_dtype).reshape(-1)  # rows are 4-byte multiples: views work
+    codes = gathered[:, vbytes : vbytes + CODE_BYTES * slots].view(torch.int16).to(torch.int32)
+    codes.bitwise_and_(0xFFFF)  # uint16 semantics
+    if slots == k:  # no filler slot: every code is an entry
+        indices = codes.cumsum(1, dtype=torch.int64).sub_(1).reshape(-1)
+        return indices.clamp_(0, span - 1), values
+    filler = codes == 0
+    positions = codes.masked_fill_(filler, FILLER_SPAN).cumsum(1, dtype=torch.int64).sub_(1)
+    # Where each slot's position goes in the output: an entry to ``row * k + (its rank in the row) - 1``,
+    # a filler to the discard slot ``world * k``. (A row with more than k entries, which pack_into
+    # never writes, piles the extra ones onto its own last slot.)
+    target = (~filler).cumsum(1).clamp_(max=k)
+    target.add_(torch.arange(-1, world * k - 1, k, device=device).unsqueeze(1))
+    target.masked_fill_(filler, world * k)
+    out = torch.zeros(world * k + 1, dtype=torch.int64, device=device)  # missing entries stay at 0
+    out.scatter_(0, target.reshape(-1), positions.reshape(-1))
+    return out[: world * k].clamp_(0, span - 1), values

@@ -1,0 +1,169 @@
+"""Every registered algorithm through the generic hook steps on simulated ranks (no process group).
+
+``comm.simulate`` runs N ranks as threads of this process, joined by ``LocalCollectives``: the same
+exchanges as over gloo, checked here for what every algorithm must guarantee.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dgc import algorithms, comm, hook
+from lightning_dgc.algorithms.dgc import DGCConfig
+from lightning_dgc.comm import CollectiveError
+from lightning_dgc.perfmodel import BucketProfile, Profile
+from lightning_dgc.state import ExchangeState
+
+CONFIGS = {
+    "dgc": {"density": 0.05},
+    "deft": {"density": 0.05},
+    "powersgd": {"matrix_approximation_rank": 2, "start_iter": 2},
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 4))
+
+
+def _train(config: algorithms.AlgorithmConfig, steps: int = 4, world: int = 2, same_data: bool = False,
+           fail_at: int | None = None) -> list[dict]:  # fmt: skip
+    """Each simulated rank exchanges ``steps`` random gradients of the model's parameters, as one bucket."""
+
+    def rank_run(collectives: comm.Collectives) -> dict:
+        model = _model()
+        state = ExchangeState(config, collectives=collectives)
+        state.register_parameters(model.named_parameters())
+        params = list(model.parameters())
+        numel = sum(p.numel() for p in params)
+        updates, sent = [], []
+        for step in range(steps):
+            seed = 100 * step + (0 if same_data else collectives.rank)
+            local = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+            sent.append(local.clone())
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            updates.append(hook.exchange(state, params, local).wait().clone())
+            state.finish_step()
+        return {"updates": updates, "local": sent, "stats": state.compression_stats(), "state": state}
+
+    return comm.simulate(world, rank_run, fail_at=fail_at)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_every_rank_decodes_the_same_update(name: str, world: int) -> None:
+    config = algorithms.get(name).config_class(**CONFIGS[name])
+    ranks = _train(config, world=world)
+    for r in ranks[1:]:
+        for a, b in zip(ranks[0]["updates"], r["updates"], strict=True):
+            assert torch.equal(a, b)
+    assert ranks[0]["stats"]["algorithm"] == name and ranks[0]["stats"]["compression_ratio"] > 1.5
+
+
+@pytest.mark.parametrize("name", ["dgc", "deft"])
+def test_density_one_is_the_plain_average(name: str) -> None:
+    config = algorithms.get(name).config_class(density=1.0)
+    ranks = _train(config, world=3)
+    for step in range(4):
+        mean = torch.stack([r["local"][step] for r in ranks]).mean(0)
+        torch.testing.assert_close(ranks[0]["updates"][step], mean, rtol=1e-6, atol=1e-7)
+
+
+def test_powersgd_compresses_only_from_its_start_iteration() -> None:
+    ranks = _train(
+        algorithms.get("powersgd").config_class(matrix_approximation_rank=1, start_iter=3), steps=4
+    )
+    for step in range(3):  # plain all-reduce
+        mean = torch.stack([r["local"][step] for r in ranks]).mean(0)
+        torch.testing.assert_close(ranks[0]["updates"][step], mean)
+    mean = torch.stack([r["local"][3] for r in ranks]).mean(0)
+    assert not torch.allclose(ranks[0]["updates"][3], mean), "step 3 should be a low-rank approximation"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_the_statistics_are_the_wire_cost_the_performance_model_reads(name: str) -> None:
+    """compression_stats() and Profile.totals() come from one formula, the algorithm's wire_cost."""
+    config = algorithms.get(name).config_class(**CONFIGS[name])
+    stats = _train(config, world=4)[0]["stats"]
+    model = _model()
+    bucket = BucketProfile([list(p.shape) for p in model.parameters()], 4 * sum(p.numel() for p in model.parameters()),
+                           [n for n, _ in model.named_parameters()])  # fmt: skip
+    profile = Profile(
+        "toy", [bucket], compute_s=1.0, configs={name: dataclasses.asdict(config)}, world_size=4
+    )
+    for key, value in profile.totals(name).items():
+        assert stats[key] == value, key
+
+
+def test_deft_shares_k_without_build_up_and_dgc_builds_up() -> None:
+    deft = _train(algorithms.get("deft").config_class(density=0.05), world=4)
+    dgc = _train(DGCConfig(density=0.05), world=4)
+    k = deft[0]["stats"]["k"]
+    assert all(r["stats"]["union_values"] == k for r in deft)
+    assert sum(r["stats"]["rank_selected"] for r in deft) == k
+    assert dgc[0]["stats"]["buildup_factor"] > 1.5
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_failed_collective_is_raised_naming_it(name: str) -> None:
+    config = algorithms.get(name).config_class(**CONFIGS[name])
+    with pytest.raises(
+        (CollectiveError, RuntimeError), match=r"lightning_dgc: the .* failed on rank \d: .*a peer died"
+    ):
+        _train(config, steps=4, fail_at=3)
+
+
+def test_ranks_that_start_different_collectives_fail_instead_of_mixing_data() -> None:
+    def rank_run(collectives: comm.Collectives) -> None:
+        size = 3 if collectives.rank == 0 else 4
+        collectives.all_reduce(torch.ones(size), "all-reduce of a test tensor").wait()
+
+    with pytest.raises(CollectiveError, match=r"rank 1 sent \(4,\)"):
+        comm.simulate(2, rank_run)
+
+
+def test_the_readme_example_algorithm_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's "add an algorithm" file, run as written: registered by name, exact on simulated ranks."""
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    from lightning_dgc.algorithms import base
+
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # the example's registration is undone
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "class FP16(" in block)
+    module = types.ModuleType("lightning_dgc.algorithms.fp16")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(code, "README.md", "exec"), module.__dict__)
+    config = algorithms.get("fp16").config_class()
+    ranks = _train(config, world=3)
+    for step in range(4):
+        mean = torch.stack([r["local"][step] for r in ranks]).mean(0)
+        torch.testing.assert_close(ranks[0]["updates"][step], mean, rtol=1e-3, atol=1e-3)
+    assert ranks[0]["stats"]["compression_ratio"] == 2.0
+
+
+def test_a_forgotten_finish_step_is_made_by_the_next_step_with_a_warning() -> None:
+    """Raw-hook users who never call finish_step() still get their memory committed, and are told."""
+
+    def rank_run(collectives: comm.Collectives) -> tuple[list, int]:
+        model = _model()
+        state = ExchangeState(DGCConfig(density=0.05), collectives=collectives)
+        state.register_parameters(model.named_parameters())
+        params = list(model.parameters())
+        numel = sum(p.numel() for p in params)
+        for step in range(3):
+            hook.exchange(state, params, torch.randn(numel, generator=torch.Generator().manual_seed(step))).wait()
+        return list(state.memory.committed["velocity"].values()), state.step
+
+    with pytest.warns(UserWarning, match="finish_step\\(\\) was not called"):  # (warnings are process-wide)
+        ranks = comm.simulate(2, rank_run)
+    for velocities, step in ranks:
+        assert step == 2 and any(float(v.abs().sum()) > 0 for v in velocities)
