@@ -52,6 +52,9 @@ def __dir__() -> list[str]:
 
 
 def _register_strategies() -> None:
+    strategy = sys.modules.get("lightning_dgc.strategy")
+    if strategy is not None and not hasattr(strategy, "DEFTStrategy"):
+        return  # Lightning was imported *by* the strategy module, which registers the names when done
     from lightning.pytorch.strategies import StrategyRegistry
 
     from lightning_dgc.strategy import CompressionStrategy

@@ -25,7 +25,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchChec
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
@@ -653,3 +653,8 @@ class DEFTStrategy(DGCStrategy):
 
     def _more_options(self) -> dict[str, Any]:
         return {"momentum_correction": self.momentum_correction}
+
+
+# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``)
+# then finds this module half-made and leaves the names to be registered here.
+CompressionStrategy.register_strategies(StrategyRegistry)
