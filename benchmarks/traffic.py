@@ -110,7 +110,7 @@ def measure(model: nn.Module, config: algorithms.AlgorithmConfig, steps: int = 2
     """Run ``steps`` steps of the synthetic loss through DDP + the hook; the last step's stats."""
     wrapper = SyntheticLoss(model)
     ddp = DDP(wrapper)  # DDP's default buckets (1 MB first, then 25 MB), as the strategies use them
-    state = ExchangeState(config)
+    state = ExchangeState(config, measure_buildup=True)  # the union's size is a figure reported here
     state.register_parameters(wrapper.named_parameters())
     ddp.register_comm_hook(state, exchange_hook)
     buckets = []

@@ -285,6 +285,15 @@ class CompressionMonitor(L.Callback):
         return out
 
     @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # The build-up factor costs a host synchronisation per bucket: measured only in steps logged.
+        request = getattr(trainer.strategy, "request_buildup", None)
+        if callable(request) and self._every and (trainer.global_step + 1) % self._every == 0:
+            request()
+
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -4,9 +4,10 @@
 algorithm (:mod:`lightning_dgc.algorithms`: DGC, DEFT, PowerSGD, ...), in numbered steps:
 
 0. **plan**: what the algorithm decides once per bucket layout (and density, ...).
-1. **local gradient**: the bucket in fp32, the loss scale divided out. A rank whose gradient is not
-   finite sends NaN instead (every rank must still take part in every collective), so that every
-   rank decodes a non-finite bucket and skips the step alike.
+1. **local gradient**: the bucket in fp32, the loss scale divided out, and its *poison*: 0, or NaN
+   when this rank's gradient is not finite, which the algorithm adds to what it sends (every rank
+   still takes part in every collective), so that every rank decodes a non-finite bucket and skips
+   the step alike. No host synchronisation.
 2. **compensate**: error feedback / momentum correction into scratch memory.
 3. **select**: what to send (timed: ``compression_stats()["selection_ms"]``).
 4. **exchange**: the collectives, through ``state.collectives``, in the same order on every rank.
@@ -50,14 +51,15 @@ def exchange(
 
     # Step 1: the local gradient, fp32 (an fp32 bucket is used in place: DDP hands it over).
     flat = buffer if buffer.dtype == torch.float32 else buffer.float()
-    if not bool(torch.isfinite(flat.sum())):  # inf/NaN anywhere (finite sums past 3e38 do not occur)
-        flat.fill_(math.nan)
+    # inf/NaN anywhere makes the sum non-finite (finite gradients summing past 3e38 do not occur)
+    poison = torch.where(torch.isfinite(flat.sum()), 0.0, math.nan)
     if state.grad_scale != 1.0:
         flat.mul_(1.0 / state.grad_scale)
     grads = list(flat.split([spec.numel for spec in plan.layout]))
 
     # Step 2: compensate.
     work = algorithm.compensate(plan, grads, flat)
+    work.poison = poison
 
     # Step 3: select.
     start = time.perf_counter()

@@ -164,6 +164,12 @@ class ResidualMemory:
     buffer of the same shape that an algorithm writes this step's value into, and ``stage(kind, name)``
     marks it to become the committed tensor at :meth:`commit` (the two swap: no copy, no allocation
     after the first step). The committed tensors are the state: :meth:`state_dict` holds them only.
+
+    :meth:`group` lays the flat buffers of several parameters (a bucket's compressed tensors) out
+    contiguously, committed and scratch alike, so that batched work (one kernel over a bucket on the
+    GPU) reads and writes one flat tensor; each parameter's buffers are views into it. A group whose
+    parameters are all staged swaps its two flat buffers at commit; otherwise the staged views are
+    copied.
     """
 
     def __init__(self) -> None:
@@ -173,6 +179,10 @@ class ResidualMemory:
         self._lock = threading.Lock()  # decode callbacks of different buckets may stage at once
         self._futures: list[torch.futures.Future] = []
         self._finite: list[Tensor] = []
+        self._groups: dict[
+            tuple[str, tuple[str, ...]], list[Tensor]
+        ] = {}  # (kind, names) -> [committed, scratch]
+        self._group_of: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
 
     # -- buffers ---------------------------------------------------------------------------------------
     def has(self, kind: str, name: str) -> bool:
@@ -187,6 +197,45 @@ class ResidualMemory:
             tensor = by_name[name] = torch.zeros(shape, dtype=torch.float32, device=device)
             self._scratch.pop((kind, name), None)
         return tensor
+
+    def group(
+        self, kind: str, names: Sequence[str], sizes: Sequence[int], device: torch.device
+    ) -> tuple[Tensor, Tensor]:
+        """``(committed, scratch)``: flat buffers holding the ``kind`` buffers of ``names`` one after the other.
+
+        Made on first use (what the parameters already hold is copied in, zeros otherwise); from then on
+        ``buffer``/``scratch`` of each name are views into these two.
+        """
+        key = (kind, tuple(names))
+        flats = self._groups.get(key)
+        if flats is not None and flats[0].device == device:
+            return flats[0], flats[1]
+        total = sum(sizes)
+        committed = torch.zeros(total, dtype=torch.float32, device=device)
+        scratch = torch.empty_like(committed)
+        by_name = self.committed.setdefault(kind, {})
+        offset = 0
+        for name, size in zip(names, sizes, strict=True):
+            view = committed[offset : offset + size]
+            old = by_name.get(name)
+            if old is not None and old.numel() == size:
+                view.copy_(old.reshape(-1))
+            by_name[name] = view
+            self._scratch[kind, name] = scratch[offset : offset + size]
+            previous = self._group_of.pop((kind, name), None)
+            if previous is not None:  # the name leaves an older group (DDP rebuilt its buckets)
+                self._dissolve(previous)
+            self._group_of[kind, name] = key
+            offset += size
+        self._groups[key] = [committed, scratch]
+        return committed, scratch
+
+    def _dissolve(self, key: tuple[str, tuple[str, ...]]) -> None:
+        """Forget a group: its names keep their views, as separate buffers from now on."""
+        if self._groups.pop(key, None) is not None:
+            for name in key[1]:
+                if self._group_of.get((key[0], name)) == key:
+                    del self._group_of[key[0], name]
 
     def scratch(self, kind: str, name: str) -> Tensor:
         """A buffer shaped like the committed one, to write this step's value into (contents undefined)."""
@@ -214,9 +263,20 @@ class ResidualMemory:
         """Make every staged scratch buffer the committed one (the old committed one becomes scratch)."""
         with self._lock:
             staged, self._staged = self._staged, set()
+        for key, flats in list(self._groups.items()):
+            kind, names = key
+            if all((kind, name) in staged for name in names):  # the whole group: swap the flat buffers
+                flats.reverse()
+                committed = self.committed[kind]
+                for name in names:
+                    committed[name], self._scratch[kind, name] = self._scratch[kind, name], committed[name]
+                    staged.discard((kind, name))
         for kind, name in staged:
             committed = self.committed[kind]
-            committed[name], self._scratch[kind, name] = self._scratch[kind, name], committed[name]
+            if (kind, name) in self._group_of:  # part of a group whose other members stay: copy
+                committed[name].copy_(self._scratch[kind, name])
+            else:
+                committed[name], self._scratch[kind, name] = self._scratch[kind, name], committed[name]
 
     def discard(self) -> None:
         """Forget everything staged: the committed state stays as it was before the step."""
@@ -285,4 +345,6 @@ class ResidualMemory:
             for kind, by_name in state.items()
         }
         self._scratch.clear()
+        self._groups.clear()
+        self._group_of.clear()
         self.discard()

@@ -34,6 +34,7 @@ __all__ = [
     "SELECTED_COST",
     "Fragment",
     "allocate_k",
+    "allocate_k_list",
     "fragment_count",
     "fragment_layers",
     "lpt_assign",
@@ -185,7 +186,9 @@ def _round_to_total(shares: list[float], caps: list[int], total: int) -> list[in
     return floors
 
 
-def allocate_k(norms: Tensor | Sequence[float], sizes: Sequence[int] | Tensor, k_total: int) -> Tensor:
+def allocate_k_list(
+    norms: Tensor | Sequence[float], sizes: Sequence[int] | Tensor, k_total: int
+) -> list[int]:
     """Share the selection budget ``k_total`` between fragments in proportion to their gradient norms.
 
     ``k_l`` is proportional to the norm of fragment ``l``'s error-compensated gradient, clipped to
@@ -208,7 +211,7 @@ def allocate_k(norms: Tensor | Sequence[float], sizes: Sequence[int] | Tensor, k
         k_total: Number of elements to select over all fragments.
 
     Returns:
-        An int64 CPU tensor with one ``k_l`` per fragment.
+        One ``k_l`` per fragment (:func:`allocate_k` gives them as a tensor).
     """
     caps = [int(n) for n in (sizes.tolist() if isinstance(sizes, Tensor) else sizes)]
     if isinstance(norms, Tensor):
@@ -220,7 +223,7 @@ def allocate_k(norms: Tensor | Sequence[float], sizes: Sequence[int] | Tensor, k
     if any(n < 1 for n in caps):
         raise ValueError("fragment sizes must be positive; fragment_layers never yields empty fragments")
     if not caps:
-        return torch.zeros(0, dtype=torch.int64)
+        return []
     total = min(max(int(k_total), len(caps)), sum(caps))
 
     weights = [v if math.isfinite(v) and v > 0.0 else 0.0 for v in values]
@@ -245,7 +248,12 @@ def allocate_k(norms: Tensor | Sequence[float], sizes: Sequence[int] | Tensor, k
         )
         for i, s in zip(positive, positive_shares, strict=True):
             shares[i] = s
-    return torch.tensor(_round_to_total(shares, caps, total), dtype=torch.int64)
+    return _round_to_total(shares, caps, total)
+
+
+def allocate_k(norms: Tensor | Sequence[float], sizes: Sequence[int] | Tensor, k_total: int) -> Tensor:
+    """:func:`allocate_k_list` as an int64 CPU tensor."""
+    return torch.tensor(allocate_k_list(norms, sizes, k_total), dtype=torch.int64)
 
 
 #: Fixed cost of selecting in one fragment, in elements: what a selection call costs beyond its pass

@@ -52,6 +52,7 @@ class StepStats:
     k_target: int = 0  # values the density asks for (sum of k over compressed tensors)
     union_values: int = 0  # distinct indices in the union of all ranks' selections
     rank_selected: int = 0  # values this rank selected itself
+    buildup_measured: bool = False  # whether union_values was measured (only on request: a host sync)
     rank_selection_ms: list[float] = field(default_factory=list)  # DEFT: every rank's previous selection
     plans: list[tuple[list[int], list[int]]] = field(default_factory=list)  # DEFT: (k, owner) per fragment
 
@@ -77,6 +78,7 @@ class ExchangeState:
         process_group: Any = None,
         collectives: Collectives | None = None,
         grad_scale: float = 1.0,
+        measure_buildup: bool = False,
     ) -> None:
         # A copy: schedules change the density of this run, never the caller's configuration object.
         self.config = replace(config) if config is not None else DGCConfig()
@@ -84,9 +86,14 @@ class ExchangeState:
         self.world_size, self.rank = self.collectives.world_size, self.collectives.rank
         #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
         self.grad_scale = grad_scale
+        #: Count the distinct indices of all ranks' selections (the build-up factor) in every step; it costs a
+        #: host synchronisation per bucket, so otherwise only in steps :meth:`request_buildup` asks for.
+        self.measure_buildup = measure_buildup
+        self._buildup_step = -1
         self.generator = torch.Generator().manual_seed(
             int(getattr(self.config, "seed", 0)) * 1_000_003 + self.rank
         )
+        self._draw_generators: dict[torch.device, tuple[torch.Generator, int]] = {}
         self.memory = ResidualMemory()
         self.param_names: dict[int, str] = {}
         self._params: dict[str, Tensor] = {}
@@ -118,6 +125,20 @@ class ExchangeState:
                 "model.named_parameters())` before training (the strategies do this for you)."
             )
         return name
+
+    def draw_generator(self, device: torch.device) -> torch.Generator:
+        """A generator on ``device`` for this step's random draws, the same on every rank.
+
+        Seeded from the configuration's seed and the step counter at the first draw of every step: it
+        needs no state in checkpoints, and a resumed run draws what the straight run would.
+        """
+        generator, step = self._draw_generators.get(device, (None, -1))
+        if generator is None:
+            generator = torch.Generator(device=device)
+        if step != self.step:
+            generator.manual_seed(int(getattr(self.config, "seed", 0)) * 1_000_003 + self.step)
+            self._draw_generators[device] = (generator, self.step)
+        return generator
 
     def param(self, name: str) -> Tensor:
         return self._params[name]
@@ -185,6 +206,15 @@ class ExchangeState:
         self._plans.clear()
 
     # -- statistics ------------------------------------------------------------------------------------
+    def request_buildup(self) -> None:
+        """Measure the build-up factor in the coming step (``CompressionMonitor`` asks before it logs)."""
+        self._buildup_step = self.step
+
+    @property
+    def measures_buildup(self) -> bool:
+        """Whether this step counts the union of all ranks' selections (see :meth:`request_buildup`)."""
+        return self.measure_buildup or self._buildup_step == self.step
+
     def record(self, cost: WireCost, work: BucketWork, selection_s: float) -> None:
         """Add one bucket's wire cost and measured figures to this step's statistics."""
         payload = cost.bytes_sent - cost.bytes_of("dense")
@@ -203,6 +233,7 @@ class ExchangeState:
             stats.density = self.density
             stats.rank_selected += work.stats.get("rank_selected", 0)
             stats.union_values += work.stats.get("union_values", 0)
+            stats.buildup_measured = self.measures_buildup
             if "rank_selection_ms" in work.stats:
                 stats.rank_selection_ms = work.stats["rank_selection_ms"]
             if "plan" in work.stats:
@@ -266,8 +297,6 @@ class ExchangeState:
             "selection_ms": s.selection_ms,
             "control_bytes": s.control_bytes,
             "k": s.k_target,
-            "union_values": s.union_values,
-            "buildup_factor": s.union_values / s.k_target if s.k_target else 1.0,
             "rank_selected": s.rank_selected,
             "buckets": s.buckets,
             "step": self.step,
@@ -275,6 +304,9 @@ class ExchangeState:
         }
         if s.density is not None:
             stats["density"] = s.density
+        if s.buildup_measured:
+            stats["union_values"] = s.union_values
+            stats["buildup_factor"] = s.union_values / s.k_target if s.k_target else 1.0
         if s.rank_selection_ms:
             stats["rank_selection_ms"] = list(s.rank_selection_ms)
             stats["max_rank_selection_ms"] = max(s.rank_selection_ms)

@@ -35,7 +35,7 @@ from typing_extensions import override
 from lightning_dgc import algorithms, comm
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.deft import DEFTConfig
-from lightning_dgc.algorithms.dgc import DGCConfig, Selection, ValueDType
+from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend, ValueDType
 from lightning_dgc.checks import check_density
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.memory import bucket_order_flat, momentum_from_sgd, momentum_to_sgd
@@ -225,6 +225,11 @@ class CompressionStrategy(DDPStrategy):
     def compression_stats(self) -> dict[str, float | int | bool]:
         """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`)."""
         return self._state.compression_stats() if self._state is not None else {}
+
+    def request_buildup(self) -> None:
+        """Measure the build-up factor (``compression_stats()["buildup_factor"]``) in the coming step."""
+        if self._state is not None:
+            self._state.request_buildup()
 
     def residual_norm(self) -> float | None:
         """L2 norm of what this rank's memory holds back (``None`` before ``fit`` set the exchange up)."""
@@ -608,6 +613,7 @@ class DGCStrategy(CompressionStrategy):
         density: float = DGCConfig.density,
         sample_ratio: float = DGCConfig.sample_ratio,
         selection: Selection = DGCConfig.selection,
+        selection_backend: SelectionBackend = DGCConfig.selection_backend,
         min_compress_numel: int = DGCConfig.min_compress_numel,
         momentum: float = DGCConfig.momentum,
         nesterov: bool = DGCConfig.nesterov,
@@ -619,6 +625,7 @@ class DGCStrategy(CompressionStrategy):
     ) -> None:
         options = {
             "density": density, "sample_ratio": sample_ratio, "selection": selection,
+            "selection_backend": selection_backend,
             "min_compress_numel": min_compress_numel, "momentum": momentum, "nesterov": nesterov,
             "momentum_masking": momentum_masking, "local_clip_norm": local_clip_norm, "value_dtype": value_dtype,
             "seed": seed,

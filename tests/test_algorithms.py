@@ -23,6 +23,8 @@ CONFIGS = {
     "deft": {"density": 0.05},
     "powersgd": {"matrix_approximation_rank": 2, "start_iter": 2},
 }
+#: DGC and DEFT on both selection paths: numpy tensor by tensor, and the batched device path.
+SELECTIONS = [("dgc", "numpy"), ("dgc", "torch"), ("deft", "numpy"), ("deft", "torch")]
 
 
 def _model() -> nn.Module:
@@ -36,7 +38,7 @@ def _train(config: algorithms.AlgorithmConfig, steps: int = 4, world: int = 2, s
 
     def rank_run(collectives: comm.Collectives) -> dict:
         model = _model()
-        state = ExchangeState(config, collectives=collectives)
+        state = ExchangeState(config, collectives=collectives, measure_buildup=True)
         state.register_parameters(model.named_parameters())
         params = list(model.parameters())
         numel = sum(p.numel() for p in params)
@@ -109,6 +111,30 @@ def test_deft_shares_k_without_build_up_and_dgc_builds_up() -> None:
     assert dgc[0]["stats"]["buildup_factor"] > 1.5
 
 
+@pytest.mark.parametrize("name", ["dgc", "deft"])
+def test_the_build_up_is_measured_only_in_steps_that_ask_for_it(name: str) -> None:
+    """Counting the union's distinct indices stalls a GPU's host once per bucket: off the hot path."""
+
+    def rank_run(collectives: comm.Collectives) -> list[dict]:
+        model = _model()
+        state = ExchangeState(algorithms.get(name).config_class(density=0.05), collectives=collectives)
+        state.register_parameters(model.named_parameters())
+        params, stats = list(model.parameters()), []
+        for step in range(3):
+            if step == 1:
+                state.request_buildup()  # what CompressionMonitor does before a step it logs
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            hook.exchange(state, params, torch.randn(sum(p.numel() for p in params))).wait()
+            state.finish_step()
+            stats.append(state.compression_stats())
+        return stats
+
+    for stats in comm.simulate(2, rank_run):
+        assert ["buildup_factor" in s for s in stats] == [False, True, False]
+        assert stats[1]["union_values"] >= stats[1]["k"]
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_failed_collective_is_raised_naming_it(name: str) -> None:
     config = algorithms.get(name).config_class(**CONFIGS[name])
@@ -160,10 +186,26 @@ def test_a_forgotten_finish_step_is_made_by_the_next_step_with_a_warning() -> No
         params = list(model.parameters())
         numel = sum(p.numel() for p in params)
         for step in range(3):
-            hook.exchange(state, params, torch.randn(numel, generator=torch.Generator().manual_seed(step))).wait()
+            hook.exchange(
+                state, params, torch.randn(numel, generator=torch.Generator().manual_seed(step))
+            ).wait()
         return list(state.memory.committed["velocity"].values()), state.step
 
     with pytest.warns(UserWarning, match="finish_step\\(\\) was not called"):  # (warnings are process-wide)
         ranks = comm.simulate(2, rank_run)
     for velocities, step in ranks:
         assert step == 2 and any(float(v.abs().sum()) > 0 for v in velocities)
+
+
+@pytest.mark.parametrize("name,backend", SELECTIONS)
+def test_both_selection_paths_agree_across_ranks_and_with_each_other(name: str, backend: str) -> None:
+    """Each path keeps ranks identical; both select the exact top-k, so they decode the same updates."""
+    config = algorithms.get(name).config_class(density=0.05, selection_backend=backend, momentum=0.9,
+                                               **({"momentum_correction": True} if name == "deft" else {}))  # fmt: skip
+    ranks = _train(config, world=4)
+    for r in ranks[1:]:
+        for a, b in zip(ranks[0]["updates"], r["updates"], strict=True):
+            assert torch.equal(a, b)
+    other = dataclasses.replace(config, selection_backend="numpy" if backend == "torch" else "torch")
+    for a, b in zip(ranks[0]["updates"], _train(other, world=4)[0]["updates"], strict=True):
+        assert torch.equal(a, b)

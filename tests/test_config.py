@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from lightning_dgc import DEFTStrategy, DGCConfig, DGCStrategy
 
@@ -30,11 +31,29 @@ def test_bad_sample_ratio_is_rejected(ratio: float) -> None:
         ({"nesterov": True}, "nesterov"),
         ({"local_clip_norm": 0.0}, "local_clip_norm"),
         ({"min_compress_numel": 0}, "min_compress_numel"),
+        ({"selection_backend": "cuda"}, "selection_backend"),
     ],
 )
 def test_other_bad_settings(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DGCConfig(**kwargs)
+
+
+@pytest.mark.parametrize("strategy", [DGCStrategy, DEFTStrategy])
+def test_selection_backend_is_a_strategy_argument(strategy: type) -> None:
+    assert strategy(selection_backend="torch")._config.selection_backend == "torch"
+    with pytest.raises(ValueError, match="selection_backend"):
+        strategy(selection_backend="gpu")
+
+
+def test_the_numpy_backend_on_a_gpu_bucket_says_what_to_use_instead() -> None:
+    """(Decided per bucket from its device: checked without a GPU by asking for a CUDA device.)"""
+    from lightning_dgc.state import ExchangeState
+
+    algorithm = ExchangeState(DGCConfig(selection_backend="numpy")).algorithm
+    assert not algorithm.batched(torch.device("cpu"))
+    with pytest.raises(ValueError, match="selection_backend='numpy' selects on CPU tensors only.*'auto'"):
+        algorithm.batched(torch.device("cuda", 0))
 
 
 def test_another_comm_hook_is_rejected() -> None:

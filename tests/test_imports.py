@@ -29,7 +29,9 @@ assert "lightning" not in sys.modules, "a pure module imported Lightning"
 
 def test_any_import_order_registers_every_strategy_name_and_pure_parts_need_no_lightning() -> None:
     running = {
-        name: subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stderr=subprocess.PIPE, text=True)
+        name: subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)], stderr=subprocess.PIPE, text=True
+        )
         for name, code in CASES.items()
     }
     failed = {}

@@ -130,6 +130,9 @@ class BucketWork:
     flat: Tensor  # the bucket's local gradient, fp32 (``grads`` are views of it)
     keep: list[Tensor] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)  # measured extras for compression_stats()
+    # 0, or NaN when this rank's gradient is not finite (set by the hook after step 2). An algorithm that
+    # does not send every value adds it to what it sends, so that every rank decodes a non-finite bucket.
+    poison: Tensor | None = None
     selection_s: float | None = None  # set by an algorithm that selects outside step 3 (DEFT)
 
 
@@ -184,7 +187,8 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
     @abstractmethod
     def exchange(self, plan: PlanT, work: WorkT, collectives: Collectives) -> list[Pending]:
         """Step 4: start the collectives (in the same order on every rank); the decode waits for the
-        returned ones. An exchange of several rounds waits for a round with ``Pending.wait()``."""
+        returned ones. An exchange of several rounds waits for a round with ``Pending.wait()``. What
+        is sent must carry ``work.poison`` (see :class:`BucketWork`) unless it is every value."""
 
     @abstractmethod
     def decode(self, plan: PlanT, work: WorkT) -> Tensor:

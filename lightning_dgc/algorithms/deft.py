@@ -20,6 +20,7 @@ correction with ``momentum_correction=True``; then, per bucket:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -42,10 +43,11 @@ from lightning_dgc.algorithms.dgc import (
 )
 from lightning_dgc.checks import flag
 from lightning_dgc.compression import codec
+from lightning_dgc.compression.batched import concatenated_ranges, to_device, topk_in_ranges
 from lightning_dgc.compression.deft import deft_select, fragment_norms
 from lightning_dgc.partition import (
     Fragment,
-    allocate_k,
+    allocate_k_list,
     fragment_count,
     fragment_layers,
     lpt_assign,
@@ -89,6 +91,7 @@ class DEFTPlan(DGCPlan):
     control: Tensor | None = None  # fragment norms (squared) and every rank's selection time, float64
     union: Tensor | None = None  # the k selected indices of all ranks, int32, one slot range per fragment
     values: Tensor | None = None  # this rank's velocity at the union, in the value dtype
+    fragment_shift: Tensor | None = None  # per fragment: bucket offset - offset in the compressed buffer
 
 
 @dataclass
@@ -130,6 +133,12 @@ class DEFT(DGC):
                 plan.layers.append((by_name[f.name], []))
             plan.layers[-1][1].append((i, _rebased(f)))
         device = buffer.device
+        flat_start, start = {}, 0
+        for e in sparse:
+            flat_start[e.name] = start
+            start += e.numel
+        shifts = [by_name[f.name].offset - flat_start[f.name] for f in plan.fragments]
+        plan.fragment_shift = to_device(shifts, device)
         plan.control = torch.zeros(
             len(plan.fragments) + self.state.world_size, dtype=torch.float64, device=device
         )
@@ -138,72 +147,108 @@ class DEFT(DGC):
         return plan
 
     def select(self, plan: DEFTPlan, work: DEFTWork) -> None:  # type: ignore[override]
-        """Step 3: this rank's fragment norms (and its previous selection time) into the control vector."""
+        """Step 3: this rank's fragment norms (and its previous selection time) into the control vector.
+
+        One segmented reduction over the bucket's compressed buffer (on the CPU, one BLAS dot product
+        per fragment)."""
         assert plan.control is not None
         plan.control.zero_()
         count = len(plan.fragments)
         if count:
-            velocity = {e.name: v for e, v in work.sparse}
-            norms = torch.cat([fragment_norms(velocity[e.name], [f for _, f in fs]) for e, fs in plan.layers])
-            plan.control[:count] = norms.double().square()
+            assert work.velocity is not None
+            backend = "torch" if self.batched(work.velocity.device) else "auto"
+            plan.control[:count] = (
+                fragment_norms(work.velocity, plan.fragments, backend=backend).double().square()
+            )
         plan.control[count + self.state.rank] = self.state.last_selection_ms
 
     def exchange(self, plan: DEFTPlan, work: DEFTWork, collectives: Collectives) -> list[Pending]:  # type: ignore[override]
         assert plan.control is not None and plan.union is not None and plan.values is not None
-        world, rank, memory = self.state.world_size, self.state.rank, self.state.memory
+        assert plan.fragment_shift is not None
+        world = self.state.world_size
         count = len(plan.fragments)
-        # 4a. identical norms on every rank, hence the identical plan
+        # 4a. identical norms on every rank, hence the identical plan (one small copy to the host)
         collectives.all_reduce(plan.control, "all-reduce of DEFT's fragment norms").wait()
-        work.stats["rank_selection_ms"] = plan.control[count:].tolist()
+        control = plan.control.tolist()
+        work.stats["rank_selection_ms"] = control[count:]
         work.selection_s = 0.0
         if plan.k_total:
-            norms = plan.control[:count].sqrt().cpu()
+            assert work.velocity is not None
             sizes = [f.numel for f in plan.fragments]
-            ks = allocate_k(norms, sizes, plan.k_total).tolist()
+            ks = allocate_k_list([math.sqrt(c) if c > 0 else c for c in control[:count]], sizes, plan.k_total)
             owners = lpt_assign(selection_cost(sizes, ks), world, rotation=self.state.step)
             work.stats["plan"] = (ks, owners)
-            slot_starts = [0]
-            for k in ks:
-                slot_starts.append(slot_starts[-1] + k)
-            # 4b. select only in this rank's fragments; write bucket offsets into their slots
-            t0 = time.perf_counter()
+            # 4b. select only in this rank's fragments; write bucket offsets into their union slots
+            start = time.perf_counter()
             plan.union.zero_()
-            velocity = {e.name: v for e, v in work.sparse}
-            selected = 0
-            for entry, fs in plan.layers:
-                mine = [(i, f) for i, f in fs if owners[i] == rank]
-                if not mine:
-                    continue
-                idx, _ = deft_select(
-                    velocity[entry.name], [f for _, f in mine], [rank] * len(mine), [ks[i] for i, _ in mine], rank,
-                    selector=self.choose,
-                )  # fmt: skip
-                pos = 0
-                for i, _ in mine:
-                    plan.union[slot_starts[i] : slot_starts[i + 1]] = idx[pos : pos + ks[i]] + entry.offset
-                    pos += ks[i]
-                selected += pos
-            work.selection_s = time.perf_counter() - t0
+            if self.batched(work.velocity.device):
+                selected = self._select_owned_batched(plan, work, ks, owners)
+            else:
+                selected = self._select_owned_each(plan, work, ks, owners)
+            work.selection_s = time.perf_counter() - start
             work.stats["rank_selected"] = selected
             # the union of indices (disjoint slots: the sum is a merge)
             collectives.all_reduce(plan.union, "all-reduce of DEFT's selected indices").wait()
-            work.stats["union_values"] = int(torch.unique(plan.union).numel())  # k: no build-up
+            if self.state.measures_buildup:
+                work.stats["union_values"] = int(torch.unique(plan.union).numel())  # k: no build-up
             # 4c. this rank's values at the union, which it no longer holds back
-            masking = self.config.momentum_masking
-            for entry, fs in plan.layers:
-                lo, hi = slot_starts[fs[0][0]], slot_starts[fs[-1][0] + 1]
-                local_idx = plan.union[lo:hi].long() - entry.offset
-                v = velocity[entry.name]
-                plan.values[lo:hi] = v.index_select(0, local_idx)
-                v.index_fill_(0, local_idx, 0.0)
-                if masking and memory.has("momentum", entry.name):
-                    memory.scratch("momentum", entry.name).index_fill_(0, local_idx, 0.0)
+            ks_device = to_device(ks, work.velocity.device)
+            slot_shift = torch.repeat_interleave(plan.fragment_shift, ks_device, output_size=plan.k_total)
+            flat_positions = plan.union.long() - slot_shift
+            plan.values.copy_(work.velocity[flat_positions].add_(work.poison))
+            work.velocity.index_fill_(0, flat_positions, 0.0)
+            if self.config.momentum_masking and work.momentum is not None:
+                work.momentum.index_fill_(0, flat_positions, 0.0)
             work.summed = collectives.all_reduce(plan.values, "all-reduce of DEFT's values")
-        work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives)
+        work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives, work.poison)
         for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
             if e.kind == "full":
-                memory.scratch("velocity", e.name).zero_()
+                self.state.memory.scratch("velocity", e.name).zero_()
         return [p for p in (work.summed, work.dense) if p is not None]
+
+    def _select_owned_each(self, plan: DEFTPlan, work: DEFTWork, ks: list[int], owners: list[int]) -> int:
+        """This rank's fragments, layer by layer (the CPU's numpy path); returns how many it selected."""
+        assert plan.union is not None
+        rank, selected = self.state.rank, 0
+        velocity = {e.name: v for e, v in work.sparse}
+        slot_starts = [0]
+        for k in ks:
+            slot_starts.append(slot_starts[-1] + k)
+        for entry, fs in plan.layers:
+            mine = [(i, f) for i, f in fs if owners[i] == rank]
+            if not mine:
+                continue
+            idx, _ = deft_select(
+                velocity[entry.name], [f for _, f in mine], [rank] * len(mine), [ks[i] for i, _ in mine], rank,
+                selector=self.choose,
+            )  # fmt: skip
+            pos = 0
+            for i, _ in mine:
+                plan.union[slot_starts[i] : slot_starts[i + 1]] = idx[pos : pos + ks[i]] + entry.offset
+                pos += ks[i]
+            selected += pos
+        return selected
+
+    def _select_owned_batched(self, plan: DEFTPlan, work: DEFTWork, ks: list[int], owners: list[int]) -> int:
+        """This rank's fragments at once: gathered into one buffer (a 1/N share of the bucket), a batched
+        selection (:func:`~lightning_dgc.compression.batched.batched_topk`), one write into the union."""
+        assert plan.union is not None and plan.fragment_shift is not None and work.velocity is not None
+        device, rank = work.velocity.device, self.state.rank
+        mine = [i for i, owner in enumerate(owners) if owner == rank and ks[i] > 0]
+        if not mine:
+            return 0
+        slot_starts = [0]
+        for k in ks:
+            slot_starts.append(slot_starts[-1] + k)
+        mine_ks = [ks[i] for i in mine]
+        chosen, layout = topk_in_ranges(
+            work.velocity, [plan.fragments[i].offset for i in mine], [plan.fragments[i].numel for i in mine], mine_ks,
+            self.config.sample_ratio, self.state.draw_generator(device),
+        )  # fmt: skip
+        shift = plan.fragment_shift[to_device(mine, device)]
+        slots = concatenated_ranges([slot_starts[i] for i in mine], mine_ks, device)
+        plan.union[slots] = (chosen + shift[layout.out_segment]).to(torch.int32)
+        return layout.k_total
 
     def decode(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
         dense = dense_sum(self.state.world_size, work.dense)

@@ -40,12 +40,14 @@ from lightning_dgc.algorithms.base import (
 )
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.compression import codec, sampled_topk, topk_indices
+from lightning_dgc.compression.batched import SegmentLayout, batched_topk, segment_layout, to_device
 from lightning_dgc.memory import bucket_order_flat, clip_each_by_norm_, momentum_correction_each
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
 
 Selection = Literal["sampled", "exact"]
+SelectionBackend = Literal["auto", "torch", "numpy"]
 ValueDType = Literal["fp32", "fp16"]
 Kind = Literal["sparse", "full", "dense"]
 
@@ -58,6 +60,11 @@ class DGCConfig(AlgorithmConfig):
         density: fraction of each compressed tensor's values sent per step, in (0, 1].
         sample_ratio: fraction of a tensor sampled to estimate the top-k threshold, in (0, 1].
         selection: ``"sampled"`` (DGC's threshold sampling, exact k guaranteed) or ``"exact"``.
+        selection_backend: how the sampled selection runs. ``"torch"``: the bucket's compressed tensors
+            together, a fixed number of kernels and one host synchronisation per bucket
+            (:mod:`lightning_dgc.compression.batched`), with sample positions drawn on the tensors'
+            device, seeded identically on every rank; ``"numpy"``: tensor by tensor on zero-copy numpy
+            views (CPU only); ``"auto"`` (default): numpy for CPU float32 buckets, torch elsewhere.
         min_compress_numel: tensors with fewer values, and every 1-D tensor (biases, norms), are
             averaged dense: compressing them saves little and hurts accuracy.
     Momentum correction (used for parameters whose optimizer momentum was not taken over):
@@ -78,6 +85,7 @@ class DGCConfig(AlgorithmConfig):
     density: float = 0.001
     sample_ratio: float = 0.01
     selection: Selection = "sampled"
+    selection_backend: SelectionBackend = "auto"
     min_compress_numel: int = 1024
     momentum: float = 0.0
     nesterov: bool = False
@@ -102,6 +110,10 @@ class DGCConfig(AlgorithmConfig):
             )
         if self.selection not in ("sampled", "exact"):
             raise ValueError(f"`selection` must be 'sampled' or 'exact', got {self.selection!r}.")
+        if self.selection_backend not in ("auto", "torch", "numpy"):
+            raise ValueError(
+                f"`selection_backend` must be 'auto', 'torch' or 'numpy', got {self.selection_backend!r}."
+            )
         if self.value_dtype not in VALUE_DTYPES:
             raise ValueError(
                 f"`value_dtype` must be one of {sorted(VALUE_DTYPES)}, got {self.value_dtype!r}."
@@ -188,12 +200,18 @@ class DGCPlan:
     decay_groups: list[tuple[float, list[int]]] = field(default_factory=list)  # weight decay
     memory_groups: list[tuple[tuple[float, bool], list[int]]] = field(default_factory=list)  # full/sparse
     dense_momentum_groups: list[tuple[tuple[float, bool], list[int]]] = field(default_factory=list)
+    sparse_names: list[str] = field(default_factory=list)  # the compressed tensors, in entry order
+    sparse_momentum: bool = False  # whether any compressed tensor keeps a momentum
+    segments: SegmentLayout | None = None  # the batched selection's layout (made when first used)
+    out_shift: Tensor | None = None  # per selected slot: bucket offset - offset in the compressed buffer
 
 
 @dataclass
 class DGCWork(BucketWork):
     dense_parts: list[Tensor] = field(default_factory=list)  # entry order: dense gradients, full velocities
     sparse: list[tuple[Entry, Tensor]] = field(default_factory=list)  # compressed tensors, their v'
+    velocity: Tensor | None = None  # every compressed tensor's v', one flat buffer (views in ``sparse``)
+    momentum: Tensor | None = None  # their u', likewise (None without momentum)
     gathered: Pending | None = None
     dense: Pending | None = None
 
@@ -254,7 +272,9 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                     if e.kind != "sparse"
                 ]
             )
+        plan.sparse_names = [e.name for e in entries if e.kind == "sparse"]
         settings = self.state.settings_for
+        plan.sparse_momentum = any(settings(name).momentum for name in plan.sparse_names)
         plan.decay_groups = grouped(entries, lambda e: settings(e.name).weight_decay or None)  # type: ignore[assignment]
         plan.memory_groups = grouped(  # type: ignore[assignment]
             entries,
@@ -286,6 +306,11 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             if params[0].dtype != torch.float32:
                 params = [p.float() for p in params]
             torch._foreach_add_([grads[i] for i in members], params, alpha=decay)
+        if plan.sparse_names:  # the compressed tensors' memory, contiguous: the selection reads it as one
+            sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
+            work.velocity = memory.group("velocity", plan.sparse_names, sizes, device)[1]
+            if plan.sparse_momentum:
+                work.momentum = memory.group("momentum", plan.sparse_names, sizes, device)[1]
         velocity_out: dict[int, Tensor] = {}
         for (momentum, nesterov), members in plan.memory_groups:
             names = [plan.entries[i].name for i in members]
@@ -324,12 +349,37 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         """Exactly ``k`` indices of the largest magnitudes of ``values`` (the configured selection)."""
         if self.config.selection == "exact":
             return topk_indices(values, k)
-        return sampled_topk(values, k, self.config.sample_ratio, self.state.generator)
+        backend = "numpy" if self.config.selection_backend == "numpy" else "auto"
+        return sampled_topk(values, k, self.config.sample_ratio, self.state.generator, backend=backend)
+
+    def batched(self, device: torch.device) -> bool:
+        """Whether the sampled selection runs batched per bucket (see ``DGCConfig.selection_backend``)."""
+        backend = self.config.selection_backend
+        if backend == "numpy" and device.type != "cpu":
+            raise ValueError(
+                f"selection_backend='numpy' selects on CPU tensors only, but this bucket is on {device}; "
+                "use selection_backend='auto' (batched on the device) or 'torch'."
+            )
+        return self.config.selection == "sampled" and (
+            backend == "torch" or (backend == "auto" and device.type != "cpu")
+        )
 
     def select(self, plan: DGCPlan, work: DGCWork) -> None:
         """Top-k per compressed tensor into the payload; what is sent is cleared from the scratch memory."""
         if not plan.k_total:
             return
+        if self.batched(work.flat.device):
+            indices, values = self._select_batched(plan, work)
+        else:
+            indices, values = self._select_each(plan, work)
+        flat, order = indices.sort()  # the wire format wants ascending indices
+        values = values[order].add_(work.poison)  # NaN on every rank when this rank's gradient is not finite
+        codec.pack_into(plan.payload, flat, values, self.config.value_dtype_torch, work.flat.numel(),
+                        check=not self.batched(work.flat.device))  # fmt: skip
+        work.stats["rank_selected"] = plan.k_total
+
+    def _select_each(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
+        """Tensor by tensor (the CPU's numpy path): bucket positions and values, cleared from memory."""
         masking, memory = self.config.momentum_masking, self.state.memory
         indices, values = [], []
         for e, velocity in work.sparse:
@@ -339,11 +389,28 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             velocity.index_fill_(0, idx, 0.0)  # sent: no longer held back
             if masking and memory.has("momentum", e.name):
                 memory.scratch("momentum", e.name).index_fill_(0, idx, 0.0)
-        flat, order = torch.cat(indices).sort()  # the wire format wants ascending indices
-        codec.pack_into(
-            plan.payload, flat, torch.cat(values)[order], self.config.value_dtype_torch, work.flat.numel()
-        )
-        work.stats["rank_selected"] = plan.k_total
+        return torch.cat(indices), torch.cat(values)
+
+    def _select_batched(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
+        """All compressed tensors at once (:func:`~lightning_dgc.compression.batched.batched_topk`)."""
+        assert work.velocity is not None
+        device = work.velocity.device
+        if plan.segments is None:
+            sparse = [e for e in plan.entries if e.kind == "sparse"]
+            plan.segments = segment_layout(
+                [e.numel for e in sparse], [e.k for e in sparse], self.config.sample_ratio, device
+            )
+            shifts, start = [], 0
+            for e in sparse:
+                shifts.append(e.offset - start)
+                start += e.numel
+            plan.out_shift = to_device(shifts, device)[plan.segments.out_segment]
+        idx = batched_topk(work.velocity, plan.segments, self.state.draw_generator(device))
+        values = work.velocity[idx]
+        work.velocity.index_fill_(0, idx, 0.0)  # sent: no longer held back
+        if self.config.momentum_masking and work.momentum is not None:
+            work.momentum.index_fill_(0, idx, 0.0)
+        return idx + plan.out_shift, values
 
     # -- step 4 ----------------------------------------------------------------------------------------------
     def exchange(self, plan: DGCPlan, work: DGCWork, collectives: Collectives) -> list[Pending]:
@@ -351,7 +418,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             work.gathered = collectives.all_gather(
                 plan.payload, plan.gathered, "all-gather of the sparse payload"
             )
-        work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives)
+        work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives, work.poison)
         for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
             if e.kind == "full":
                 self.state.memory.scratch("velocity", e.name).zero_()
@@ -366,7 +433,8 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             indices, values = codec.unpack(
                 gathered, plan.k_total, self.config.value_dtype_torch, work.flat.numel()
             )
-            self.state.add_union_values(int(torch.unique(indices).numel()))  # gradient build-up
+            if self.state.measures_buildup:  # a host sync: only when something asks for it
+                self.state.add_union_values(int(torch.unique(indices).numel()))  # gradient build-up
         return average(self, plan, work.flat, dense, indices, values)
 
     # -- the cost ----------------------------------------------------------------------------------------------
@@ -396,7 +464,9 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         return WireCost(tuple(messages), dense_bytes, numel, k_total, k_total + dense_numel, padding)
 
 
-def exchange_dense(parts: list[Tensor], value_dtype: torch.dtype, collectives: Collectives) -> Pending | None:
+def exchange_dense(
+    parts: list[Tensor], value_dtype: torch.dtype, collectives: Collectives, poison: Tensor | None = None
+) -> Pending | None:
     """Start the all-reduce of the tensors exchanged dense (see :func:`dense_sum` for its result).
 
     With fp16 values they travel in fp16 too, pre-divided by the world size like torch's
@@ -406,6 +476,8 @@ def exchange_dense(parts: list[Tensor], value_dtype: torch.dtype, collectives: C
     if not parts:
         return None
     dense = torch.cat(parts)
+    if poison is not None:
+        dense[:1].add_(poison)
     if value_dtype != torch.float32:
         dense = dense.div_(collectives.world_size).to(value_dtype)
     return collectives.all_reduce(dense, "all-reduce of the dense tensors")

@@ -248,6 +248,7 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
                     orthogonalize_(f.q, epsilon)
         for f in plan.factors:
             torch.bmm(self._matrix(work, f), f.q, out=f.p)
+        plan.p_flat[:1].add_(work.poison)  # NaN in P is NaN in every Q and so in every decoded matrix
 
     # -- step 4 ----------------------------------------------------------------------------------------------
     def exchange(self, plan: PowerSGDPlan, work: PowerSGDWork, collectives: Collectives) -> list[Pending]:
@@ -258,6 +259,7 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
             return [work.plain]
         if plan.uncompressed_index is not None:
             values = work.flat.index_select(0, plan.uncompressed_index)
+            values[:1].add_(work.poison)
             work.uncompressed = collectives.all_reduce(values, "all-reduce of the uncompressed tensors")
         if not plan.factors:
             return [p for p in (work.uncompressed,) if p is not None]

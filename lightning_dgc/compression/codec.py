@@ -84,7 +84,9 @@ def _as_int16(codes: Tensor) -> Tensor:
     return (codes - ((codes >> 15) << 16)).to(torch.int16)
 
 
-def pack_into(payload: Tensor, indices: Tensor, values: Tensor, value_dtype: torch.dtype, span: int) -> None:
+def pack_into(
+    payload: Tensor, indices: Tensor, values: Tensor, value_dtype: torch.dtype, span: int, check: bool = True
+) -> None:
     """Write the selected ``indices`` and their ``values`` into ``payload`` (see the module docstring).
 
     Args:
@@ -95,9 +97,10 @@ def pack_into(payload: Tensor, indices: Tensor, values: Tensor, value_dtype: tor
         value_dtype: the wire dtype of the values.
         span: the bucket's numel (the same on every rank).
 
-    The index contract is checked (``ValueError``) only for CPU tensors, where it costs no device
-    synchronisation; on CUDA an index set that breaks it gives a wrong payload (or an out-of-bounds
-    device error), so the caller must sort. Vectorised: no host synchronisation, no Python loop.
+    The index contract is checked (``ValueError``) only for CPU tensors and with ``check``, where it
+    costs no device synchronisation; on CUDA an index set that breaks it gives a wrong payload (or an
+    out-of-bounds device error), so the caller must sort. Vectorised: no host synchronisation, no
+    Python loop.
     """
     k = indices.numel()
     nbytes = payload_nbytes(k, value_dtype, span)
@@ -112,7 +115,7 @@ def pack_into(payload: Tensor, indices: Tensor, values: Tensor, value_dtype: tor
         return
     idx = indices.reshape(-1).to(torch.int64)
     gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))  # d_i >= 1 for a valid index set
-    if idx.device.type == "cpu":
+    if check and idx.device.type == "cpu":
         if int(gaps.min()) < 1:
             raise ValueError("pack_into needs indices sorted ascending, distinct and >= 0 (sort them first).")
         if int(idx[-1]) >= span:

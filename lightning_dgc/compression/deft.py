@@ -16,11 +16,13 @@ and there a torch call costs several times a numpy one, enough to matter next to
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_dgc.compression.batched import to_device
 from lightning_dgc.partition import Fragment
 
 __all__ = ["deft_select", "fragment_norms"]
@@ -180,7 +182,11 @@ def deft_select(
 
 
 def fragment_norms(
-    velocity_flat: Tensor, fragments: Sequence[Fragment], *, workspace: Tensor | None = None
+    velocity_flat: Tensor,
+    fragments: Sequence[Fragment],
+    *,
+    workspace: Tensor | None = None,
+    backend: Literal["auto", "torch"] = "auto",
 ) -> Tensor:
     """L2 norm of ``velocity_flat`` inside each fragment, the input of DEFT's k allocation.
 
@@ -196,6 +202,8 @@ def fragment_norms(
         workspace: Optional scratch of the accumulation dtype (float32, or float64 for a float64
             vector) on the vector's device, at least as long as the span the fragments cover; it
             receives the squares instead of a fresh buffer.
+        backend: ``"auto"`` (BLAS dot products on the CPU, the segmented reduction elsewhere) or
+            ``"torch"`` (the segmented reduction everywhere: a fixed number of kernels).
 
     Returns:
         One norm per fragment, float32 (float64 for a float64 vector), on the vector's device.
@@ -210,7 +218,12 @@ def fragment_norms(
     start, stop = fragments[0].offset, fragments[-1].stop
     if stop > velocity_flat.numel():
         raise ValueError(f"fragments end at {stop}, past the {velocity_flat.numel()} elements of the vector")
-    if workspace is None and velocity_flat.device.type == "cpu" and velocity_flat.dtype == accumulate:
+    if (
+        backend == "auto"
+        and workspace is None
+        and velocity_flat.device.type == "cpu"
+        and velocity_flat.dtype == accumulate
+    ):
         # BLAS dot products read each fragment once and write nothing: ~10x faster on CPU than
         # squaring into a buffer and segment-summing it. numpy's, on views: ``torch.dot`` costs
         # about 0.1 ms more per call on CPU (with the run's OMP_WAIT_POLICY=PASSIVE), which over a
@@ -228,5 +241,7 @@ def fragment_norms(
         )
     squares = _scratch(workspace, stop - start, velocity_flat, accumulate)
     squares.copy_(velocity_flat[start:stop]).square_()
-    lengths = torch.tensor([f.numel for f in fragments], dtype=torch.int64, device=velocity_flat.device)
-    return torch.segment_reduce(squares, "sum", lengths=lengths).sqrt_()
+    # lengths from pinned memory, and ``unsafe``: the checks segment_reduce makes otherwise read two
+    # scalars back (a host synchronisation on a GPU); the lengths are right by construction
+    lengths = to_device([f.numel for f in fragments], velocity_flat.device)
+    return torch.segment_reduce(squares, "sum", lengths=lengths, unsafe=True).sqrt_()

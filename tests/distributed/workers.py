@@ -99,7 +99,7 @@ def train(
     sgd = dict(sgd or {"lr": 0.1})
     state = None
     if use_hook:
-        state = ExchangeState(algorithms.get(hook).config_class(**(config or {})))
+        state = ExchangeState(algorithms.get(hook).config_class(**(config or {})), measure_buildup=True)
         state.register_parameters(model.named_parameters())
         if take_over:  # what DGCStrategy does with an SGD optimizer
             from lightning_dgc.state import ParamSettings

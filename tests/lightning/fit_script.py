@@ -93,6 +93,8 @@ class HookProbe(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._before = torch.cat([p.detach().float().reshape(-1) for p in pl_module.parameters()])
+        if isinstance(trainer.strategy, lightning_dgc.CompressionStrategy):
+            trainer.strategy.request_buildup()  # the build-up factor is measured only on request
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy

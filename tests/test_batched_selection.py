@@ -1,0 +1,111 @@
+"""The batched selection (``selection_backend="torch"``): per segment, exactly its k largest magnitudes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_dgc.compression.batched import (
+    batched_topk,
+    concatenated_ranges,
+    segment_layout,
+    topk_in_ranges,
+)
+from tests.test_selection import _values
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _per_segment(chosen: torch.Tensor, layout) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    return [chosen[a:b].tolist() for a, b in zip(layout.k_starts[:-1], layout.k_starts[1:], strict=True)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_segment_gets_exactly_its_top_k(seed: int) -> None:
+    """Sizes from one value to 100k, k from 0 to all of a segment: each segment's slots hold its exact top-k."""
+    sizes = [100_000, 1, 4096, 30_000, 7, 2048, 65_537]
+    ks = [100, 1, 4096, 30, 3, 0, 66]
+    g = _gen(seed)
+    flat = torch.cat([torch.randn(n, generator=g) * (i + 1) for i, n in enumerate(sizes)])  # scales differ
+    layout = segment_layout(sizes, ks, 0.01, flat.device)
+    chosen = batched_topk(flat, layout, _gen(seed + 10))
+    assert chosen.numel() == sum(ks) == layout.k_total
+    for t, got in enumerate(_per_segment(chosen, layout)):
+        start, stop = layout.starts[t], layout.starts[t + 1]
+        want = torch.topk(flat[start:stop].abs(), ks[t]).indices + start
+        assert sorted(got) == sorted(want.tolist()), t
+
+
+@pytest.mark.parametrize("dist", ["heavy", "constant", "sparse"])
+def test_ties_and_zeros_still_give_k_distinct_indices_inside_each_segment(dist: str) -> None:
+    sizes, ks = [5000, 100_000, 4096], [5, 100, 4096]
+    flat = torch.cat([_values(dist, n, _gen(n)) for n in sizes])
+    layout = segment_layout(sizes, ks, 0.01, flat.device)
+    for t, got in enumerate(_per_segment(batched_topk(flat, layout, _gen(0)), layout)):
+        assert len(set(got)) == ks[t]
+        assert all(layout.starts[t] <= i < layout.starts[t + 1] for i in got)
+        kth = torch.topk(flat[layout.starts[t] : layout.starts[t + 1]].abs(), ks[t]).values.min()
+        assert bool((flat[got].abs() >= kth).all())  # ties at the k-th value: any of them will do
+
+
+def test_a_threshold_set_too_high_falls_back_to_the_exact_top_k() -> None:
+    """The rare case, forced: a segment's threshold is its largest sample, so fewer than k values pass.
+    That segment takes its exact top-k; the others keep their candidates."""
+    sizes, ks = [50_000, 20_000], [500, 20]
+    flat = torch.randn(sum(sizes), generator=_gen(3))
+    layout = segment_layout(sizes, ks, 0.01, flat.device)
+    # samples are sorted by segment, then descending: sample 0 is segment 0's largest
+    forced = dataclasses.replace(layout, threshold_at=torch.tensor([0, int(layout.threshold_at[1])]))
+    draws = torch.rand(
+        layout.sample_scale.numel(), generator=_gen(1), dtype=torch.float64
+    )  # the call's draws
+    sampled = flat.abs()[(draws * layout.sample_scale).long() + layout.sample_base][
+        layout.sample_segment == 0
+    ]
+    assert int((flat[: sizes[0]].abs() >= sampled.max()).sum()) < ks[0]  # what makes segment 0 short
+    chosen = batched_topk(flat, forced, _gen(1))
+    for t, got in enumerate(_per_segment(chosen, forced)):
+        start, stop = layout.starts[t], layout.starts[t + 1]
+        assert sorted(got) == sorted((torch.topk(flat[start:stop].abs(), ks[t]).indices + start).tolist())
+
+
+def test_non_finite_values_still_give_k_indices_inside_the_bucket() -> None:
+    """A poisoned gradient is decoded and skipped later: the selection must only stay in bounds."""
+    sizes, ks = [10_000, 8192], [10, 9]
+    flat = torch.randn(sum(sizes), generator=_gen(4))
+    flat[::7] = float("nan")
+    flat[5] = float("inf")
+    layout = segment_layout(sizes, ks, 0.01, flat.device)
+    chosen = batched_topk(flat, layout, _gen(2))
+    assert chosen.numel() == 19 and int(chosen.min()) >= 0 and int(chosen.max()) < flat.numel()
+
+
+def test_only_float32_is_accepted() -> None:
+    layout = segment_layout([4096], [4], 0.01, torch.device("cpu"))
+    with pytest.raises(TypeError, match="float32"):
+        batched_topk(torch.randn(4096, dtype=torch.float64), layout)
+
+
+def test_the_same_generator_state_gives_the_same_selection() -> None:
+    """Every rank seeds its device generator alike (ExchangeState.draw_generator): same draws, same result."""
+    flat = torch.randn(70_000, generator=_gen(5))
+    flat[:1000] = 1.0  # many ties: only equal draws make equal choices
+    layout = segment_layout([30_000, 40_000], [300, 40], 0.01, flat.device)
+    assert torch.equal(batched_topk(flat, layout, _gen(9)), batched_topk(flat, layout, _gen(9)))
+
+
+def test_ranges_are_selected_where_they_lie() -> None:
+    """DEFT's owned fragments: scattered ranges of one buffer, each with its own k."""
+    flat = torch.randn(200_000, generator=_gen(6))
+    starts, sizes, ks = [150_000, 3, 60_000], [40_000, 5000, 1024], [40, 5, 1024]
+    positions = concatenated_ranges(starts, sizes, flat.device)
+    assert positions.tolist() == [*range(150_000, 190_000), *range(3, 5003), *range(60_000, 61_024)]
+    chosen, layout = topk_in_ranges(flat, starts, sizes, ks, 0.01, _gen(0))
+    for j, got in enumerate(_per_segment(chosen, layout)):
+        want = torch.topk(flat[starts[j] : starts[j] + sizes[j]].abs(), ks[j]).indices + starts[j]
+        assert sorted(got) == sorted(want.tolist())
+    assert layout.out_segment.tolist() == [0] * 40 + [1] * 5 + [2] * 1024
