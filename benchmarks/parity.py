@@ -5,8 +5,9 @@
     .venv/bin/python -m benchmarks.parity --tasks ptb --algos ddp,dgc --data-root /work/shared/data
 
 Each run is the recipes' Lightning CLI in a subprocess, two processes on the CPU (the CPU configs'
-``devices: 2``), same seed (the configs' ``seed_everything: 42``) and same budget for every
-algorithm::
+``devices: 2``; ``--devices N`` runs N, with the per-process batch divided so that the global batch,
+and so the optimizer steps, stay the config's; ``--threads T`` compute threads each), same seed (the
+configs' ``seed_everything: 42``) and same budget for every algorithm::
 
     python -m recipes fit --config configs/<task>_cpu.yaml --config configs/algo/<algo>.yaml \\
         --config <generated callbacks.yaml> --data.root <data> --trainer.max_epochs E \\
@@ -16,8 +17,9 @@ The generated config (saved under ``benchmarks/results/parity_configs/``) replac
 YAML's callback list with the same callbacks plus :class:`benchmarks.common.RunRecorder`, which
 writes the validation metrics and the run's total exchanged bytes to JSON. For ``dgc`` it holds
 the paper's warm-up (densities 0.25, 0.0625, 0.015625, 0.004, then 0.001): per epoch, as in
-``configs/algo/dgc_warmup.yaml``, when the run has at least 8 epochs, otherwise per optimizer step
-with each stage lasting 5% of the run (a short run would otherwise never leave the warm-up).
+``configs/algo/dgc_warmup.yaml``, when the run has at least 8 epochs, otherwise over the first 20% of
+the optimizer steps, each stage for 5% (``SparsityWarmup(run_fraction=0.2)``: a short run would
+otherwise never leave the warm-up).
 ``deft`` is ``configs/algo/deft.yaml`` as shipped: DGC's momentum correction and the same warm-up.
 ``powersgd`` is ``configs/algo/powersgd.yaml`` (rank 2, plain all-reduce for the first 10 steps).
 ``--algos`` also takes ``deft_paper``: DEFT as published (error feedback with the optimizer's
@@ -42,8 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import shutil
 import sys
 import tempfile
@@ -55,6 +55,7 @@ from typing import Any
 from benchmarks import common
 
 CONFIG_DIR = common.RESULTS / "parity_configs"
+CONFIG_DEVICES = 2  # the CPU configs' ``trainer.devices``
 ALGOS = ("ddp", "dgc", "deft", "powersgd")
 #: name -> (algorithm YAML, extra CLI arguments, add the warm-up); the last two are variants for
 #: ``--algos`` outside the default set.
@@ -69,7 +70,16 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
         False,
     ),
 }
-PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)
+#: DEFT's ablations: the shipped DEFT with one part switched (see ``DEFTConfig``), for ``--algos``.
+DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "deft_uniform_k": (("--trainer.strategy.init_args.k_allocation", "size"), True),
+    "deft_whole_layers": (("--trainer.strategy.init_args.fragmenting", "false"), True),
+    "deft_fixed_owners": (("--trainer.strategy.init_args.rotation", "false"), True),
+    "deft_owner_values": (("--trainer.strategy.init_args.union_values", "owner"), True),
+    "deft_no_warmup": ((), False),
+    "deft_no_momentum_correction": (("--trainer.strategy.init_args.momentum_correction", "false"), True),
+}
+ALGO_SPECS.update({name: ("configs/algo/deft.yaml", *spec) for name, spec in DEFT_ABLATIONS.items()})
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,7 @@ class Task:
     relative: bool
     quick: tuple[int, int]  # (epochs, train batches per epoch)
     full: tuple[int, int | None]  # (epochs, train batches per epoch; None = all)
+    batch_size: int = 64  # per process in the config, at the config's 2 processes
     extra_metrics: tuple[str, ...] = ()
     overrides: tuple[str, ...] = field(default_factory=tuple)
 
@@ -116,6 +127,7 @@ TASKS: dict[str, Task] = {
         relative=True,
         quick=(1, 60),
         full=(4, None),
+        batch_size=20,
         overrides=("--data.download", "false"),
     ),
     "digits": Task(
@@ -130,6 +142,7 @@ TASKS: dict[str, Task] = {
         relative=False,
         quick=(1, None),
         full=(10, None),
+        batch_size=8,
         extra_metrics=("val_wer",),
         overrides=(
             "--data.train_subset",
@@ -147,16 +160,13 @@ TASKS: dict[str, Task] = {
 }
 
 
-def callbacks_yaml(algo: str, record_path: Path, epochs: int, steps_per_epoch: int | None) -> str:
+def callbacks_yaml(algo: str, record_path: Path, epochs: int) -> str:
     """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder), as YAML text."""
     lines = ["trainer:", "  callbacks:"]
     if ALGO_SPECS[algo][2]:
         lines.append("    - class_path: lightning_dgc.SparsityWarmup")
-        if epochs < 8:
-            total = epochs * (steps_per_epoch or 0)
-            stage = max(1, math.ceil(0.05 * total))
-            densities = [d for d in PAPER_WARMUP for _ in range(stage)]
-            lines += ["      init_args:", "        interval: step", f"        densities: {densities}"]
+        if epochs < 8:  # each of the paper's 4 stages for 5% of the run
+            lines += ["      init_args:", "        run_fraction: 0.2"]
     if algo != "ddp":
         lines.append("    - class_path: lightning_dgc.CompressionMonitor")
     lines += [
@@ -180,6 +190,15 @@ def steps_per_epoch_estimate(task: Task, batches: int | None) -> int | None:
 RUNS_DIR = common.RESULTS / "parity_runs"
 
 
+def per_process_batch(task: Task, devices: int) -> int:
+    """The batch per process at ``devices`` processes that keeps the config's global batch (its
+    per-process batch times its 2 processes), so that runs at any N take the same optimizer steps."""
+    total = task.batch_size * CONFIG_DEVICES
+    if total % devices:
+        raise SystemExit(f"--devices {devices} does not divide {task.name}'s global batch of {total}")
+    return total // devices
+
+
 def command(
     task: Task,
     algo: str,
@@ -188,6 +207,7 @@ def command(
     batches: int | None,
     workdir: Path,
     name: str = "parity",
+    devices: int = CONFIG_DEVICES,
 ) -> tuple[list[str], Path]:
     """(argv, record path) of one run; writes the run's generated config under ``parity_configs/<name>/``."""
     record = RUNS_DIR / name / f"{task.name}_{algo}.json"
@@ -197,15 +217,14 @@ def command(
     generated.write_text(
         f"# Generated by benchmarks/parity.py for {task.name} / {algo} ({budget}): the callbacks of\n"
         f"# {algo_config(algo)} plus benchmarks.common.RunRecorder (run metrics to JSON).\n"
-        + callbacks_yaml(
-            algo, record.relative_to(common.REPO), epochs, steps_per_epoch_estimate(task, batches)
-        )
+        + callbacks_yaml(algo, record.relative_to(common.REPO), epochs)
     )
     argv = [
         common.python(), "-m", "recipes", "fit",
         "--config", task.config, "--config", algo_config(algo), "--config", str(generated.relative_to(common.REPO)),
         "--data.root", str(data_root / task.data_subdir), *task.overrides, *ALGO_SPECS[algo][1],
         "--trainer.max_epochs", str(epochs),
+        "--trainer.devices", str(devices), "--data.batch_size", str(per_process_batch(task, devices)),
         "--trainer.num_sanity_val_steps", "0",
         "--trainer.enable_progress_bar", "false",
         "--trainer.enable_checkpointing", "false",
@@ -213,7 +232,7 @@ def command(
         "--trainer.logger.init_args.save_dir", str(workdir / "logs"),
         "--trainer.logger.init_args.version", f"{task.name}_{algo}",
     ]  # fmt: skip
-    if batches is not None:
+    if batches is not None:  # per process: at N processes each sees 1/N of the data
         argv += ["--trainer.limit_train_batches", str(batches)]
     return argv, record
 
@@ -231,19 +250,27 @@ def display_command(argv: list[str], workdir: Path) -> str:
 
 
 def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | None, workdir: Path,
-            timeout_s: float, name: str = "parity") -> dict[str, Any]:  # fmt: skip
-    argv, record = command(task, algo, data_root, epochs, batches, workdir, name)
-    record.unlink(missing_ok=True)
+            timeout_s: float, name: str = "parity", devices: int = CONFIG_DEVICES,
+            threads: int = 1, reuse: bool = False) -> dict[str, Any]:  # fmt: skip
+    argv, record = command(task, algo, data_root, epochs, batches, workdir, name, devices)
     log = workdir / f"{task.name}_{algo}.log"
-    code, wall = common.run_command(argv, common.worker_env(), log, timeout_s)
+    reused = reuse and record.exists() and json.loads(record.read_text()).get("finished")
+    if reused:  # the same command ran to the end before: take its record, do not train again
+        code, wall = 0, json.loads(record.read_text()).get("train_wall_s")
+    else:
+        record.unlink(missing_ok=True)
+        code, wall = common.run_command(argv, common.worker_env(threads), log, timeout_s)
     out: dict[str, Any] = {
         "task": task.name,
         "algo": algo,
+        "devices": devices,
+        "batch_per_process": per_process_batch(task, devices),
         "epochs": epochs,
         "limit_train_batches": batches,
         "command": display_command(argv, workdir),
         "exit_code": code,
         "wall_s": wall,
+        "reused": bool(reused),
     }
     if record.exists():
         rec = json.loads(record.read_text())
@@ -363,7 +390,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
     budget = result.get("budget") or ("quick" if result.get("quick") else "full")
     out = [
         (
-            f"Accuracy parity on real data ({budget} budget), 2 workers",
+            f"Accuracy parity on real data ({budget} budget), {result.get('devices', CONFIG_DEVICES)} workers",
             ["task", "algo", "metric", "value", "also", "steps", "compression ratio", "wall s", "run"],
             rows,
         )
@@ -437,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--name", default="parity",
                         help="result name: writes results/<name>.json and .png (default parity)")  # fmt: skip
+    parser.add_argument("--devices", type=int, default=CONFIG_DEVICES,
+                        help="processes per run (default 2, the configs'); the per-process batch is scaled so that"
+                        " the global batch stays the config's")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help="compute threads per process (default 1)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="take a run's finished record from an earlier run of the same --name instead of"
+                        " training again (its wall time is the recorded training time)")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=None,
                         help="Unix time by which to finish: a task whose runs would not fit is skipped")  # fmt: skip
     args = parser.parse_args(argv)
@@ -470,9 +504,20 @@ def main(argv: list[str] | None = None) -> int:
                     skipped.append(name)
                     continue
             for algo in args.algos:
-                con.print(f"[bold]{name}[/bold] / {algo}: {epochs} epoch(s) x {batches or 'all'} batches ...")
+                con.print(f"[bold]{name}[/bold] / {algo}: {args.devices} processes, {epochs} epoch(s) x"
+                          f" {batches or 'all'} batches ...")  # fmt: skip
                 run = run_one(
-                    task, algo, args.data_root.resolve(), epochs, batches, workdir, timeout, args.name
+                    task,
+                    algo,
+                    args.data_root.resolve(),
+                    epochs,
+                    batches,
+                    workdir,
+                    timeout,
+                    args.name,
+                    args.devices,
+                    args.threads,
+                    args.reuse,
                 )
                 if "error" in run:
                     con.print(f"[red]failed[/red]:\n{run['error']}")
@@ -504,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         "comparisons": comparisons,
         "skipped_tasks": skipped,
         "wall_s": time.perf_counter() - t0,
-        "threads_per_process": int(os.environ.get("OMP_NUM_THREADS", "1") or 1),
+        "devices": args.devices,
+        "threads_per_process": args.threads,
     }
     show(result)
     common.write_json(f"{args.name}.json", result)

@@ -466,12 +466,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     prediction = predict(profile, WORKERS, bandwidths, METHODS, network)
 
-    totals = profile.totals(64)
     console.print(
         f"[bold]{profile.model}[/bold] on {profile.device}: {profile.numel:,} values in {len(profile.buckets)}"
-        f" buckets; per step and worker DDP all-reduces {totals['dense_bytes'] / 2**20:.2f} MiB, DGC sends"
-        f" {totals['dgc_bytes_sent'] / 2**20:.3f} MiB (density {profile.density:g}), DEFT"
-        f" {totals['deft_bytes_sent'] / 2**20:.3f} MiB at 64 workers. Latency {args.latency_us:g} us,"
+        f" buckets; per step and worker DDP all-reduces {profile.dense_bytes / 2**20:.2f} MiB, DGC sends"
+        f" {profile.bytes_sent('dgc', 64) / 2**20:.3f} MiB (density {profile.density:g}), DEFT"
+        f" {profile.bytes_sent('deft', 64) / 2**20:.3f} MiB at 64 workers. Latency {args.latency_us:g} us,"
         f" {args.gpus_per_node} worker(s) per node."
     )
     for note in profile.notes:

@@ -74,6 +74,20 @@ def warmup_density(
     return float(densities[index]) if index < len(densities) else final_density
 
 
+def spread_warmup(
+    steps: int, fraction: float, final_density: float, stages: Sequence[float] | None = None
+) -> list[float]:
+    """A per-step warm-up over the first ``fraction`` of a run of ``steps`` optimizer steps: each of
+    ``stages`` (the paper's :data:`PAPER_WARMUP_DENSITIES` by default, never sparser than
+    ``final_density``) for ``ceil(fraction * steps / len(stages))`` steps, at least one.
+    ``SparsityWarmup(run_fraction=...)`` applies it; the list suits ``SparsityWarmup(densities=...,
+    interval="step")``."""
+    if stages is None:
+        stages = [max(d, final_density) for d in PAPER_WARMUP_DENSITIES]
+    stage = max(1, math.ceil(fraction * steps / max(1, len(stages))))
+    return [float(d) for d in stages for _ in range(stage)]
+
+
 class SparsityWarmup(L.Callback):
     """Raise the sparsity gradually at the start of training (DGC's "warm-up training").
 
@@ -99,10 +113,17 @@ class SparsityWarmup(L.Callback):
         dense_epochs: epochs of density 1.0 before the warm-up (the schedule starts after them). With
             ``interval="step"`` the optimizer steps per epoch are taken from the Trainer
             (``ceil(num_training_batches / accumulate_grad_batches)``), so the train loader needs a length.
+        run_fraction: for runs too short for a warm-up in epochs: the warm-up (``densities``, or the
+            paper's four stages) spread evenly over this fraction of the run's optimizer steps
+            (``trainer.estimated_stepping_batches``), each stage lasting ``ceil(run_fraction * steps /
+            stages)`` steps. ``SparsityWarmup(run_fraction=0.2)`` on a 4-epoch run warms up in the
+            first 0.8 epochs instead of all four. A per-epoch warm-up that takes half of ``max_epochs``
+            or more warns and suggests it.
 
     Example::
 
         Trainer(strategy=DGCStrategy(density=0.001), callbacks=[SparsityWarmup()])
+        Trainer(strategy=DGCStrategy(density=0.001), max_epochs=4, callbacks=[SparsityWarmup(run_fraction=0.2)])
     """
 
     def __init__(
@@ -110,9 +131,17 @@ class SparsityWarmup(L.Callback):
         densities: list[float] | None = None,
         interval: Interval = "epoch",
         dense_epochs: int = 0,
+        run_fraction: float | None = None,
     ) -> None:
         if interval not in ("epoch", "step"):
             raise ValueError(f"`interval` must be 'epoch' or 'step', got {interval!r}.")
+        if run_fraction is not None:
+            if interval != "epoch":
+                raise ValueError(
+                    "`run_fraction` spreads the warm-up over a fraction of the run's steps by itself; leave"
+                    f" `interval` at its default (got interval={interval!r})."
+                )
+            run_fraction = check_density(run_fraction, "run_fraction")  # (the same range: (0, 1])
         if densities is None and interval == "step":
             raise ValueError(
                 "The paper's warm-up is per epoch; pass `densities=[...]` (one per optimizer step) to warm up"
@@ -127,6 +156,8 @@ class SparsityWarmup(L.Callback):
         )
         self.interval: Interval = interval
         self.dense_epochs = dense_epochs
+        self.run_fraction = run_fraction
+        self._stages = self.densities  # the schedule run_fraction spreads (None: the paper's)
         self.final_density: float | None = None
         self._strategy: object | None = None  # the strategy final_density was read from
 
@@ -162,6 +193,32 @@ class SparsityWarmup(L.Callback):
         if strategy is not self._strategy:
             self.final_density = check_density(strategy.density, "strategy.density")
             self._strategy = strategy
+        epochs = getattr(trainer, "max_epochs", None)
+        if self.run_fraction is None and self.interval == "epoch" and epochs is not None and epochs > 0:
+            warm = self.dense_epochs + len(
+                self.densities if self.densities is not None else PAPER_WARMUP_DENSITIES
+            )
+            if 2 * warm >= epochs:
+                rank_zero_warn(
+                    f"SparsityWarmup: the warm-up takes {warm} of the run's {epochs} epochs, so the run spends"
+                    f" {'all' if warm >= epochs else 'half or more'} of its time above the density"
+                    f" {self.final_density:g}. For a short run, spread the warm-up over a fraction of it:"
+                    " SparsityWarmup(run_fraction=0.2)."
+                )
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.run_fraction is None:
+            return
+        # The run's length, hence the schedule, is the same for every rank and after a resume.
+        steps = trainer.estimated_stepping_batches
+        if not math.isfinite(steps):
+            raise ValueError(
+                "SparsityWarmup(run_fraction=...) needs the run's length, but it is unbounded: set"
+                " max_epochs or max_steps (and give the train dataloader a length), or warm up per epoch."
+            )
+        self.densities = spread_warmup(int(steps), self.run_fraction, self.final_density or 0.0, self._stages)
+        self.interval = "step"
 
     def _steps_per_epoch(self, trainer: L.Trainer) -> int | None:
         if self.interval != "step" or not self.dense_epochs:

@@ -643,23 +643,32 @@ class DGCStrategy(CompressionStrategy):
 class DEFTStrategy(DGCStrategy):
     """Data-parallel training with DEFT's partitioned gradient selection (Yoon and Oh, ICPP 2023).
 
-    ``CompressionStrategy(DEFTConfig(...))``: DGC's arguments plus ``momentum_correction`` (each
-    described in :class:`~lightning_dgc.algorithms.deft.DEFTConfig`), plus every ``DDPStrategy``
-    argument. By default momentum follows DEFT's code: error feedback only in the exchange, and the
+    ``CompressionStrategy(DEFTConfig(...))``: DGC's arguments plus ``momentum_correction`` and the
+    switches of the method's parts (each described in :class:`~lightning_dgc.algorithms.deft.DEFTConfig`),
+    plus every ``DDPStrategy`` argument. By default momentum follows DEFT's code: error feedback only in the exchange, and the
     optimizer's own momentum and weight decay applied to the averaged update (any optimizer works).
     """
 
     config_class = DEFTConfig
 
     def __init__(
-        self, density: float = DEFTConfig.density, momentum_correction: bool = DEFTConfig.momentum_correction,
+        self,
+        density: float = DEFTConfig.density,
+        momentum_correction: bool = DEFTConfig.momentum_correction,
+        k_allocation: Literal["norm", "size"] = DEFTConfig.k_allocation,
+        fragmenting: bool = DEFTConfig.fragmenting,
+        rotation: bool = DEFTConfig.rotation,
+        union_values: Literal["all", "owner"] = DEFTConfig.union_values,
         **kwargs: Any,
-    ) -> None:  # fmt: skip
-        self.momentum_correction = momentum_correction
+    ) -> None:
+        self._deft_options = {
+            "momentum_correction": momentum_correction, "k_allocation": k_allocation, "fragmenting": fragmenting,
+            "rotation": rotation, "union_values": union_values,
+        }  # fmt: skip
         super().__init__(density=density, **kwargs)
 
     def _more_options(self) -> dict[str, Any]:
-        return {"momentum_correction": self.momentum_correction}
+        return dict(self._deft_options)
 
 
 # Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``)

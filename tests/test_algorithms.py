@@ -7,12 +7,14 @@ exchanges as over gloo, checked here for what every algorithm must guarantee.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_dgc import algorithms, comm, hook
+from lightning_dgc.algorithms.base import layout_of
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.comm import CollectiveError
 from lightning_dgc.perfmodel import BucketProfile, Profile
@@ -209,3 +211,84 @@ def test_both_selection_paths_agree_across_ranks_and_with_each_other(name: str, 
     other = dataclasses.replace(config, selection_backend="numpy" if backend == "torch" else "torch")
     for a, b in zip(ranks[0]["updates"], _train(other, world=4)[0]["updates"], strict=True):
         assert torch.equal(a, b)
+
+
+def _train_deft_with_plans(config: algorithms.AlgorithmConfig, world: int = 4, steps: int = 4) -> list[dict]:
+    """Like ``_train``, keeping every step's DEFT plans ((k, owner) per fragment, per bucket)."""
+
+    def rank_run(collectives: comm.Collectives) -> dict:
+        model = _model()
+        state = ExchangeState(config, collectives=collectives)
+        state.register_parameters(model.named_parameters())
+        params = list(model.parameters())
+        numel = sum(p.numel() for p in params)
+        updates, sent, plans = [], [], []
+        for step in range(steps):
+            local = torch.randn(numel, generator=torch.Generator().manual_seed(100 * step + collectives.rank))
+            sent.append(local.clone())
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            updates.append(hook.exchange(state, params, local).wait().clone())
+            state.finish_step()
+            plans.append(state._last.plans[0])  # type: ignore[union-attr]
+        return {"updates": updates, "local": sent, "plans": plans, "state": state}
+
+    return comm.simulate(world, rank_run)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize(
+    "switch", [{"k_allocation": "size"}, {"fragmenting": False}, {"rotation": False}, {"union_values": "owner"}],
+    ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
+)  # fmt: skip
+def test_each_deft_switch_keeps_ranks_identical_and_does_what_it_says(switch: dict, backend: str) -> None:
+    """DEFT's parts can be switched off one by one (for ablations); every variant keeps ranks in step."""
+    deft = algorithms.get("deft").config_class
+    base = {"density": 0.05, "selection_backend": backend}
+    if "rotation" in switch:  # k by size: a fixed k, so only the rotation moves the owners
+        base["k_allocation"] = "size"
+    ranks = _train_deft_with_plans(deft(**base, **switch))
+    for r in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["updates"], r["updates"], strict=True))
+        assert r["plans"] == ranks[0]["plans"]
+    plans, default = ranks[0]["plans"], _train_deft_with_plans(deft(**base))[0]["plans"]
+    if "k_allocation" in switch:  # k in proportion to size: the same k whatever the gradient
+        assert all(ks == plans[0][0] for ks, _ in plans) and len({tuple(ks) for ks, _ in default}) > 1
+    if "fragmenting" in switch:  # whole layers: one fragment per compressed layer (2 here)
+        assert len(plans[0][0]) == 2 < len(default[0][0])
+    if "rotation" in switch:
+        assert (
+            len({tuple(owners) for _, owners in plans}) == 1 < len({tuple(owners) for _, owners in default})
+        )
+    if "union_values" in switch:  # at every union position, only its owner sent (and cleared) its value
+        model = _model()
+        offsets, start = {}, 0
+        for name, p in model.named_parameters():
+            offsets[name] = (start, p.numel())
+            start += p.numel()
+        for name in ("0.weight", "2.weight"):  # the compressed layers
+            a, n = offsets[name]
+            union = ranks[0]["updates"][-1][a : a + n] != 0
+            cleared = sum((r["state"].memory.committed["velocity"][name].flatten() == 0).int() for r in ranks)
+            assert union.any() and bool((cleared[union] == 1).all())
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_deft_with_more_fragments_than_k_sends_one_value_per_fragment(backend: str) -> None:
+    """At 8 ranks a low density gives fewer values than fragments (each layer cut into 8): every fragment
+    still sends one, and the union, the wire cost and the ranks agree (it raised in repeat_interleave)."""
+    config = algorithms.get("deft").config_class(density=0.002, selection_backend=backend)
+    ranks = _train_deft_with_plans(config, world=8, steps=3)
+    plans = ranks[0]["plans"]
+    fragments = len(plans[0][0])
+    k_nominal = sum(
+        math.ceil(0.002 * n) for n in (32 * 64, 64 * 48, 48 * 4) if math.ceil(0.002 * n) * 8 < n * 4
+    )
+    assert k_nominal < fragments  # the case under test
+    assert all(ks == [1] * fragments for ks, _ in plans)
+    for r in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["updates"], r["updates"], strict=True))
+    named = list(_model().named_parameters())
+    layout = layout_of([n for n, _ in named], [p.shape for _, p in named])
+    cost = algorithms.get("deft").wire_cost(config, layout, 8, 0)
+    assert cost.k == fragments

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -68,13 +68,33 @@ class DEFTConfig(DGCConfig):
     momentum_correction: DGC's momentum correction in the exchange (SGD's momentum and weight decay
         taken over) instead of DEFT's plain error feedback, which leaves momentum and weight decay to
         the optimizer (any optimizer works then); ``momentum`` needs it.
+
+    The method's parts, each switchable for ablations (the defaults are DEFT as published):
+
+    k_allocation: ``"norm"``: k shared among fragments in proportion to their norms; ``"size"``: in
+        proportion to their sizes (every fragment at the same density, as DGC).
+    fragmenting: cut a layer larger than 1/N of the bucket into N pieces (``False``: whole layers).
+    rotation: rotate the fragments' owners with the step counter (``False``: fixed owners).
+    union_values: ``"all"``: every rank sends, and clears from its memory, its values at the whole
+        union; ``"owner"``: only a fragment's owner does, at the indices it selected (the other
+        ranks keep theirs).
     """
 
     momentum_correction: bool = False
+    k_allocation: Literal["norm", "size"] = "norm"
+    fragmenting: bool = True
+    rotation: bool = True
+    union_values: Literal["all", "owner"] = "all"
 
     def validate(self) -> None:
         super().validate()
         self.momentum_correction = flag(self.momentum_correction, "momentum_correction")
+        self.fragmenting = flag(self.fragmenting, "fragmenting")
+        self.rotation = flag(self.rotation, "rotation")
+        if self.k_allocation not in ("norm", "size"):
+            raise ValueError(f"`k_allocation` must be 'norm' or 'size', got {self.k_allocation!r}.")
+        if self.union_values not in ("all", "owner"):
+            raise ValueError(f"`union_values` must be 'all' or 'owner', got {self.union_values!r}.")
         if self.momentum and not self.momentum_correction:
             raise ValueError(
                 "DEFTStrategy applies no momentum in the exchange unless `momentum_correction=True`; leave"
@@ -125,8 +145,12 @@ class DEFT(DGC):
         plan = DEFTPlan(**{f: getattr(base, f) for f in DGCPlan.__dataclass_fields__})
         sparse = [e for e in plan.entries if e.kind == "sparse"]
         plan.fragments = fragment_layers(
-            [e.name for e in sparse], [e.numel for e in sparse], self.state.world_size
+            [e.name for e in sparse],
+            [e.numel for e in sparse],
+            self.state.world_size if self.config.fragmenting else 1,
         )
+        if plan.k_total:  # every fragment selects at least one value (allocate_k_list's lower bound)
+            plan.k_total = max(plan.k_total, len(plan.fragments))
         by_name = {e.name: e for e in sparse}
         for i, f in enumerate(plan.fragments):
             if not plan.layers or plan.layers[-1][0].name != f.name:
@@ -175,8 +199,15 @@ class DEFT(DGC):
         if plan.k_total:
             assert work.velocity is not None
             sizes = [f.numel for f in plan.fragments]
-            ks = allocate_k_list([math.sqrt(c) if c > 0 else c for c in control[:count]], sizes, plan.k_total)
-            owners = lpt_assign(selection_cost(sizes, ks), world, rotation=self.state.step)
+            weights = (
+                sizes
+                if self.config.k_allocation == "size"
+                else [math.sqrt(c) if c > 0 else c for c in control[:count]]
+            )
+            ks = allocate_k_list(weights, sizes, plan.k_total)
+            owners = lpt_assign(
+                selection_cost(sizes, ks), world, rotation=self.state.step if self.config.rotation else 0
+            )
             work.stats["plan"] = (ks, owners)
             # 4b. select only in this rank's fragments; write bucket offsets into their union slots
             start = time.perf_counter()
@@ -195,10 +226,23 @@ class DEFT(DGC):
             ks_device = to_device(ks, work.velocity.device)
             slot_shift = torch.repeat_interleave(plan.fragment_shift, ks_device, output_size=plan.k_total)
             flat_positions = plan.union.long() - slot_shift
-            plan.values.copy_(work.velocity[flat_positions].add_(work.poison))
-            work.velocity.index_fill_(0, flat_positions, 0.0)
+            values = work.velocity[flat_positions]
+            sent = None  # which union slots this rank sends (None: all of them)
+            if self.config.union_values == "owner":  # (an ablation) the other ranks send 0 and keep theirs
+                sent = torch.repeat_interleave(
+                    to_device([int(o == self.state.rank) for o in owners], work.velocity.device), ks_device,
+                    output_size=plan.k_total,
+                ).bool()  # fmt: skip
+                values.masked_fill_(~sent, 0.0)
+            plan.values.copy_(values.add_(work.poison))
+            memories = [work.velocity]
             if self.config.momentum_masking and work.momentum is not None:
-                work.momentum.index_fill_(0, flat_positions, 0.0)
+                memories.append(work.momentum)
+            for memory in memories:  # what was sent is no longer held back
+                if sent is None:
+                    memory.index_fill_(0, flat_positions, 0.0)
+                else:  # (union positions are distinct: a plain write)
+                    memory[flat_positions] = torch.where(sent, 0.0, memory[flat_positions])
             work.summed = collectives.all_reduce(plan.values, "all-reduce of DEFT's values")
         work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives, work.poison)
         for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
@@ -275,8 +319,10 @@ class DEFT(DGC):
                 k_total += k
             else:
                 dense_numel += spec.numel
-        messages = [Message("all_reduce", NORM_BYTES * (fragment_count(sparse_numels, world_size) + world_size),
-                            "control", blocking=True)]  # fmt: skip
+        fragments = fragment_count(sparse_numels, world_size if getattr(config, "fragmenting", True) else 1)
+        if k_total:  # at least one value per fragment, as in plan()
+            k_total = max(k_total, fragments)
+        messages = [Message("all_reduce", NORM_BYTES * (fragments + world_size), "control", blocking=True)]
         if k_total:
             messages.append(Message("all_reduce", k_total * codec.INDEX_BYTES, "payload", blocking=True))
             messages.append(Message("all_reduce", k_total * value_bytes, "payload"))

@@ -136,6 +136,23 @@ def test_per_step_warmup_after_dense_epoch_under_gradient_accumulation() -> None
     assert logged[-1][1]["compression/ratio"] > 5
 
 
+def test_a_warmup_over_a_fraction_of_the_run_is_per_step_and_a_long_epoch_warmup_warns() -> None:
+    """A short run: the paper's four stages over the first half of its 20 steps (3 steps each), 0.004
+    clipped to the final 0.01; the per-epoch warm-up would take 4 of its 5 epochs, and says so."""
+    recorder = Recorder()
+    _fit(DGCStrategy(density=0.01), [SparsityWarmup(run_fraction=0.5), recorder], max_epochs=5)
+    want = [0.25] * 3 + [0.0625] * 3 + [0.015625] * 3 + [0.01] * 11
+    assert [density for _, _, density in recorder.batches] == want
+    with pytest.warns(
+        UserWarning, match=r"takes 4 of the run's 5 epochs.*SparsityWarmup\(run_fraction=0.2\)"
+    ):
+        _fit(DGCStrategy(density=0.01), [SparsityWarmup()], max_epochs=5, max_steps=1)
+    with pytest.raises(ValueError, match="run_fraction"):
+        SparsityWarmup(run_fraction=0.0)
+    with pytest.raises(ValueError, match="leave `interval`"):
+        SparsityWarmup(densities=[0.5], interval="step", run_fraction=0.2)
+
+
 def test_monitor_follows_the_trainers_log_every_n_steps() -> None:
     logger = RecordingLogger()
     _fit(DGCStrategy(density=0.01), [CompressionMonitor()], logger=logger, max_steps=7, log_every_n_steps=3)
