@@ -45,6 +45,7 @@ OTHERS: tuple[tuple[str, str], ...] = (
     ("profile_", "benchmarks.scaling_model"),
     ("gradient_sizes", "benchmarks.scaling_model"),
     ("shapes", "benchmarks.shapes"),
+    ("tensorboard_", "benchmarks.tensorboard_figure"),
 )
 SECTION_TITLES = {
     "slow_links": "Slow links, end to end (1 Gbit/s and 100 Mbit/s)",

@@ -1,0 +1,37 @@
+"""The demo's own code path, reduced: 20 steps, ddp against dgc, each a real 2-process run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from recipes import demo
+
+
+@pytest.mark.slow
+def test_demo_trains_both_runs_and_shows_bytes_ratio_and_predicted_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    png = tmp_path / "loss.png"
+    results = demo.main(["--steps", "20", "--algos", "ddp", "dgc", "--plot", str(png)])
+    ddp, dgc = results
+    assert (ddp["algo"], dgc["algo"]) == ("ddp", "dgc")
+    assert len(ddp["losses"]) == len(dgc["losses"]) == 20
+    assert dgc["warmup_steps"] == len(demo.warmup_densities(20, demo.DEMO_DENSITY)) == 4
+    assert dgc["density"] == demo.DEMO_DENSITY  # the last step ran at the final density
+    assert dgc["compression_ratio"] > 50 and dgc["bytes_sent"] * 50 < ddp["bytes_sent"]
+    for r in results:
+        assert 0.0 <= r["val_acc"] <= 1.0 and r["step_ms"] > 0
+        slow, fast = (r["predicted_ms"][link] for link in demo.LINKS)
+        assert slow >= fast > 0
+    # what the demo is for: on the slow link the compressed step is predicted faster than ddp's
+    assert dgc["predicted_ms"]["100 Mbit/s"] < ddp["predicted_ms"]["100 Mbit/s"]
+    assert png.stat().st_size > 0
+    console = Console(record=True, width=200)
+    console.print(demo.table(results, demo.DEMO_DENSITY))
+    text = console.export_text()
+    assert "PREDICTED" in text and "100 Mbit/s*" in text and "1 Gbit/s*" in text
+    assert f"{dgc['compression_ratio']:.0f}x" in text
