@@ -23,7 +23,9 @@ otherwise never leave the warm-up).
 ``deft`` is ``configs/algo/deft.yaml`` as shipped: DGC's momentum correction and the same warm-up.
 ``powersgd`` is ``configs/algo/powersgd.yaml`` (rank 2, plain all-reduce for the first 10 steps).
 ``--algos`` also takes ``deft_paper``: DEFT as published (error feedback with the optimizer's
-momentum, no warm-up).
+momentum, no warm-up), and the ablations of :data:`DEFT_ABLATIONS` (``deft.yaml`` with one part
+switched). ``deft.yaml`` shares k by fragment size since the 8-worker ablation (``deft_uniform_k``
+then); ``deft_norm_k`` is the published allocation.
 
 Tasks (data from ``--data-root``, default ``../shared/data`` relative to the repository):
 
@@ -73,6 +75,7 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
 #: DEFT's ablations: the shipped DEFT with one part switched (see ``DEFTConfig``), for ``--algos``.
 DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
     "deft_uniform_k": (("--trainer.strategy.init_args.k_allocation", "size"), True),
+    "deft_norm_k": (("--trainer.strategy.init_args.k_allocation", "norm"), True),
     "deft_whole_layers": (("--trainer.strategy.init_args.fragmenting", "false"), True),
     "deft_fixed_owners": (("--trainer.strategy.init_args.rotation", "false"), True),
     "deft_owner_values": (("--trainer.strategy.init_args.union_values", "owner"), True),
@@ -80,6 +83,16 @@ DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
     "deft_no_momentum_correction": (("--trainer.strategy.init_args.momentum_correction", "false"), True),
 }
 ALGO_SPECS.update({name: ("configs/algo/deft.yaml", *spec) for name, spec in DEFT_ABLATIONS.items()})
+#: What each ablation changes against the full method (for the ablation table).
+ABLATION_TEXT = {
+    "deft_uniform_k": "k in proportion to fragment size, not norm",
+    "deft_norm_k": "k in proportion to fragment norm (as published)",
+    "deft_whole_layers": "no fragmenting: whole layers",
+    "deft_fixed_owners": "no LPT rotation: fixed owners",
+    "deft_owner_values": "only the owner sends and clears the union",
+    "deft_no_warmup": "no density warm-up",
+    "deft_no_momentum_correction": "error feedback only (optimizer momentum)",
+}
 
 
 @dataclass(frozen=True)
@@ -333,6 +346,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's parity targets, one per task and compressed algorithm."""
     out = []
     for c in result.get("comparisons", []):
+        if c["algo"] in DEFT_ABLATIONS:  # (in the ablation table)
+            continue
         if c["relative"]:
             target = f"{c['tolerance']:.0%}"
             value = f"{c['value']:.2f} vs {c['ddp']:.2f} ({c['difference']:+.2%})"
@@ -395,6 +410,15 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
             rows,
         )
     ]
+    ablation = ablation_rows(result)
+    if ablation:
+        out.append(
+            (
+                f"DEFT ablations, {result.get('devices', CONFIG_DEVICES)} workers: one part switched at a time",
+                ["task", "variant", "what changes", "value", "vs deft", "vs ddp", "compression ratio"],
+                ablation,
+            )
+        )
     tgt = [[t["target"], t["value"], t["met"]] for t in targets(result)]
     if tgt:
         out.append(("Parity targets", ["target", "measured", "met"], tgt))
@@ -408,6 +432,34 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
             )
         )
     return out
+
+
+def _difference(task: Task, run: dict[str, Any], base: dict[str, Any] | None) -> str | None:
+    if base is None:
+        return None
+    d = run["metric"] / base["metric"] - 1 if task.relative else run["metric"] - base["metric"]
+    return f"{d:+.2%}" if task.relative else f"{d * 100:+.2f} pp"
+
+
+def ablation_rows(result: dict[str, Any]) -> list[list[Any]]:
+    """The full DEFT and each ablation of one run set, with its difference to deft and to ddp."""
+    rows = []
+    runs = [r for r in result.get("runs", []) if r.get("metric") is not None]
+    for task_name in dict.fromkeys(r["task"] for r in runs):
+        task = TASKS[task_name]
+        by_algo = {r["algo"]: r for r in runs if r["task"] == task_name}
+        variants = [a for a in ("deft", *DEFT_ABLATIONS) if a in by_algo]
+        if not any(a in DEFT_ABLATIONS for a in variants):
+            continue
+
+        for algo in variants:
+            r = by_algo[algo]
+            rows.append(
+                [task_name, algo, ABLATION_TEXT.get(algo, "configs/algo/deft.yaml as run"), _metric_text(task, r["metric"]),
+                 "" if algo == "deft" else _difference(task, r, by_algo.get("deft")),
+                 _difference(task, r, by_algo.get("ddp")), r.get("compression_ratio")]
+            )  # fmt: skip
+    return rows
 
 
 def show(result: dict[str, Any]) -> None:
@@ -460,7 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         "--batches", type=int, default=None, help="override the train batches per epoch (0: all)"
     )
     parser.add_argument(
-        "--timeout", type=float, default=None, help="seconds per run (default: quick 600, full 36000)"
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per run (default: 600 for the quick budget, else 36000)",
     )
     parser.add_argument("--name", default="parity",
                         help="result name: writes results/<name>.json and .png (default parity)")  # fmt: skip
@@ -475,7 +530,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Unix time by which to finish: a task whose runs would not fit is skipped")  # fmt: skip
     args = parser.parse_args(argv)
     quick = not args.full
-    timeout = args.timeout or (600 if quick else 36000)
+    # 600 s only for the quick budget itself: a run of chosen --epochs/--batches may take far longer
+    timeout = args.timeout or (600 if quick and args.epochs is None and args.batches is None else 36000)
     con = common.console()
     if not args.data_root.is_dir():
         reason = f"data root {args.data_root} not found (pass --data-root)"

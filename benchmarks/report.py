@@ -46,6 +46,7 @@ OTHERS: tuple[tuple[str, str], ...] = (
     ("gradient_sizes", "benchmarks.scaling_model"),
     ("shapes", "benchmarks.shapes"),
     ("tensorboard_", "benchmarks.tensorboard_figure"),
+    ("buildup", "benchmarks.buildup"),
 )
 SECTION_TITLES = {
     "slow_links": "Slow links, end to end (1 Gbit/s and 100 Mbit/s)",
