@@ -306,8 +306,8 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
         return DGCStrategy(density=density, **common)
     if name == "dgc_dense":
         return DGCStrategy(density=1.0, **common)
-    if name == "deft":
-        return DEFTStrategy(density=density, **common)
+    if name == "deft":  # k by size, as configs/algo/deft.yaml
+        return DEFTStrategy(density=density, k_allocation="size", **common)
     raise ValueError(f"unknown strategy {name!r}; expected one of ddp, powersgd, dgc, dgc_dense, deft")
 
 

@@ -53,7 +53,6 @@ MASTER_PORT = 29517
 LINK_TEST_PORT = 29518
 DEFAULT_BANDWIDTHS = (1000, 100)
 DEFAULT_MODELS = ("resnet110", "lstm")
-RESULT_FILE = "slow_links.json"
 
 
 # -- the emulated link -------------------------------------------------------------------------------
@@ -458,7 +457,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
     return out
 
 
-def plot(result: dict[str, Any]) -> None:
+def plot(result: dict[str, Any], name: str = "slow_links") -> None:
     plt = common.pyplot()
     runs = result.get("runs", [])
     if plt is None or not runs:
@@ -482,7 +481,7 @@ def plot(result: dict[str, Any]) -> None:
         ax.set_title(model)
         ax.set_ylim(0, 110)
     axes[0][0].legend(fontsize=8)
-    common.save_figure(fig, "slow_links.png")
+    common.save_figure(fig, f"{name}.png")
 
 
 def show(result: dict[str, Any]) -> None:
@@ -507,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="times each process pair runs every strategy, interleaved (default 2, quick 1)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900, help="seconds per process pair")
+    parser.add_argument("--name", default="slow_links",
+                        help="result name: writes results/<name>.json and .png (default slow_links)")  # fmt: skip
     args = parser.parse_args(argv)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
     args.steps = args.steps if args.steps is not None else (5 if args.quick else 10)
@@ -515,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     reason = missing_requirements()
     if reason:
         common.console().print(f"[yellow]slow_links skipped: {reason}[/yellow]")
-        common.write_json(RESULT_FILE, {"skipped": reason, "runs": []})
+        common.write_json(f"{args.name}.json", {"skipped": reason, "runs": []})
         return 0
     t0 = time.perf_counter()
     result = measure(args)
@@ -535,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     show(result)
-    common.write_json(RESULT_FILE, result)
-    plot(result)
+    common.write_json(f"{args.name}.json", result)
+    plot(result, args.name)
     return 1 if result["errors"] else 0
 
 

@@ -251,9 +251,13 @@ def test_each_deft_switch_keeps_ranks_identical_and_does_what_it_says(switch: di
     for r in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0]["updates"], r["updates"], strict=True))
         assert r["plans"] == ranks[0]["plans"]
-    plans, default = ranks[0]["plans"], _train_deft_with_plans(deft(**base))[0]["plans"]
+    reference = _train_deft_with_plans(deft(**base))[0]
+    plans, default = ranks[0]["plans"], reference["plans"]
     if "k_allocation" in switch:  # k in proportion to size: the same k whatever the gradient
         assert all(ks == plans[0][0] for ks, _ in plans) and len({tuple(ks) for ks, _ in default}) > 1
+        # ... so no norms are computed or all-reduced: no blocking control round, no selection times
+        assert "max_rank_selection_ms" not in ranks[0]["state"].compression_stats()
+        assert "max_rank_selection_ms" in reference["state"].compression_stats()
     if "fragmenting" in switch:  # whole layers: one fragment per compressed layer (2 here)
         assert len(plans[0][0]) == 2 < len(default[0][0])
     if "rotation" in switch:
@@ -291,4 +295,6 @@ def test_deft_with_more_fragments_than_k_sends_one_value_per_fragment(backend: s
     named = list(_model().named_parameters())
     layout = layout_of([n for n, _ in named], [p.shape for _, p in named])
     cost = algorithms.get("deft").wire_cost(config, layout, 8, 0)
-    assert cost.k == fragments
+    assert cost.k == fragments and cost.bytes_of("control") > 0
+    by_size = dataclasses.replace(config, k_allocation="size")
+    assert algorithms.get("deft").wire_cost(by_size, layout, 8, 0).bytes_of("control") == 0

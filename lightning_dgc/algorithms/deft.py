@@ -72,7 +72,9 @@ class DEFTConfig(DGCConfig):
     The method's parts, each switchable for ablations (the defaults are DEFT as published):
 
     k_allocation: ``"norm"``: k shared among fragments in proportion to their norms; ``"size"``: in
-        proportion to their sizes (every fragment at the same density, as DGC).
+        proportion to their sizes (every fragment at the same density, as DGC), which needs no norms:
+        the step skips their computation and their blocking all-reduce (and so does not report
+        ``max_rank_selection_ms``).
     fragmenting: cut a layer larger than 1/N of the bucket into N pieces (``False``: whole layers).
     rotation: rotate the fragments' owners with the step counter (``False``: fixed owners).
     union_values: ``"all"``: every rank sends, and clears from its memory, its values at the whole
@@ -176,6 +178,8 @@ class DEFT(DGC):
         One segmented reduction over the bucket's compressed buffer (on the CPU, one BLAS dot product
         per fragment)."""
         assert plan.control is not None
+        if self.config.k_allocation == "size":
+            return  # k by size needs no norms (and no round to share them)
         plan.control.zero_()
         count = len(plan.fragments)
         if count:
@@ -191,19 +195,18 @@ class DEFT(DGC):
         assert plan.fragment_shift is not None
         world = self.state.world_size
         count = len(plan.fragments)
-        # 4a. identical norms on every rank, hence the identical plan (one small copy to the host)
-        collectives.all_reduce(plan.control, "all-reduce of DEFT's fragment norms").wait()
-        control = plan.control.tolist()
-        work.stats["rank_selection_ms"] = control[count:]
+        sizes = [f.numel for f in plan.fragments]
+        if self.config.k_allocation == "norm":
+            # 4a. identical norms on every rank, hence the identical plan (one small copy to the host)
+            collectives.all_reduce(plan.control, "all-reduce of DEFT's fragment norms").wait()
+            control = plan.control.tolist()
+            work.stats["rank_selection_ms"] = control[count:]
+            weights = [math.sqrt(c) if c > 0 else c for c in control[:count]]
+        else:  # k by size: the same plan on every rank without a blocking round
+            weights = [float(n) for n in sizes]
         work.selection_s = 0.0
         if plan.k_total:
             assert work.velocity is not None
-            sizes = [f.numel for f in plan.fragments]
-            weights = (
-                sizes
-                if self.config.k_allocation == "size"
-                else [math.sqrt(c) if c > 0 else c for c in control[:count]]
-            )
             ks = allocate_k_list(weights, sizes, plan.k_total)
             owners = lpt_assign(
                 selection_cost(sizes, ks), world, rotation=self.state.step if self.config.rotation else 0
@@ -322,7 +325,11 @@ class DEFT(DGC):
         fragments = fragment_count(sparse_numels, world_size if getattr(config, "fragmenting", True) else 1)
         if k_total:  # at least one value per fragment, as in plan()
             k_total = max(k_total, fragments)
-        messages = [Message("all_reduce", NORM_BYTES * (fragments + world_size), "control", blocking=True)]
+        messages = []
+        if getattr(config, "k_allocation", "norm") == "norm":  # (k by size needs no norms)
+            messages.append(
+                Message("all_reduce", NORM_BYTES * (fragments + world_size), "control", blocking=True)
+            )
         if k_total:
             messages.append(Message("all_reduce", k_total * codec.INDEX_BYTES, "payload", blocking=True))
             messages.append(Message("all_reduce", k_total * value_bytes, "payload"))
