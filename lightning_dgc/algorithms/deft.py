@@ -38,8 +38,7 @@ from lightning_dgc.algorithms.dgc import (
     average,
     dense_sum,
     exchange_dense,
-    tensor_kind,
-    values_per_step,
+    split_layout,
 )
 from lightning_dgc.checks import flag
 from lightning_dgc.compression import codec
@@ -314,14 +313,7 @@ class DEFT(DGC):
     ) -> WireCost:
         value_bytes = config.value_dtype_torch.itemsize
         numel = sum(s.numel for s in layout)
-        sparse_numels, k_total, dense_numel = [], 0, 0
-        for spec in layout:
-            k = values_per_step(spec.numel, config.density)
-            if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
-                sparse_numels.append(spec.numel)
-                k_total += k
-            else:
-                dense_numel += spec.numel
+        sparse_numels, k_total, dense_numel = split_layout(config, layout)
         fragments = fragment_count(sparse_numels, world_size if getattr(config, "fragmenting", True) else 1)
         if k_total:  # at least one value per fragment, as in plan()
             k_total = max(k_total, fragments)

@@ -162,6 +162,20 @@ def tensor_kind(numel: int, ndim: int, k: int, config: DGCConfig) -> Kind:
     return "sparse"
 
 
+def split_layout(config: DGCConfig, layout: list[TensorSpec]) -> tuple[list[int], int, int]:
+    """Of a bucket's tensors: the sizes of those sent sparse, their total k, and how many values go dense
+    (sent whole or averaged), as :func:`tensor_kind` decides; what the wire costs are computed from."""
+    sparse_numels, k_total, dense_numel = [], 0, 0
+    for spec in layout:
+        k = values_per_step(spec.numel, config.density)
+        if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
+            sparse_numels.append(spec.numel)
+            k_total += k
+        else:
+            dense_numel += spec.numel
+    return sparse_numels, k_total, dense_numel
+
+
 @dataclass
 class Entry:
     """One tensor of a DGC bucket."""
@@ -448,13 +462,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
     ) -> WireCost:
         value_bytes = config.value_dtype_torch.itemsize
         numel = sum(s.numel for s in layout)
-        k_total, dense_numel = 0, 0
-        for spec in layout:
-            k = values_per_step(spec.numel, config.density)
-            if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
-                k_total += k
-            else:
-                dense_numel += spec.numel
+        _, k_total, dense_numel = split_layout(config, layout)
         payload, padding = codec.payload_size(k_total, value_bytes, numel)
         messages = []
         if payload:
