@@ -267,9 +267,10 @@ def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | 
             threads: int = 1, reuse: bool = False) -> dict[str, Any]:  # fmt: skip
     argv, record = command(task, algo, data_root, epochs, batches, workdir, name, devices)
     log = workdir / f"{task.name}_{algo}.log"
-    reused = reuse and record.exists() and json.loads(record.read_text()).get("finished")
+    earlier = json.loads(record.read_text()) if reuse and record.exists() else {}
+    reused = bool(earlier.get("finished"))
     if reused:  # the same command ran to the end before: take its record, do not train again
-        code, wall = 0, json.loads(record.read_text()).get("train_wall_s")
+        code, wall = 0, earlier.get("train_wall_s")
     else:
         record.unlink(missing_ok=True)
         code, wall = common.run_command(argv, common.worker_env(threads), log, timeout_s)
