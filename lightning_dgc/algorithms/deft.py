@@ -103,6 +103,12 @@ class DEFTConfig(DGCConfig):
             )
 
 
+def union_size(k_total: int, fragments: int) -> int:
+    """Values in DEFT's union for a density's ``k_total``: every fragment selects at least one
+    (:func:`~lightning_dgc.partition.allocate_k_list`'s lower bound), so never fewer than the fragments."""
+    return max(k_total, fragments) if k_total else 0
+
+
 @dataclass
 class DEFTPlan(DGCPlan):
     # The fragments of the compressed tensors (offsets into their concatenation) and, grouped by layer,
@@ -150,8 +156,7 @@ class DEFT(DGC):
             [e.numel for e in sparse],
             self.state.world_size if self.config.fragmenting else 1,
         )
-        if plan.k_total:  # every fragment selects at least one value (allocate_k_list's lower bound)
-            plan.k_total = max(plan.k_total, len(plan.fragments))
+        plan.k_total = union_size(plan.k_total, len(plan.fragments))
         by_name = {e.name: e for e in sparse}
         for i, f in enumerate(plan.fragments):
             if not plan.layers or plan.layers[-1][0].name != f.name:
@@ -315,8 +320,7 @@ class DEFT(DGC):
         numel = sum(s.numel for s in layout)
         sparse_numels, k_total, dense_numel = split_layout(config, layout)
         fragments = fragment_count(sparse_numels, world_size if getattr(config, "fragmenting", True) else 1)
-        if k_total:  # at least one value per fragment, as in plan()
-            k_total = max(k_total, fragments)
+        k_total = union_size(k_total, fragments)
         messages = []
         if getattr(config, "k_allocation", "norm") == "norm":  # (k by size needs no norms)
             messages.append(
