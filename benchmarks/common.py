@@ -492,7 +492,7 @@ class RunRecorder(L.Callback):
         super().__init__()
         self.path = path
         self.history: list[dict[str, float]] = []
-        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "selection_ms": 0.0}
+        self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "link_bytes": 0.0, "selection_ms": 0.0}
         self.densities: list[float] = []
         self._last_step: Any = None
         self._t0 = time.perf_counter()
@@ -513,6 +513,7 @@ class RunRecorder(L.Callback):
         self.totals["steps"] += 1
         self.totals["bytes_sent"] += int(stats["bytes_sent"])
         self.totals["dense_bytes"] += int(stats["dense_bytes"])
+        self.totals["link_bytes"] += float(stats.get("link_bytes", 0.0))
         self.totals["selection_ms"] += float(stats.get("selection_ms", 0.0))
         if not self.densities or self.densities[-1] != stats.get("density"):
             self.densities.append(float(stats.get("density", 1.0)))

@@ -45,6 +45,7 @@ result when repeated); ``--full`` (or ``--epochs``/``--batches``) trains longer.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
@@ -262,18 +263,33 @@ def display_command(argv: list[str], workdir: Path) -> str:
     return " ".join(out)
 
 
+def run_key(argv: list[str], workdir: Path) -> str:
+    """What makes two runs the same run, for ``--reuse``: the command (its scratch folder aside) and
+    the text of every ``--config`` file it reads (an edited algorithm YAML is a different run)."""
+    digest = hashlib.sha256(display_command(argv, workdir).encode())
+    for flag, value in zip(argv[:-1], argv[1:], strict=True):
+        if flag == "--config":
+            digest.update((common.REPO / value).read_bytes())
+    return digest.hexdigest()
+
+
 def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | None, workdir: Path,
             timeout_s: float, name: str = "parity", devices: int = CONFIG_DEVICES,
             threads: int = 1, reuse: bool = False) -> dict[str, Any]:  # fmt: skip
     argv, record = command(task, algo, data_root, epochs, batches, workdir, name, devices)
     log = workdir / f"{task.name}_{algo}.log"
+    key, key_file = run_key(argv, workdir), record.with_suffix(".key")
     earlier = json.loads(record.read_text()) if reuse and record.exists() else {}
-    reused = bool(earlier.get("finished"))
-    if reused:  # the same command ran to the end before: take its record, do not train again
+    # reuse only a finished run of the same command and the same config files' contents
+    reused = bool(earlier.get("finished")) and key_file.exists() and key_file.read_text() == key
+    if reused:
         code, wall = 0, earlier.get("train_wall_s")
     else:
         record.unlink(missing_ok=True)
+        key_file.unlink(missing_ok=True)
         code, wall = common.run_command(argv, common.worker_env(threads), log, timeout_s)
+        if code == 0 and record.exists():
+            key_file.write_text(key)
     out: dict[str, Any] = {
         "task": task.name,
         "algo": algo,

@@ -269,6 +269,9 @@ class CompressionMonitor(L.Callback):
       and the tensors averaged dense; what DGC saves on the wire (1 = nothing saved).
     * ``compression/bytes_sent``: bytes this rank put on the wire in the step (sparse payloads
       plus dense all-reduce).
+    * ``compression/link_bytes``: bytes each worker's link carried in the step, every collective a
+      ring (an all-gather forwards all ranks' payloads; DDP's ring all-reduce would carry
+      ``2 (N-1)/N`` times ``dense_bytes``).
     * ``compression/dense_bytes``: bytes plain DDP would have all-reduced for the same gradients.
     * ``compression/selection_ms``: milliseconds spent selecting the top-k values in the step (rank 0).
     * ``compression/residual_norm``: L2 norm of the gradient held back in the local memory (all
@@ -290,6 +293,7 @@ class CompressionMonitor(L.Callback):
         "density": "density",
         "ratio": "compression_ratio",
         "bytes_sent": "bytes_sent",
+        "link_bytes": "link_bytes",
         "dense_bytes": "dense_bytes",
         "selection_ms": "selection_ms",
         "buildup_factor": "buildup_factor",

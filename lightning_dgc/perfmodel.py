@@ -80,6 +80,7 @@ from typing import Any, Literal
 
 from lightning_dgc import algorithms
 from lightning_dgc.algorithms import Message, TensorSpec, WireCost, layout_of
+from lightning_dgc.algorithms.base import allgather_volume, ring_allreduce_volume
 
 __all__ = [
     "BANDWIDTHS",
@@ -121,21 +122,11 @@ DENSE_VALUE_BYTES = 4  # fp32: what plain DDP all-reduces
 
 
 # -- primitives: one collective, flat network ---------------------------------------------------------
-def ring_allreduce_volume(nbytes: float, n: int) -> float:
-    """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``: ``2 (n-1)/n S``."""
-    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
-
-
 def ring_allreduce_time(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
     """``2 (n-1) L + 2 (n-1)/n * 8 S / B``; 0 for one worker or an empty message (no collective runs)."""
     if n <= 1 or nbytes <= 0:
         return 0.0
     return 2 * (n - 1) * latency + ring_allreduce_volume(nbytes, n) * 8 / bandwidth
-
-
-def allgather_volume(payload: float, n: int) -> float:
-    """Bytes each worker receives in an all-gather of ``payload`` bytes per worker: ``(n-1) P``."""
-    return (n - 1) * payload if n > 1 else 0.0
 
 
 def allgather_time(payload: float, n: int, bandwidth: float, latency: float) -> float:
@@ -383,7 +374,7 @@ class Profile:
         n = self.world_size if n is None else n
         return sum(self.cost(method, b, n).bytes_sent for b in self.buckets)
 
-    def totals(self, method: str, n: int | None = None) -> dict[str, int]:
+    def totals(self, method: str, n: int | None = None) -> dict[str, float]:
         """The byte counts ``compression_stats()`` reports under ``method`` at ``n`` workers."""
         n = self.world_size if n is None else n
         costs = [self.cost(method, b, n) for b in self.buckets]
@@ -399,6 +390,7 @@ class Profile:
             "numel": self.numel,
             "k": sum(c.k for c in costs),
             "buckets": len(self.buckets),
+            "link_bytes": sum(c.link_bytes(n) for c in costs),
         }
 
     # -- JSON ---------------------------------------------------------------------------------------
@@ -537,9 +529,7 @@ def wire_bytes(profile: Profile, method: str, n: int) -> float:
             worst, _, _ = _sparse_worst(profile, b, n, None)
             total += worst + ring_allreduce_volume(profile.cost("dgc", b, n).bytes_of("dense"), n)
             continue
-        for m in profile.cost(method, b, n).messages:
-            volume = ring_allreduce_volume if m.collective == "all_reduce" else allgather_volume
-            total += volume(m.nbytes, n)
+        total += profile.cost(method, b, n).link_bytes(n)
     return total
 
 

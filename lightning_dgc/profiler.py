@@ -317,7 +317,11 @@ class ExchangeProfiler(L.Callback):
         if not stats or not isinstance(strategy, CompressionStrategy):
             return None
         totals = profile.totals(strategy.algorithm, profile.world_size)
-        wrong = {key: (value, stats.get(key)) for key, value in totals.items() if stats.get(key) != value}
+        wrong = {
+            key: (value, stats.get(key))
+            for key, value in totals.items()
+            if stats.get(key) is None or not math.isclose(stats[key], value, rel_tol=1e-9)  # (float sums)
+        }
         if wrong:
             rank_zero_warn(
                 f"ExchangeProfiler: the per-bucket byte counts differ from compression_stats() (profiler, stats):"

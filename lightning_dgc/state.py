@@ -44,6 +44,7 @@ class StepStats:
     padding_bytes: int = 0
     dense_bytes: int = 0  # what plain DDP would have sent for the same buckets
     values_sent: int = 0
+    link_bytes: float = 0.0  # what each worker's link carries, every collective a ring (WireCost.link_bytes)
     numel: int = 0
     selection_ms: float = 0.0
     buckets: int = 0
@@ -226,6 +227,7 @@ class ExchangeState:
             stats.dense_exchange_bytes += cost.bytes_of("dense")
             stats.dense_bytes += cost.dense_bytes
             stats.values_sent += cost.values_sent
+            stats.link_bytes += cost.link_bytes(self.world_size)
             stats.k_target += cost.k
             stats.numel += cost.numel
             stats.selection_ms += selection_s * 1e3
@@ -279,7 +281,8 @@ class ExchangeState:
 
         ``bytes_sent`` counts the compressed part (indices, values or factors, padding, control) and
         the dense all-reduce; ``dense_bytes`` is what plain DDP would have sent; ``compression_ratio``
-        is their quotient.
+        is their quotient. ``link_bytes`` is what each worker's link carries with ring collectives (an
+        all-gather forwards every rank's payload: DGC's grows with the ranks, DEFT's all-reduce does not).
         """
         s = self._last
         if s is None:
@@ -292,6 +295,7 @@ class ExchangeState:
             "padding_bytes": s.padding_bytes,
             "dense_bytes": s.dense_bytes,
             "compression_ratio": s.dense_bytes / s.bytes_sent if s.bytes_sent else float("inf"),
+            "link_bytes": s.link_bytes,
             "values_sent": s.values_sent,
             "numel": s.numel,
             "selection_ms": s.selection_ms,

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lightning_dgc import algorithms, comm, hook
-from lightning_dgc.algorithms.base import layout_of
-from lightning_dgc.algorithms.dgc import DGCConfig
+from lightning_dgc.algorithms.base import WireCost, layout_of
+from lightning_dgc.algorithms.dgc import DGC, DGCConfig
 from lightning_dgc.comm import CollectiveError
 from lightning_dgc.perfmodel import BucketProfile, Profile
 from lightning_dgc.state import ExchangeState
@@ -298,3 +298,40 @@ def test_deft_with_more_fragments_than_k_sends_one_value_per_fragment(backend: s
     assert cost.k == fragments and cost.bytes_of("control") > 0
     by_size = dataclasses.replace(config, k_allocation="size")
     assert algorithms.get("deft").wire_cost(by_size, layout, 8, 0).bytes_of("control") == 0
+
+
+def test_deft_budget_dgc_link_fills_what_dgc_puts_on_each_link() -> None:
+    """budget="dgc_link": DEFT's union grows with the ranks until its ring all-reduce carries what DGC's
+    all-gather carries at the same density (never below k); the ranks agree, the union stays disjoint."""
+    deft = algorithms.get("deft")
+    named = list(_model().named_parameters())
+    layout = layout_of([n for n, _ in named], [p.shape for _, p in named])
+
+    def payload_link(algorithm: type, config: DGCConfig, world: int) -> float:
+        cost = algorithm.wire_cost(config, layout, world, 0)
+        return sum(WireCost((m,), 0, 0).link_bytes(world) for m in cost.messages if m.role == "payload")
+
+    published = deft.config_class(density=0.01, k_allocation="size", fragmenting=False)
+    linked = dataclasses.replace(published, budget="dgc_link")
+    dgc = DGCConfig(density=0.01)
+    assert deft.wire_cost(linked, layout, 2, 0).k == deft.wire_cost(published, layout, 2, 0).k
+    for world in (4, 8, 16):
+        k, k_linked = (
+            deft.wire_cost(published, layout, world, 0).k,
+            deft.wire_cost(linked, layout, world, 0).k,
+        )
+        assert k_linked > k
+        assert (
+            0.9 * payload_link(DGC, dgc, world)
+            <= payload_link(deft, linked, world)
+            <= payload_link(DGC, dgc, world)
+        )
+    ranks = _train(linked, world=4)
+    for r in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0]["updates"], r["updates"], strict=True))
+    stats = ranks[0]["stats"]
+    assert (
+        stats["union_values"] == stats["k"] == deft.wire_cost(linked, layout, 4, 0).k
+    )  # disjoint, no build-up
+    with pytest.raises(ValueError, match="budget"):
+        deft.config_class(budget="bytes")

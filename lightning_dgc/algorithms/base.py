@@ -77,6 +77,16 @@ def layout_of(names: Sequence[str], shapes: Sequence[Sequence[int]]) -> list[Ten
     return specs
 
 
+def ring_allreduce_volume(nbytes: float, n: int) -> float:
+    """Bytes each worker sends (and receives) in a ring all-reduce of ``nbytes``: ``2 (n-1)/n S``."""
+    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
+
+
+def allgather_volume(payload: float, n: int) -> float:
+    """Bytes each worker receives in an all-gather of ``payload`` bytes per worker: ``(n-1) P``."""
+    return (n - 1) * payload if n > 1 else 0.0
+
+
 @dataclass(frozen=True)
 class Message:
     """One collective a bucket's exchange runs per step: what this rank contributes to it.
@@ -113,6 +123,13 @@ class WireCost:
     @property
     def bytes_sent(self) -> int:
         return sum(m.nbytes for m in self.messages)
+
+    def link_bytes(self, world_size: int) -> float:
+        """Bytes each worker's link carries per step (in each direction) when every collective is a
+        ring: what a slow network pays, unlike :attr:`bytes_sent` (what this rank hands to the
+        collectives), since an all-gather forwards every rank's payload to every other."""
+        volume = {"all_reduce": ring_allreduce_volume, "all_gather": allgather_volume}
+        return sum(volume[m.collective](m.nbytes, world_size) for m in self.messages)
 
 
 #: Dtypes a value may travel in.

@@ -79,6 +79,17 @@ class DEFTConfig(DGCConfig):
     union_values: ``"all"``: every rank sends, and clears from its memory, its values at the whole
         union; ``"owner"``: only a fragment's owner does, at the indices it selected (the other
         ranks keep theirs).
+
+    And the budget (not a part of the method: how many values its union holds):
+
+    budget: ``"k"`` (as published): the union holds ``k = ceil(density * numel)`` values per compressed
+        tensor, what one DGC rank sends. ``"dgc_link"``: as many values as DGC's exchange at the same
+        density carries on each worker's link (``WireCost.link_bytes``), never fewer than k. DGC's ring
+        all-gather forwards ``(N-1)`` payloads of k values with 2-byte index codes; DEFT's ring
+        all-reduce carries ``2 (N-1)/N`` times its union of values with int32 indices: so the union
+        holds ``N (2 + b) / (2 (4 + b))`` times k (``b`` bytes per value: 3 k at 8 ranks in fp32), capped
+        at every value, and k at 2 ranks (where DEFT's k already costs 4/3 of DGC's bytes). The density
+        a schedule sets keeps its meaning (DGC's), so one warm-up YAML serves both strategies.
     """
 
     momentum_correction: bool = False
@@ -86,6 +97,7 @@ class DEFTConfig(DGCConfig):
     fragmenting: bool = True
     rotation: bool = True
     union_values: Literal["all", "owner"] = "all"
+    budget: Literal["k", "dgc_link"] = "k"
 
     def validate(self) -> None:
         super().validate()
@@ -96,6 +108,11 @@ class DEFTConfig(DGCConfig):
             raise ValueError(f"`k_allocation` must be 'norm' or 'size', got {self.k_allocation!r}.")
         if self.union_values not in ("all", "owner"):
             raise ValueError(f"`union_values` must be 'all' or 'owner', got {self.union_values!r}.")
+        if self.budget not in ("k", "dgc_link"):
+            raise ValueError(
+                f"`budget` must be 'k' (k values per step, as published) or 'dgc_link' (the values that fill"
+                f" what DGC's exchange carries on each link), got {self.budget!r}."
+            )
         if self.momentum and not self.momentum_correction:
             raise ValueError(
                 "DEFTStrategy applies no momentum in the exchange unless `momentum_correction=True`; leave"
@@ -143,6 +160,14 @@ class DEFT(DGC):
     @property
     def takes_over_momentum(self) -> bool:
         return self.config.momentum_correction
+
+    @classmethod
+    def selected_density(cls, config: DGCConfig, world_size: int) -> float:
+        if getattr(config, "budget", "k") == "dgc_link":  # see DEFTConfig.budget
+            value_bytes = config.value_dtype_torch.itemsize
+            scale = world_size * (codec.CODE_BYTES + value_bytes) / (2 * (codec.INDEX_BYTES + value_bytes))
+            return min(1.0, config.density * max(1.0, scale))
+        return config.density
 
     def payload_nbytes(self, k_total: int, numel: int) -> int:
         return 0  # no packed payload: indices and values are all-reduced on their own
@@ -318,7 +343,9 @@ class DEFT(DGC):
     ) -> WireCost:
         value_bytes = config.value_dtype_torch.itemsize
         numel = sum(s.numel for s in layout)
-        sparse_numels, k_total, dense_numel = split_layout(config, layout)
+        sparse_numels, k_total, dense_numel = split_layout(
+            config, layout, cls.selected_density(config, world_size)
+        )
         fragments = fragment_count(sparse_numels, world_size if getattr(config, "fragmenting", True) else 1)
         k_total = union_size(k_total, fragments)
         messages = []

@@ -162,12 +162,16 @@ def tensor_kind(numel: int, ndim: int, k: int, config: DGCConfig) -> Kind:
     return "sparse"
 
 
-def split_layout(config: DGCConfig, layout: list[TensorSpec]) -> tuple[list[int], int, int]:
+def split_layout(
+    config: DGCConfig, layout: list[TensorSpec], density: float | None = None
+) -> tuple[list[int], int, int]:
     """Of a bucket's tensors: the sizes of those sent sparse, their total k, and how many values go dense
-    (sent whole or averaged), as :func:`tensor_kind` decides; what the wire costs are computed from."""
+    (sent whole or averaged), as :func:`tensor_kind` decides at ``density`` (default: the config's); what
+    the wire costs are computed from."""
+    density = config.density if density is None else density
     sparse_numels, k_total, dense_numel = [], 0, 0
     for spec in layout:
-        k = values_per_step(spec.numel, config.density)
+        k = values_per_step(spec.numel, density)
         if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
             sparse_numels.append(spec.numel)
             k_total += k
@@ -258,10 +262,16 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         return (self.config.density, self.config.value_dtype)
 
     # -- the plan ------------------------------------------------------------------------------------------
+    @classmethod
+    def selected_density(cls, config: DGCConfig, world_size: int) -> float:
+        """The fraction of each compressed tensor one step selects: the configured density."""
+        return config.density
+
     def entries(self, layout: list[TensorSpec]) -> list[Entry]:
         entries = []
+        density = self.selected_density(self.config, self.state.world_size)
         for spec in layout:
-            k = values_per_step(spec.numel, self.config.density)
+            k = values_per_step(spec.numel, density)
             kind = tensor_kind(spec.numel, spec.ndim, k, self.config)
             entries.append(Entry(spec, kind, k if kind == "sparse" else spec.numel))
         return entries
@@ -462,7 +472,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
     ) -> WireCost:
         value_bytes = config.value_dtype_torch.itemsize
         numel = sum(s.numel for s in layout)
-        _, k_total, dense_numel = split_layout(config, layout)
+        _, k_total, dense_numel = split_layout(config, layout, cls.selected_density(config, world_size))
         payload, padding = codec.payload_size(k_total, value_bytes, numel)
         messages = []
         if payload:
