@@ -82,8 +82,17 @@ DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
     "deft_owner_values": (("--trainer.strategy.init_args.union_values", "owner"), True),
     "deft_no_warmup": ((), False),
     "deft_no_momentum_correction": (("--trainer.strategy.init_args.momentum_correction", "false"), True),
+    # not parts of the published method: the remedies tried for its 8-worker gap
+    "deft_all_selectors": (("--trainer.strategy.init_args.selectors", "all"), True),
+    "deft_link": (("--trainer.strategy.init_args.budget", "dgc_link"), True),
+    "deft_all_selectors_link": (
+        ("--trainer.strategy.init_args.selectors", "all", "--trainer.strategy.init_args.budget", "dgc_link"),
+        True,
+    ),
 }
 ALGO_SPECS.update({name: ("configs/algo/deft.yaml", *spec) for name, spec in DEFT_ABLATIONS.items()})
+#: The runs that clip as DGC does (see ``Task.compressed_overrides``): PowerSGD has no local clipping.
+LOCAL_CLIPPING = frozenset(name for name in ALGO_SPECS if name.startswith(("dgc", "deft")))
 #: What each ablation changes against the full method (for the ablation table).
 ABLATION_TEXT = {
     "deft_uniform_k": "k in proportion to fragment size, not norm",
@@ -93,6 +102,9 @@ ABLATION_TEXT = {
     "deft_owner_values": "only the owner sends and clears the union",
     "deft_no_warmup": "no density warm-up",
     "deft_no_momentum_correction": "error feedback only (optimizer momentum)",
+    "deft_all_selectors": "every rank selects k/N in every fragment (not only owners)",
+    "deft_link": "union fills DGC's link bytes (budget dgc_link: 3 k at 8 ranks)",
+    "deft_all_selectors_link": "both of the above",
 }
 
 
@@ -112,6 +124,8 @@ class Task:
     batch_size: int = 64  # per process in the config, at the config's 2 processes
     extra_metrics: tuple[str, ...] = ()
     overrides: tuple[str, ...] = field(default_factory=tuple)
+    # for the compressed runs only: the task's clipping as DGC does it (local, before accumulation)
+    compressed_overrides: tuple[str, ...] = field(default_factory=tuple)
 
 
 TASKS: dict[str, Task] = {
@@ -143,6 +157,12 @@ TASKS: dict[str, Task] = {
         full=(4, None),
         batch_size=20,
         overrides=("--data.download", "false"),
+        compressed_overrides=(
+            "--trainer.gradient_clip_val",
+            "null",
+            "--trainer.strategy.init_args.local_clip_norm",
+            "0.25",
+        ),  # fmt: skip
     ),
     "digits": Task(
         name="digits",
@@ -236,7 +256,8 @@ def command(
     argv = [
         common.python(), "-m", "recipes", "fit",
         "--config", task.config, "--config", algo_config(algo), "--config", str(generated.relative_to(common.REPO)),
-        "--data.root", str(data_root / task.data_subdir), *task.overrides, *ALGO_SPECS[algo][1],
+        "--data.root", str(data_root / task.data_subdir), *task.overrides,
+        *(task.compressed_overrides if algo in LOCAL_CLIPPING else ()), *ALGO_SPECS[algo][1],
         "--trainer.max_epochs", str(epochs),
         "--trainer.devices", str(devices), "--data.batch_size", str(per_process_batch(task, devices)),
         "--trainer.num_sanity_val_steps", "0",
@@ -313,6 +334,7 @@ def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | 
             train_wall_s=rec.get("train_wall_s"),
             compression_ratio=(rec.get("compression") or {}).get("compression_ratio"),
             bytes_sent=(rec.get("compression") or {}).get("bytes_sent"),
+            link_bytes=(rec.get("compression") or {}).get("link_bytes"),
             dense_bytes=(rec.get("compression") or {}).get("dense_bytes"),
             densities=rec.get("densities"),
             history=rec.get("history"),
@@ -415,7 +437,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
             [
                 r["task"], r["algo"], task.metric_label if task else "", _metric_text(task, r.get("metric")),
                 ", ".join(f"{k.removeprefix('val_')} {_metric_text(task, v)}" for k, v in extra.items() if v is not None),
-                r.get("global_step"), r.get("compression_ratio"), r.get("wall_s"),
+                r.get("global_step"), r.get("compression_ratio"), link_kb_per_step(r), r.get("wall_s"),
                 "ok" if r.get("exit_code") == 0 else f"failed ({r.get('exit_code')})",
             ]
         )  # fmt: skip
@@ -423,7 +445,18 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
     out = [
         (
             f"Accuracy parity on real data ({budget} budget), {result.get('devices', CONFIG_DEVICES)} workers",
-            ["task", "algo", "metric", "value", "also", "steps", "compression ratio", "wall s", "run"],
+            [
+                "task",
+                "algo",
+                "metric",
+                "value",
+                "also",
+                "steps",
+                "compression ratio",
+                "link kB/step",
+                "wall s",
+                "run",
+            ],
             rows,
         )
     ]
@@ -431,8 +464,17 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
     if ablation:
         out.append(
             (
-                f"DEFT ablations, {result.get('devices', CONFIG_DEVICES)} workers: one part switched at a time",
-                ["task", "variant", "what changes", "value", "vs deft", "vs ddp", "compression ratio"],
+                f"DEFT ablations and remedies, {result.get('devices', CONFIG_DEVICES)} workers: one part switched at a time",
+                [
+                    "task",
+                    "variant",
+                    "what changes",
+                    "value",
+                    "vs deft",
+                    "vs ddp",
+                    "compression ratio",
+                    "link kB/step",
+                ],
                 ablation,
             )
         )
@@ -449,6 +491,14 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
             )
         )
     return out
+
+
+def link_kb_per_step(run: dict[str, Any]) -> float | None:
+    """kB each worker's link carried per optimizer step, averaged over the run (``WireCost.link_bytes``:
+    ring collectives); ``None`` for runs recorded before the statistic existed, and for ddp (which
+    does not record it: its ring all-reduce carries ``2 (N-1)/N`` times the dense bytes)."""
+    link, steps = run.get("link_bytes"), run.get("global_step")
+    return round(link / steps / 1e3, 1) if link and steps else None
 
 
 def _difference(task: Task, run: dict[str, Any], base: dict[str, Any] | None) -> str | None:
@@ -474,7 +524,7 @@ def ablation_rows(result: dict[str, Any]) -> list[list[Any]]:
             rows.append(
                 [task_name, algo, ABLATION_TEXT.get(algo, "configs/algo/deft.yaml as run"), _metric_text(task, r["metric"]),
                  "" if algo == "deft" else _difference(task, r, by_algo.get("deft")),
-                 _difference(task, r, by_algo.get("ddp")), r.get("compression_ratio")]
+                 _difference(task, r, by_algo.get("ddp")), r.get("compression_ratio"), link_kb_per_step(r)]
             )  # fmt: skip
     return rows
 

@@ -267,7 +267,7 @@ class CompressionMonitor(L.Callback):
       values sent per step (changes under :class:`SparsityWarmup`).
     * ``compression/ratio``: dense bytes / bytes actually sent, counting indices, values, padding
       and the tensors averaged dense; what DGC saves on the wire (1 = nothing saved).
-    * ``compression/bytes_sent``: bytes this rank put on the wire in the step (sparse payloads
+    * ``compression/bytes_sent``: bytes this rank handed to the collectives in the step (sparse payloads
       plus dense all-reduce).
     * ``compression/link_bytes``: bytes each worker's link carried in the step, every collective a
       ring (an all-gather forwards all ranks' payloads; DDP's ring all-reduce would carry

@@ -659,12 +659,13 @@ class DEFTStrategy(DGCStrategy):
         fragmenting: bool = DEFTConfig.fragmenting,
         rotation: bool = DEFTConfig.rotation,
         union_values: Literal["all", "owner"] = DEFTConfig.union_values,
+        selectors: Literal["owner", "all"] = DEFTConfig.selectors,
         budget: Literal["k", "dgc_link"] = DEFTConfig.budget,
         **kwargs: Any,
     ) -> None:
         self._deft_options = {
             "momentum_correction": momentum_correction, "k_allocation": k_allocation, "fragmenting": fragmenting,
-            "rotation": rotation, "union_values": union_values, "budget": budget,
+            "rotation": rotation, "union_values": union_values, "selectors": selectors, "budget": budget,
         }  # fmt: skip
         super().__init__(density=density, **kwargs)
 

@@ -238,7 +238,9 @@ def _train_deft_with_plans(config: algorithms.AlgorithmConfig, world: int = 4, s
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize(
-    "switch", [{"k_allocation": "size"}, {"fragmenting": False}, {"rotation": False}, {"union_values": "owner"}],
+    "switch",
+    [{"k_allocation": "size"}, {"fragmenting": False}, {"rotation": False}, {"union_values": "owner"},
+     {"selectors": "all"}],
     ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
 )  # fmt: skip
 def test_each_deft_switch_keeps_ranks_identical_and_does_what_it_says(switch: dict, backend: str) -> None:
@@ -264,6 +266,11 @@ def test_each_deft_switch_keeps_ranks_identical_and_does_what_it_says(switch: di
         assert (
             len({tuple(owners) for _, owners in plans}) == 1 < len({tuple(owners) for _, owners in default})
         )
+    if "selectors" in switch:  # every rank selected its share of every fragment: k in all, no owners
+        k = sum(plans[0][0])
+        assert all(set(owners) == {-1} for _, owners in plans)
+        selected = [r["state"].compression_stats()["rank_selected"] for r in ranks]
+        assert sum(selected) == k and max(selected) - min(selected) <= len(plans[0][0])
     if "union_values" in switch:  # at every union position, only its owner sent (and cleared) its value
         model = _model()
         offsets, start = {}, 0
@@ -335,3 +342,15 @@ def test_deft_budget_dgc_link_fills_what_dgc_puts_on_each_link() -> None:
     )  # disjoint, no build-up
     with pytest.raises(ValueError, match="budget"):
         deft.config_class(budget="bytes")
+
+
+def test_deft_selectors_all_sends_an_index_two_ranks_chose_once() -> None:
+    """With the same gradient everywhere every rank selects the same indices: the union repeats each one,
+    and the update there must still be the plain average (the value, not twice it)."""
+    config = algorithms.get("deft").config_class(density=0.05, selectors="all", k_allocation="size")
+    ranks = _train(config, world=2, steps=1, same_data=True)
+    update, local = ranks[0]["updates"][0], ranks[0]["local"][0]
+    sent = update != 0
+    assert sent.any()
+    torch.testing.assert_close(update[sent], local[sent])
+    assert ranks[0]["stats"]["union_values"] < ranks[0]["stats"]["k"]  # the repeats are counted once

@@ -80,6 +80,11 @@ class DEFTConfig(DGCConfig):
         union; ``"owner"``: only a fragment's owner does, at the indices it selected (the other
         ranks keep theirs).
 
+    selectors: ``"owner"`` (as published): a fragment's k values are those its owner selects from its
+        own memory. ``"all"``: every rank selects ``k/N`` of them (the remainder rotating), so the union
+        reflects all ranks' memories, as DGC's does, at DEFT's volume (duplicates are sent once); the
+        selection is no longer shared out (each rank reads the whole bucket, as with DGC).
+
     And the budget (not a part of the method: how many values its union holds):
 
     budget: ``"k"`` (as published): the union holds ``k = ceil(density * numel)`` values per compressed
@@ -98,6 +103,7 @@ class DEFTConfig(DGCConfig):
     rotation: bool = True
     union_values: Literal["all", "owner"] = "all"
     budget: Literal["k", "dgc_link"] = "k"
+    selectors: Literal["owner", "all"] = "owner"
 
     def validate(self) -> None:
         super().validate()
@@ -108,6 +114,13 @@ class DEFTConfig(DGCConfig):
             raise ValueError(f"`k_allocation` must be 'norm' or 'size', got {self.k_allocation!r}.")
         if self.union_values not in ("all", "owner"):
             raise ValueError(f"`union_values` must be 'all' or 'owner', got {self.union_values!r}.")
+        if self.selectors not in ("owner", "all"):
+            raise ValueError(f"`selectors` must be 'owner' or 'all', got {self.selectors!r}.")
+        if self.selectors == "all" and self.union_values == "owner":
+            raise ValueError(
+                "`union_values='owner'` needs one selecting rank per fragment; it does not combine with"
+                " `selectors='all'`."
+            )
         if self.budget not in ("k", "dgc_link"):
             raise ValueError(
                 f"`budget` must be 'k' (k values per step, as published) or 'dgc_link' (the values that fill"
@@ -124,6 +137,29 @@ def union_size(k_total: int, fragments: int) -> int:
     """Values in DEFT's union for a density's ``k_total``: every fragment selects at least one
     (:func:`~lightning_dgc.partition.allocate_k_list`'s lower bound), so never fewer than the fragments."""
     return max(k_total, fragments) if k_total else 0
+
+
+def shares(
+    ks: list[int], slot_starts: list[int], world_size: int, rank: int, rotation: int = 0
+) -> list[tuple[int, int, int]]:
+    """``selectors="all"``: this rank's ``(fragment, k, first union slot)`` in every fragment: ``k // N``
+    each, the remainder to the ranks ``(i + rotation) % N, ...`` so that small k rotate over the ranks;
+    the ranks' slot ranges tile each fragment's ``[slot_start, slot_start + k)``."""
+    out = []
+    for i, k in enumerate(ks):
+        base, extra = divmod(k, world_size)
+        j = (rank - i - rotation) % world_size  # this rank's place in the fragment's order
+        out.append((i, base + (j < extra), slot_starts[i] + j * base + min(j, extra)))
+    return out
+
+
+def repeated(union: Tensor) -> Tensor:
+    """True at every slot whose index an earlier slot (in sorted order) already holds."""
+    order = torch.argsort(union, stable=True)
+    ordered = union[order]
+    mask = torch.zeros_like(union, dtype=torch.bool)
+    mask[order[1:]] = ordered[1:] == ordered[:-1]
+    return mask
 
 
 @dataclass
@@ -237,19 +273,27 @@ class DEFT(DGC):
         if plan.k_total:
             assert work.velocity is not None
             ks = allocate_k_list(weights, sizes, plan.k_total)
-            owners = lpt_assign(
-                selection_cost(sizes, ks), world, rotation=self.state.step if self.config.rotation else 0
-            )
+            slot_starts = [0]
+            for k in ks:
+                slot_starts.append(slot_starts[-1] + k)
+            rotation = self.state.step if self.config.rotation else 0
+            if self.config.selectors == "owner":
+                owners = lpt_assign(selection_cost(sizes, ks), world, rotation=rotation)
+                tasks = [(i, ks[i], slot_starts[i]) for i, o in enumerate(owners) if o == self.state.rank]
+            else:  # every rank its share of every fragment's slots
+                owners = [-1] * count
+                tasks = shares(ks, slot_starts, world, self.state.rank, rotation)
             work.stats["plan"] = (ks, owners)
-            # 4b. select only in this rank's fragments; write bucket offsets into their union slots
+            # 4b. select in this rank's fragments (or shares); write bucket offsets into their union slots
             start = time.perf_counter()
             plan.union.zero_()
-            if self.batched(work.velocity.device):
-                selected = self._select_owned_batched(plan, work, ks, owners)
-            else:
-                selected = self._select_owned_each(plan, work, ks, owners)
+            tasks = [t for t in tasks if t[1] > 0]
+            if tasks and self.batched(work.velocity.device):
+                self._select_batched(plan, work, tasks)
+            elif tasks:
+                self._select_each(plan, work, tasks)
             work.selection_s = time.perf_counter() - start
-            work.stats["rank_selected"] = selected
+            work.stats["rank_selected"] = sum(t[1] for t in tasks)
             # the union of indices (disjoint slots: the sum is a merge)
             collectives.all_reduce(plan.union, "all-reduce of DEFT's selected indices").wait()
             if self.state.measures_buildup:
@@ -266,6 +310,8 @@ class DEFT(DGC):
                     output_size=plan.k_total,
                 ).bool()  # fmt: skip
                 values.masked_fill_(~sent, 0.0)
+            if self.config.selectors == "all":  # an index two ranks chose is sent once (decode adds slots)
+                values.masked_fill_(repeated(plan.union), 0.0)
             plan.values.copy_(values.add_(work.poison))
             memories = [work.velocity]
             if self.config.momentum_masking and work.momentum is not None:
@@ -282,49 +328,40 @@ class DEFT(DGC):
                 self.state.memory.scratch("velocity", e.name).zero_()
         return [p for p in (work.summed, work.dense) if p is not None]
 
-    def _select_owned_each(self, plan: DEFTPlan, work: DEFTWork, ks: list[int], owners: list[int]) -> int:
-        """This rank's fragments, layer by layer (the CPU's numpy path); returns how many it selected."""
+    def _select_each(self, plan: DEFTPlan, work: DEFTWork, tasks: list[tuple[int, int, int]]) -> None:
+        """This rank's selections ``(fragment, k, first union slot)``, layer by layer (the CPU's numpy path)."""
         assert plan.union is not None
-        rank, selected = self.state.rank, 0
+        rank = self.state.rank
         velocity = {e.name: v for e, v in work.sparse}
-        slot_starts = [0]
-        for k in ks:
-            slot_starts.append(slot_starts[-1] + k)
+        by_fragment = {i: (k, slot) for i, k, slot in tasks}
         for entry, fs in plan.layers:
-            mine = [(i, f) for i, f in fs if owners[i] == rank]
+            mine = [(i, f) for i, f in fs if i in by_fragment]
             if not mine:
                 continue
+            ks = [by_fragment[i][0] for i, _ in mine]
             idx, _ = deft_select(
-                velocity[entry.name], [f for _, f in mine], [rank] * len(mine), [ks[i] for i, _ in mine], rank,
-                selector=self.choose,
-            )  # fmt: skip
+                velocity[entry.name], [f for _, f in mine], [rank] * len(mine), ks, rank, selector=self.choose
+            )
             pos = 0
-            for i, _ in mine:
-                plan.union[slot_starts[i] : slot_starts[i + 1]] = idx[pos : pos + ks[i]] + entry.offset
-                pos += ks[i]
-            selected += pos
-        return selected
+            for (i, _), k in zip(mine, ks, strict=True):
+                slot = by_fragment[i][1]
+                plan.union[slot : slot + k] = idx[pos : pos + k] + entry.offset
+                pos += k
 
-    def _select_owned_batched(self, plan: DEFTPlan, work: DEFTWork, ks: list[int], owners: list[int]) -> int:
-        """This rank's fragments at once: gathered into one buffer (a 1/N share of the bucket), a batched
-        selection (:func:`~lightning_dgc.compression.batched.batched_topk`), one write into the union."""
+    def _select_batched(self, plan: DEFTPlan, work: DEFTWork, tasks: list[tuple[int, int, int]]) -> None:
+        """This rank's selections at once: its fragments gathered into one buffer (a 1/N share of the
+        bucket when owners select), a batched selection (:func:`~lightning_dgc.compression.batched.batched_topk`),
+        one write into the union."""
         assert plan.union is not None and plan.fragment_shift is not None and work.velocity is not None
-        device, rank = work.velocity.device, self.state.rank
-        mine = [i for i, owner in enumerate(owners) if owner == rank and ks[i] > 0]
-        if not mine:
-            return 0
-        slot_starts = [0]
-        for k in ks:
-            slot_starts.append(slot_starts[-1] + k)
-        mine_ks = [ks[i] for i in mine]
+        device = work.velocity.device
+        mine, mine_ks, slots = zip(*tasks, strict=True)
         chosen, layout = topk_in_ranges(
-            work.velocity, [plan.fragments[i].offset for i in mine], [plan.fragments[i].numel for i in mine], mine_ks,
-            self.config.sample_ratio, self.state.draw_generator(device),
+            work.velocity, [plan.fragments[i].offset for i in mine], [plan.fragments[i].numel for i in mine],
+            list(mine_ks), self.config.sample_ratio, self.state.draw_generator(device),
         )  # fmt: skip
-        shift = plan.fragment_shift[to_device(mine, device)]
-        slots = concatenated_ranges([slot_starts[i] for i in mine], mine_ks, device)
-        plan.union[slots] = (chosen + shift[layout.out_segment]).to(torch.int32)
-        return layout.k_total
+        shift = plan.fragment_shift[to_device(list(mine), device)]
+        positions = concatenated_ranges(list(slots), list(mine_ks), device)
+        plan.union[positions] = (chosen + shift[layout.out_segment]).to(torch.int32)
 
     def decode(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
         dense = dense_sum(self.state.world_size, work.dense)
