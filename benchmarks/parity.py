@@ -31,7 +31,10 @@ Tasks (data from ``--data-root``, default ``../shared/data`` relative to the rep
 
 * ``cifar10``: ResNet-20 on the CIFAR-10 subset (10,000 training images, 2,000 test images); top-1
   on the test batch; target |dgc - ddp| and |deft - ddp| <= 0.5 percentage points.
-* ``ptb``: the CPU-sized PTB LSTM (2 x 200); validation perplexity; target within 2 % of ddp.
+* ``ptb``: the CPU-sized PTB LSTM (2 x 200); validation perplexity; target within 2 % of ddp. Every
+  algorithm clips the averaged update at the config's 0.25 (the DGC paper's local clipping instead,
+  ``local_clip_norm 0.25`` with ``gradient_clip_val`` off, was tried for dgc over the 4 epochs:
+  136.13, +3.69 %, against +2.06 % with the config's clipping).
 * ``digits``: the CPU-sized DeepSpeech on spoken digits (``train-digits`` / ``test-digits``); CER
   (and WER); target within 1 percentage point of ddp. The learning rate is 3e-3 for every
   algorithm (the config's 3e-4 is LibriSpeech's, for far longer runs).
@@ -91,8 +94,6 @@ DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
     ),
 }
 ALGO_SPECS.update({name: ("configs/algo/deft.yaml", *spec) for name, spec in DEFT_ABLATIONS.items()})
-#: The runs that clip as DGC does (see ``Task.compressed_overrides``): PowerSGD has no local clipping.
-LOCAL_CLIPPING = frozenset(name for name in ALGO_SPECS if name.startswith(("dgc", "deft")))
 #: What each ablation changes against the full method (for the ablation table).
 ABLATION_TEXT = {
     "deft_uniform_k": "k in proportion to fragment size, not norm",
@@ -124,8 +125,6 @@ class Task:
     batch_size: int = 64  # per process in the config, at the config's 2 processes
     extra_metrics: tuple[str, ...] = ()
     overrides: tuple[str, ...] = field(default_factory=tuple)
-    # for the compressed runs only: the task's clipping as DGC does it (local, before accumulation)
-    compressed_overrides: tuple[str, ...] = field(default_factory=tuple)
 
 
 TASKS: dict[str, Task] = {
@@ -157,12 +156,6 @@ TASKS: dict[str, Task] = {
         full=(4, None),
         batch_size=20,
         overrides=("--data.download", "false"),
-        compressed_overrides=(
-            "--trainer.gradient_clip_val",
-            "null",
-            "--trainer.strategy.init_args.local_clip_norm",
-            "0.25",
-        ),  # fmt: skip
     ),
     "digits": Task(
         name="digits",
@@ -256,8 +249,7 @@ def command(
     argv = [
         common.python(), "-m", "recipes", "fit",
         "--config", task.config, "--config", algo_config(algo), "--config", str(generated.relative_to(common.REPO)),
-        "--data.root", str(data_root / task.data_subdir), *task.overrides,
-        *(task.compressed_overrides if algo in LOCAL_CLIPPING else ()), *ALGO_SPECS[algo][1],
+        "--data.root", str(data_root / task.data_subdir), *task.overrides, *ALGO_SPECS[algo][1],
         "--trainer.max_epochs", str(epochs),
         "--trainer.devices", str(devices), "--data.batch_size", str(per_process_batch(task, devices)),
         "--trainer.num_sanity_val_steps", "0",
