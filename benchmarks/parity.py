@@ -24,8 +24,12 @@ otherwise never leave the warm-up).
 ``powersgd`` is ``configs/algo/powersgd.yaml`` (rank 2, plain all-reduce for the first 10 steps).
 ``--algos`` also takes ``deft_paper``: DEFT as published (error feedback with the optimizer's
 momentum, no warm-up), and the ablations of :data:`DEFT_ABLATIONS` (``deft.yaml`` with one part
-switched). ``deft.yaml`` shares k by fragment size since the 8-worker ablation (``deft_uniform_k``
-then); ``deft_norm_k`` is the published allocation.
+switched) and the remedies tried for its 8-worker gap (``deft_all_selectors``, ``deft_link``,
+``deft_all_selectors_link``). ``deft.yaml`` shares k by fragment size since the 8-worker ablation
+(``deft_uniform_k`` then; ``deft_norm_k`` is the published allocation) and fills DGC's link bytes
+(``budget: dgc_link``) since the remedies: the 8-worker ``deft`` row of ``parity_8workers`` ran before
+that, and ``deft_link`` is ``deft.yaml`` as shipped (at 2 workers the budget is k, so 2-worker runs
+are unchanged).
 
 Tasks (data from ``--data-root``, default ``../shared/data`` relative to the repository):
 
@@ -326,7 +330,7 @@ def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | 
             train_wall_s=rec.get("train_wall_s"),
             compression_ratio=(rec.get("compression") or {}).get("compression_ratio"),
             bytes_sent=(rec.get("compression") or {}).get("bytes_sent"),
-            link_bytes=(rec.get("compression") or {}).get("link_bytes"),
+            link_bytes=link_bytes(algo, devices, rec.get("compression") or {}),
             dense_bytes=(rec.get("compression") or {}).get("dense_bytes"),
             densities=rec.get("densities"),
             history=rec.get("history"),
@@ -483,6 +487,16 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
             )
         )
     return out
+
+
+def link_bytes(algo: str, devices: int, compression: dict[str, Any]) -> float | None:
+    """The run's ``link_bytes``; for a DEFT run recorded before that statistic existed, derived from
+    ``bytes_sent``: all of DEFT's collectives are ring all-reduces, ``2 (N-1)/N`` of what each rank sends."""
+    if compression.get("link_bytes") is not None:
+        return compression["link_bytes"]
+    if algo.startswith("deft") and compression.get("bytes_sent") is not None:
+        return 2 * (devices - 1) / devices * compression["bytes_sent"]
+    return None
 
 
 def link_kb_per_step(run: dict[str, Any]) -> float | None:
