@@ -83,7 +83,8 @@ class DEFTConfig(DGCConfig):
     selectors: ``"owner"`` (as published): a fragment's k values are those its owner selects from its
         own memory. ``"all"``: every rank selects ``k/N`` of them (the remainder rotating), so the union
         reflects all ranks' memories, as DGC's does, at DEFT's volume (duplicates are sent once); the
-        selection is no longer shared out (each rank reads the whole bucket, as with DGC).
+        selection is no longer shared out (each rank reads the whole bucket, as with DGC; the
+        performance model still charges DEFT's published 1/N share of it).
 
     And the budget (not a part of the method: how many values its union holds):
 
