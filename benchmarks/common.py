@@ -289,7 +289,8 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
     ``ddp``: stock DDP. ``powersgd``: lightning_dgc's PowerSGD (rank :data:`POWERSGD_RANK`, error
     feedback, warm start, compression from step :data:`POWERSGD_START_ITER`; the same updates as
     torch's ``powerSGD_hook``, which hangs on gloo with more than one bucket). ``dgc`` / ``deft``:
-    lightning_dgc at ``density``. ``dgc_dense``: ``dgc`` at density 1 (the exchange's overhead alone).
+    lightning_dgc at ``density`` (``deft`` as ``configs/algo/deft.yaml``; ``deft_all`` with every rank
+    selecting, ``selectors="all"``). ``dgc_dense``: ``dgc`` at density 1 (the exchange's overhead alone).
     """
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -307,8 +308,14 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
     if name == "dgc_dense":
         return DGCStrategy(density=1.0, **common)
     if name == "deft":  # k by size, as configs/algo/deft.yaml
-        return DEFTStrategy(density=density, k_allocation="size", **common)
-    raise ValueError(f"unknown strategy {name!r}; expected one of ddp, powersgd, dgc, dgc_dense, deft")
+        return DEFTStrategy(density=density, k_allocation="size", budget="dgc_link", **common)
+    if name == "deft_all":  # every rank selecting its share of every fragment (DEFTConfig.selectors="all")
+        return DEFTStrategy(
+            density=density, k_allocation="size", budget="dgc_link", selectors="all", **common
+        )
+    raise ValueError(
+        f"unknown strategy {name!r}; expected one of ddp, powersgd, dgc, dgc_dense, deft, deft_all"
+    )
 
 
 # -- workloads -----------------------------------------------------------------------------------------
