@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from lightning_dgc.algorithms.base import ring_allreduce_volume
 
 CONFIG_DIR = common.RESULTS / "parity_configs"
 CONFIG_DEVICES = 2  # the CPU configs' ``trainer.devices``
@@ -320,7 +321,7 @@ def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | 
         "reused": bool(reused),
     }
     if record.exists():
-        rec = json.loads(record.read_text())
+        rec = earlier if reused else json.loads(record.read_text())
         final = rec.get("final", {})
         out.update(
             metric=final.get(task.metric),
@@ -495,7 +496,7 @@ def link_bytes(algo: str, devices: int, compression: dict[str, Any]) -> float | 
     if compression.get("link_bytes") is not None:
         return compression["link_bytes"]
     if algo.startswith("deft") and compression.get("bytes_sent") is not None:
-        return 2 * (devices - 1) / devices * compression["bytes_sent"]
+        return ring_allreduce_volume(compression["bytes_sent"], devices)
     return None
 
 
