@@ -155,6 +155,7 @@ class PowerSGDPlan:
 @dataclass
 class PowerSGDWork(BucketWork):
     compressing: bool = True
+    warm: bool = False  # Q starts from the previous step's (every compressed tensor has one)
     input_copy: Tensor | None = None  # the error-compensated gradient (for the next error)
     uncompressed: Pending | None = None
     q: Pending | None = None
@@ -219,10 +220,20 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
     # -- step 2 ----------------------------------------------------------------------------------------------
     def compensate(self, plan: PowerSGDPlan, grads: list[Tensor], flat: Tensor) -> PowerSGDWork:
         work = PowerSGDWork(grads, flat, compressing=self.compressing())
-        if not work.compressing or not self.config.use_error_feedback:
+        if not work.compressing:
             return work
         memory = self.state.memory
+        # Buffers that live across steps are made here, on the hook's stream, never in the decode.
+        if self.config.warm_start:
+            work.warm = all(memory.has("q", f.spec.name) for f in plan.factors)
+            for f in plan.factors:
+                memory.buffer("q", f.spec.name, (f.m, f.r), flat.device)
+                memory.scratch("q", f.spec.name)
+        if not self.config.use_error_feedback:
+            return work
         errors = [memory.buffer("error", s.name, s.numel, flat.device) for s in plan.layout]
+        for s in plan.layout:
+            memory.scratch("error", s.name)
         torch._foreach_add_(grads, errors)
         work.input_copy = flat.clone()
         work.keep.append(work.input_copy)
@@ -234,8 +245,7 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
         if not work.compressing or not plan.factors:
             return
         memory, epsilon = self.state.memory, self.config.orthogonalization_epsilon
-        warm = self.config.warm_start and all(memory.has("q", f.spec.name) for f in plan.factors)
-        if warm:
+        if work.warm:
             for f in plan.factors:
                 f.q.copy_(memory.committed["q"][f.spec.name].view_as(f.q))
                 orthogonalize_(f.q, epsilon)
@@ -285,7 +295,6 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
                 torch.bmm(f.p, f.q.transpose(1, 2), out=self._matrix(work, f))
                 if self.config.warm_start:
                     name = f.spec.name
-                    memory.buffer("q", name, (f.m, f.r), result.device)
                     memory.scratch("q", name).copy_(f.q.view(f.m, f.r))
                     memory.stage("q", name)
         if work.input_copy is not None:  # error feedback: what the approximation missed, per tensor
