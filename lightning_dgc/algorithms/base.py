@@ -49,8 +49,9 @@ class AlgorithmConfig:
       0 without the field.
     """
 
-    density: ClassVar[float | None] = None  # a subclass declares ``density: float = ...`` as a field
-    seed: ClassVar[int] = 0  # likewise ``seed: int = ...``
+    # Not annotated, so that they are no dataclass fields here: a subclass's own fields keep their order.
+    density = None  # float | None: a subclass declares ``density: float = ...`` as a field
+    seed = 0  # int: likewise ``seed: int = ...``
 
     def __post_init__(self) -> None:
         self.validate()
