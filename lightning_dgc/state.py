@@ -53,7 +53,8 @@ class StepStats:
     k_target: int = 0  # values the density asks for (sum of k over compressed tensors)
     union_values: int = 0  # distinct indices in the union of all ranks' selections
     rank_selected: int = 0  # values this rank selected itself
-    buildup_measured: bool = False  # whether the algorithm measured union_values (on request only: a host sync)
+    buildup_requested: bool = False  # whether the step was asked to measure union_values (a host sync)
+    buildup_measured: bool = False  # whether the algorithm did (BucketWork.stats / add_union_values)
     rank_selection_ms: list[float] = field(default_factory=list)  # DEFT: every rank's previous selection
     plans: list[tuple[list[int], list[int]]] = field(default_factory=list)  # DEFT: (k, owner) per fragment
 
@@ -261,9 +262,10 @@ class ExchangeState:
             stats.buckets += 1
             stats.density = self.density
             stats.rank_selected += work.stats.get("rank_selected", 0)
+            stats.buildup_requested = self.measures_buildup
             if "union_values" in work.stats:
                 stats.union_values += work.stats["union_values"]
-                stats.buildup_measured = self.measures_buildup
+                stats.buildup_measured = True
             if "rank_selection_ms" in work.stats:
                 stats.rank_selection_ms = work.stats["rank_selection_ms"]
             if "plan" in work.stats:
@@ -337,7 +339,8 @@ class ExchangeState:
         }
         if s.density is not None:
             stats["density"] = s.density
-        if s.buildup_measured:
+        # Nothing selected: no build-up (1). Selected but not counted: not reported, rather than a false 0.
+        if s.buildup_measured or (s.buildup_requested and not s.k_target):
             stats["union_values"] = s.union_values
             stats["buildup_factor"] = s.union_values / s.k_target if s.k_target else 1.0
         if s.rank_selection_ms:

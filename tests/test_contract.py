@@ -191,12 +191,11 @@ def test_tensor_draws_depend_on_name_and_step_only() -> None:
 
 
 def test_buildup_is_reported_only_when_measured() -> None:
-    """An algorithm that does not count the union (PowerSGD) reports no build-up factor, rather than 0."""
+    """An algorithm that selects but does not count the union (random-k) reports no build-up factor, not 0."""
 
     def rank_run(collectives: comm.Collectives) -> dict:
         model = _model(torch.float32)
-        state = ExchangeState(PowerSGDConfig(start_iter=0, use_error_feedback=False, warm_start=False),
-                              collectives=collectives, measure_buildup=True)  # fmt: skip
+        state = ExchangeState(RandomKConfig(density=0.1), collectives=collectives, measure_buildup=True)
         state.register_parameters(model.named_parameters())
         params = list(model.parameters())
         for p in params:
@@ -206,7 +205,7 @@ def test_buildup_is_reported_only_when_measured() -> None:
         return state.compression_stats()
 
     for stats in comm.simulate(2, rank_run):
-        assert "buildup_factor" not in stats and "union_values" not in stats
+        assert stats["k"] > 0 and "buildup_factor" not in stats and "union_values" not in stats
 
 
 # -- 3. the authors' kit on the package's algorithms ---------------------------------------------------------
