@@ -89,10 +89,10 @@ class _Rank:
     def __init__(self, config: AlgorithmConfig, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.params = {
-            name: torch.nn.Parameter(torch.randn(shape, generator=generator)) for name, shape in shapes.items()
+            name: torch.nn.Parameter(torch.randn(shape, generator=generator))
+            for name, shape in shapes.items()
         }
         self.config = config
-        self.state: ExchangeState | None = None
 
     def make_state(self, collectives: Collectives) -> ExchangeState:
         state = ExchangeState(self.config, collectives=collectives)
@@ -155,7 +155,10 @@ def _run(
                 grads[next(iter(grads))].view(-1)[0] = float("nan")
             results.append(member.step(state, counting, grads, buckets))
             memories.append(
-                {kind: {n: t.clone() for n, t in by_name.items()} for kind, by_name in state.memory.committed.items()}
+                {
+                    kind: {n: t.clone() for n, t in by_name.items()}
+                    for kind, by_name in state.memory.committed.items()
+                }
             )
             if save_after is not None and step == save_after:
                 buffer = io.BytesIO()
@@ -225,16 +228,24 @@ def check_algorithm(
     config = replace(config)
 
     # 1, 3, 6: the straight run.
-    straight, memories, saved = _run(config, world_size, shapes, buckets, range(steps), seed, save_after=steps // 2 - 1)
+    straight, memories, saved = _run(
+        config, world_size, shapes, buckets, range(steps), seed, save_after=steps // 2 - 1
+    )
     for t in range(steps):
         for rank in range(1, world_size):
             differ = _same_updates(straight[0][t].updates, straight[rank][t].updates)
             if differ:
-                raise _fail(config, "ranks identical", f"step {t}: rank {rank} decoded other updates than rank 0 for {differ}")
+                raise _fail(
+                    config,
+                    "ranks identical",
+                    f"step {t}: rank {rank} decoded other updates than rank 0 for {differ}",
+                )
         for rank in range(world_size):
             result = straight[rank][t]
             if not result.finite:
-                raise _fail(config, "ranks identical", f"step {t} was skipped on rank {rank} with finite gradients")
+                raise _fail(
+                    config, "ranks identical", f"step {t} was skipped on rank {rank} with finite gradients"
+                )
             if result.bytes_handed != result.bytes_costed:
                 raise _fail(
                     config, "wire cost",
@@ -272,7 +283,9 @@ def check_algorithm(
             for name in shapes:
                 mean = torch.stack([g[name].reshape(-1) for g in grads]).mean(0)
                 if not torch.allclose(exact[0][t].updates[name], mean, rtol=1e-5, atol=1e-6):
-                    raise _fail(config, "lossless", f"step {t}: {name}'s update is not the mean of the gradients")
+                    raise _fail(
+                        config, "lossless", f"step {t}: {name}'s update is not the mean of the gradients"
+                    )
 
     # 4: resume halfway, from states that went through torch.save / torch.load(weights_only=True).
     rest = range(steps // 2, steps)
@@ -282,25 +295,43 @@ def check_algorithm(
         for rank in range(world_size):
             differ = _same_updates(straight[rank][t].updates, resumed[rank][i].updates)
             if differ:
-                raise _fail(config, "resume", f"step {t}, rank {rank}: the resumed run decoded other updates for {differ}")
+                raise _fail(
+                    config,
+                    "resume",
+                    f"step {t}, rank {rank}: the resumed run decoded other updates for {differ}",
+                )
 
     # 5: a NaN on one rank: the step is skipped everywhere, the memory intact, the next step fine.
     bad = steps // 2
-    poisoned, poisoned_memories, _ = _run(config, world_size, shapes, buckets, range(bad + 2), seed, poison=(bad, world_size - 1))
+    poisoned, poisoned_memories, _ = _run(
+        config, world_size, shapes, buckets, range(bad + 2), seed, poison=(bad, world_size - 1)
+    )
     for rank in range(world_size):
         if poisoned[rank][bad].finite:
-            raise _fail(config, "non-finite step", f"rank {rank} did not skip step {bad} (rank {world_size - 1} had a NaN)")
+            raise _fail(
+                config,
+                "non-finite step",
+                f"rank {rank} did not skip step {bad} (rank {world_size - 1} had a NaN)",
+            )
         before, after = poisoned_memories[rank][bad - 1], poisoned_memories[rank][bad]
         changed = [
             f"{k}/{n}" for k, by_name in after.items() for n, t in by_name.items()
             if not torch.equal(t, before.get(k, {}).get(n, torch.zeros_like(t)))
         ]  # fmt: skip
         if changed:
-            raise _fail(config, "non-finite step", f"rank {rank}: the skipped step changed the memory of {changed}")
+            raise _fail(
+                config, "non-finite step", f"rank {rank}: the skipped step changed the memory of {changed}"
+            )
         nxt = poisoned[rank][bad + 1]
         if not nxt.finite or not all(bool(u.isfinite().all()) for u in nxt.updates.values()):
-            raise _fail(config, "non-finite step", f"rank {rank}: the step after the skipped one is not finite")
+            raise _fail(
+                config, "non-finite step", f"rank {rank}: the step after the skipped one is not finite"
+            )
     for rank in range(1, world_size):
         differ = _same_updates(poisoned[0][bad + 1].updates, poisoned[rank][bad + 1].updates)
         if differ:
-            raise _fail(config, "non-finite step", f"after the skipped step rank {rank} decoded other updates for {differ}")
+            raise _fail(
+                config,
+                "non-finite step",
+                f"after the skipped step rank {rank} decoded other updates for {differ}",
+            )

@@ -34,10 +34,18 @@ def test_futures_are_chained_only_in_when_all() -> None:
         tree = ast.parse(path.read_text(), str(path))
         allowed: set[int] = set()
         if path.name == "comm.py" and path.parent == PACKAGE:
-            when_all = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "when_all")
+            when_all = next(
+                n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "when_all"
+            )
             allowed = {id(n) for n in ast.walk(when_all)}
         for node in ast.walk(tree):
-            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            name = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.id
+                if isinstance(node, ast.Name)
+                else None
+            )
             if name in ("then", "collect_all", "add_done_callback") and id(node) not in allowed:
                 found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}")
     assert not found, f"futures chained outside comm.when_all: {found}"
@@ -51,7 +59,12 @@ def _model(dtype: torch.dtype) -> nn.Module:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "config",
-    [DGCConfig(density=0.05), DEFTConfig(density=0.05), PowerSGDConfig(start_iter=2), RandomKConfig(density=0.1)],
+    [
+        DGCConfig(density=0.05),
+        DEFTConfig(density=0.05),
+        PowerSGDConfig(start_iter=2),
+        RandomKConfig(density=0.1),
+    ],
     ids=["dgc", "deft", "powersgd", "randomk"],
 )
 def test_the_fp32_copy_of_a_non_fp32_bucket_is_kept_until_the_decode_ran(config, dtype: torch.dtype) -> None:
@@ -73,7 +86,9 @@ def test_the_fp32_copy_of_a_non_fp32_bucket_is_kept_until_the_decode_ran(config,
         for step in range(3):
             for p in params:
                 p.grad = torch.zeros_like(p)
-            buffer = torch.randn(sum(p.numel() for p in params), generator=torch.Generator().manual_seed(step))
+            buffer = torch.randn(
+                sum(p.numel() for p in params), generator=torch.Generator().manual_seed(step)
+            )
             update = hook.exchange(state, params, buffer.to(dtype)).wait()
             assert update.dtype == dtype and bool(update.isfinite().all())
             state.finish_step()
@@ -117,7 +132,9 @@ def test_powersgd_allocates_its_memory_before_the_collectives() -> None:
     grads = list(torch.zeros(sum(s.numel for s in plan.layout)).split([s.numel for s in plan.layout]))
     state.algorithm.compensate(plan, grads, torch.cat(grads))
     assert all(state.memory.has("error", s.name) for s in plan.layout)
-    assert [f.spec.name for f in plan.factors] and all(state.memory.has("q", f.spec.name) for f in plan.factors)
+    assert [f.spec.name for f in plan.factors] and all(
+        state.memory.has("q", f.spec.name) for f in plan.factors
+    )
 
 
 # -- 2. the declared contract ------------------------------------------------------------------------------
@@ -166,8 +183,13 @@ def test_a_plan_without_layout_is_a_clear_error() -> None:
 
 
 def test_density_and_seed_are_declared_by_the_config_base() -> None:
-    assert PowerSGDConfig().density is None and RandomKConfig().density == 0.01 and DGCConfig(seed=3).seed == 3
-    assert [f.name for f in dataclasses.fields(DGCConfig)][:2] == ["density", "sample_ratio"]  # positions kept
+    assert (
+        PowerSGDConfig().density is None and RandomKConfig().density == 0.01 and DGCConfig(seed=3).seed == 3
+    )
+    assert [f.name for f in dataclasses.fields(DGCConfig)][:2] == [
+        "density",
+        "sample_ratio",
+    ]  # positions kept
     state, _ = _state(PowerSGDConfig())
     assert state.density is None
     with pytest.raises(AttributeError, match="declares no `density` field"):
@@ -216,15 +238,30 @@ SMALL = {"min_compress_numel": 64}
     "config,lossless",
     [
         (DGCConfig(density=0.1, **SMALL), DGCConfig(density=1.0, **SMALL)),
-        (DGCConfig(density=0.1, selection_backend="torch", **SMALL), DGCConfig(density=1.0, selection_backend="torch", **SMALL)),
+        (
+            DGCConfig(density=0.1, selection_backend="torch", **SMALL),
+            DGCConfig(density=1.0, selection_backend="torch", **SMALL),
+        ),
         (DGCConfig(density=0.1, selection="exact", value_dtype="fp16", **SMALL), None),
         (DEFTConfig(density=0.1, **SMALL), DEFTConfig(density=1.0, **SMALL)),
         (DEFTConfig(density=0.1, selection_backend="torch", selectors="all", **SMALL), None),
         (DEFTConfig(density=0.1, k_allocation="size", fragmenting=False, **SMALL), None),
-        (PowerSGDConfig(start_iter=2, matrix_approximation_rank=2), PowerSGDConfig(start_iter=2, min_compression_rate=1e9)),
+        (
+            PowerSGDConfig(start_iter=2, matrix_approximation_rank=2),
+            PowerSGDConfig(start_iter=2, min_compression_rate=1e9),
+        ),
         (PowerSGDConfig(start_iter=2, warm_start=False), None),
     ],
-    ids=["dgc", "dgc-batched", "dgc-exact-fp16", "deft", "deft-batched-all", "deft-size", "powersgd", "powersgd-cold"],
+    ids=[
+        "dgc",
+        "dgc-batched",
+        "dgc-exact-fp16",
+        "deft",
+        "deft-batched-all",
+        "deft-size",
+        "powersgd",
+        "powersgd-cold",
+    ],
 )
 def test_package_algorithms_pass_check_algorithm(config, lossless) -> None:
     fp16 = getattr(config, "value_dtype", "fp32") == "fp16"  # fp16 on the wire drops its rounding error

@@ -56,11 +56,12 @@ class RandomK(Algorithm[RandomKConfig, BucketPlan, RandomKWork]):
         return RandomKWork(grads, flat, residual=self.error_feedback(plan.layout, flat))
 
     def select(self, plan, work):
-        device = work.flat.device
-        work.index = torch.cat([
-            torch.randperm(s.numel, generator=self.state.tensor_generator(s.name, device), device=device)[: k(self.config, s.numel)] + s.offset
-            for s in plan.layout
-        ])  # fmt: skip
+        device, picks = work.flat.device, []
+        for s in plan.layout:  # the same positions on every rank: drawn per tensor name and step
+            generator = self.state.tensor_generator(s.name, device)
+            draw = torch.randperm(s.numel, generator=generator, device=device)
+            picks.append(draw[: k(self.config, s.numel)] + s.offset)
+        work.index = torch.cat(picks)
         work.values = work.residual[work.index] + work.poison  # poison: NaN on every rank if this one's is
         work.residual[work.index] = 0.0  # sent: no longer held back
         work.keep.append(work.index)  # made here, read by the decode (CUDA streams)
@@ -74,7 +75,8 @@ class RandomK(Algorithm[RandomKConfig, BucketPlan, RandomKWork]):
     @classmethod
     def wire_cost(cls, config, layout, world_size, dense_bytes):
         sent = sum(k(config, s.numel) for s in layout)
-        return WireCost((Message("all_reduce", sent * 4, "payload"),), dense_bytes, sum(s.numel for s in layout), sent, sent)
+        message = Message("all_reduce", sent * 4, "payload")  # fp32 values
+        return WireCost((message,), dense_bytes, numel=sum(s.numel for s in layout), k=sent, values_sent=sent)
 
 
 def k(config: RandomKConfig, numel: int) -> int:

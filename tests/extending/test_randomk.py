@@ -16,7 +16,9 @@ from tests.lightning.run import ROOT, _environment, params, results, run_script
 
 def test_randomk_passes_check_algorithm() -> None:
     # draws keyed by tensor name and step: it resumes exactly even when the buckets come in another order
-    check_algorithm(RandomKConfig(density=0.1), lossless=RandomKConfig(density=1.0), reorder_buckets_on_resume=True)
+    check_algorithm(
+        RandomKConfig(density=0.1), lossless=RandomKConfig(density=1.0), reorder_buckets_on_resume=True
+    )
 
 
 def test_check_algorithm_names_a_broken_contract() -> None:
@@ -35,7 +37,9 @@ def test_strategy_name_registered_in_any_import_order(first: str) -> None:
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "assert 'randomk' in StrategyRegistry and 'randomk_spawn' in StrategyRegistry, sorted(StrategyRegistry)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], env=_environment(), cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=_environment(), cwd=ROOT, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

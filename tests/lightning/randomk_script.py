@@ -1,6 +1,6 @@
 """``Trainer(strategy="randomk")`` with an algorithm from the user's own module, imported after Lightning.
 
-    python tests/lightning/randomk_script.py --out result --max-steps 6
+python tests/lightning/randomk_script.py --out result --max-steps 6
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def main() -> None:
     model = Regression(momentum=0.0)
     trainer.fit(model, DataLoader(dataset(256), batch_size=16))
     rank = trainer.global_rank
-    torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), f"{args.out}.rank{rank}.params.pt")
+    torch.save(
+        torch.cat([p.detach().reshape(-1) for p in model.parameters()]), f"{args.out}.rank{rank}.params.pt"
+    )
     summary = {
         "strategy": type(trainer.strategy).__name__, "hook_calls": trainer.strategy.hook_calls,
         "stats": probe.stats, "residual_norm": trainer.strategy.residual_norm(),
