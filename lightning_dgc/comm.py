@@ -122,10 +122,12 @@ def _done(what: str, output: Tensor, rank: int) -> Pending:
 
 #: The first torch whose gloo futures carry their CUDA device (see :func:`when_all`).
 DEVICE_FUTURES_TORCH = (2, 11)
+_DEVICE_FUTURES_CHECKED = False  # this process's torch passed the check
 
 
 def _check_device_futures(version: str | None = None) -> None:
     """Raise a clear error on a torch whose collective futures may not order CUDA streams."""
+    global _DEVICE_FUTURES_CHECKED
     release = (version or torch.__version__).split("+")[0].split(".")
     if tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release[:2]) < DEVICE_FUTURES_TORCH:
         raise RuntimeError(
@@ -134,6 +136,8 @@ def _check_device_futures(version: str | None = None) -> None:
             " future does not order the CUDA stream that decodes it, and ranks could decode different updates."
             " Install the torch release lightning-dgc supports (`pip install 'torch>=2.11,<2.12'`)."
         )
+    if version is None:
+        _DEVICE_FUTURES_CHECKED = True
 
 
 def when_all(
@@ -172,7 +176,8 @@ def when_all(
     gate: torch.futures.Future = torch.futures.Future(devices=_devices(device))
     cuda = device.type == "cuda"
     if cuda:
-        _check_device_futures()
+        if not _DEVICE_FUTURES_CHECKED:
+            _check_device_futures()
         keep = [*keep, *(p.output for p in pending)]
         queued = torch.cuda.Event()
         queued.record(torch.cuda.current_stream(device))
