@@ -10,8 +10,9 @@ Every collective is started from the hook's thread, in bucket order, so that eve
 same collectives in the same order (gloo matches collectives by the order in which a process starts
 them; a collective started from a future's callback, which runs in a backend thread, could be
 interleaved differently on different ranks). :meth:`Pending.wait` lets an exchange wait for one
-step's result before it starts the next (on CUDA that orders the stream, with no host
-synchronisation); :func:`when_all` runs the decode once the last ones are done.
+step's result before it starts the next (with NCCL that orders the stream without a host
+synchronisation; with gloo, and on the CPU, the host waits); :func:`when_all` runs the decode once
+the last ones are done.
 
 Beside the step's collectives: blocking helpers for setup and checkpoints (gathering objects and
 tensors), the bucket layout DDP builds, and ending the process group cleanly.
@@ -63,8 +64,8 @@ class Pending:
     def wait(self) -> Tensor:
         """``output`` once the collective is done; a failure raises :class:`CollectiveError` naming it.
 
-        On CUDA the current stream waits for the collective (no host synchronisation); on the CPU the
-        call blocks until it is done.
+        With NCCL the current stream waits for the collective (no host synchronisation); with gloo
+        (CUDA tensors too) and on the CPU the call blocks the host until it is done.
         """
         try:
             self.future.wait()
@@ -119,6 +120,26 @@ def _done(what: str, output: Tensor, rank: int) -> Pending:
     return Pending(what, future, output, rank)
 
 
+#: The first torch whose gloo futures carry their CUDA device (see :func:`when_all`).
+DEVICE_FUTURES_TORCH = (2, 11)
+_DEVICE_FUTURES_CHECKED = False  # this process's torch passed the check
+
+
+def _check_device_futures(version: str | None = None) -> None:
+    """Raise a clear error on a torch whose collective futures may not order CUDA streams."""
+    global _DEVICE_FUTURES_CHECKED
+    release = (version or torch.__version__).split("+")[0].split(".")
+    if tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in release[:2]) < DEVICE_FUTURES_TORCH:
+        raise RuntimeError(
+            f"lightning_dgc needs torch >= {'.'.join(map(str, DEVICE_FUTURES_TORCH))} for compressed exchanges of"
+            f" CUDA gradients (this is torch {version or torch.__version__}): on older releases a collective's"
+            " future does not order the CUDA stream that decodes it, and ranks could decode different updates."
+            " Install the torch release lightning-dgc supports (`pip install 'torch>=2.11,<2.12'`)."
+        )
+    if version is None:
+        _DEVICE_FUTURES_CHECKED = True
+
+
 def when_all(
     pending: Sequence[Pending], fn: Callable[[], Tensor], device: torch.device,
     keep: Sequence[Tensor] = (),
@@ -141,7 +162,13 @@ def when_all(
     waits for everything the hook queued on its own stream (an event recorded now) and for each
     collective, and records every tensor of ``keep`` (made on the hook's stream, read by ``fn``,
     freed after it) on it, so that the caching allocator does not hand that memory back to the
-    hook's stream while the callback still reads it. No host synchronisation is added.
+    hook's stream while the callback still reads it; the collectives' outputs are recorded alike.
+    ``when_all`` adds no host synchronisation of its own (with gloo, waiting for a collective blocks
+    the thread that runs the callback, not the hook's).
+
+    The callback's stream is ordered after the collectives by their futures: with NCCL, and with gloo
+    on CUDA tensors from torch 2.11 (gloo's futures carry the device; before, waiting on one ordered
+    no stream), which is why ``when_all`` raises an error on CUDA with an older torch.
 
     A failed collective completes the returned future with a :class:`CollectiveError` naming it,
     which DDP raises from ``backward()`` on every surviving rank.
@@ -149,6 +176,9 @@ def when_all(
     gate: torch.futures.Future = torch.futures.Future(devices=_devices(device))
     cuda = device.type == "cuda"
     if cuda:
+        if not _DEVICE_FUTURES_CHECKED:
+            _check_device_futures()
+        keep = [*keep, *(p.output for p in pending)]
         queued = torch.cuda.Event()
         queued.record(torch.cuda.current_stream(device))
 

@@ -12,8 +12,9 @@ algorithm (:mod:`lightning_dgc.algorithms`: DGC, DEFT, PowerSGD, ...), in number
 3. **select**: what to send (timed: ``compression_stats()["selection_ms"]``).
 4. **exchange**: the collectives, through ``state.collectives``, in the same order on every rank.
 5. **decode**: once they are done, in their future's callback (ordered on CUDA with events,
-   :func:`lightning_dgc.comm.when_all`): the averaged update, its finiteness, the loss
-   scale multiplied back, the bucket's dtype.
+   :func:`lightning_dgc.comm.when_all`; every tensor the decode reads that this stream made is in
+   ``work.keep`` or is a collective's output, so that its memory is not reused too early): the
+   averaged update, its finiteness, the loss scale multiplied back, the bucket's dtype.
 6. **memory**: what steps 2-5 staged is committed by ``state.finish_step()`` (or discarded if any
    rank saw inf/NaN) once the whole backward pass is done.
 
@@ -50,7 +51,7 @@ def exchange(
     plan = state.plan(params, buffer)
 
     # Step 1: the local gradient, fp32 (an fp32 bucket is used in place: DDP hands it over).
-    flat = buffer if buffer.dtype == torch.float32 else buffer.float()
+    flat = buffer if buffer.dtype == torch.float32 else buffer.float()  # a copy is kept alive below
     # inf/NaN anywhere makes the sum non-finite (finite gradients summing past 3e38 do not occur)
     poison = torch.where(torch.isfinite(flat.sum()), 0.0, math.nan)
     if state.grad_scale != 1.0:
@@ -60,6 +61,8 @@ def exchange(
     # Step 2: compensate.
     work = algorithm.compensate(plan, grads, flat)
     work.poison = poison
+    if flat is not buffer:  # made on this stream, read and written by the decode on another (CUDA)
+        work.keep.append(flat)
 
     # Step 3: select.
     start = time.perf_counter()

@@ -298,8 +298,8 @@ class ResidualMemory:
         """Close the step: commit if every bucket decoded finite, else discard. Returns finiteness.
 
         Waits first on every bucket's future, which re-raises a failed exchange and, on CUDA, orders
-        this stream after the decode callbacks (no host synchronisation). Every rank reaches the same
-        verdict: it is computed from the decoded buckets, identical on all ranks. ``unused(name)``
+        this stream after the decode callbacks (the host waits until every callback has run; the
+        verdict itself is one more synchronisation). Every rank reaches the same verdict: it is computed from the decoded buckets, identical on all ranks. ``unused(name)``
         says which parameters did not take part in the step: their staged buffers are dropped.
         """
         with self._lock:

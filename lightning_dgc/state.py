@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import zlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -12,7 +13,6 @@ from torch import Tensor
 
 from lightning_dgc import algorithms
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, WireCost
-from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.checks import check_density
 from lightning_dgc.comm import Collectives, TorchCollectives
 from lightning_dgc.memory import ResidualMemory
@@ -53,7 +53,8 @@ class StepStats:
     k_target: int = 0  # values the density asks for (sum of k over compressed tensors)
     union_values: int = 0  # distinct indices in the union of all ranks' selections
     rank_selected: int = 0  # values this rank selected itself
-    buildup_measured: bool = False  # whether union_values was measured (only on request: a host sync)
+    buildup_requested: bool = False  # whether the step was asked to measure union_values (a host sync)
+    buildup_measured: bool = False  # whether the algorithm did (BucketWork.stats / add_union_values)
     rank_selection_ms: list[float] = field(default_factory=list)  # DEFT: every rank's previous selection
     plans: list[tuple[list[int], list[int]]] = field(default_factory=list)  # DEFT: (k, owner) per fragment
 
@@ -66,8 +67,8 @@ class ExchangeState:
     """One object per run: the algorithm, the memory keyed by parameter name, the step counter, statistics.
 
     Pass it as the ``state`` of :func:`lightning_dgc.hook.exchange_hook`. The algorithm is the one
-    registered for the configuration's class (:class:`~lightning_dgc.algorithms.dgc.DGCConfig` by
-    default); ``collectives`` defaults to the process group's (:class:`~lightning_dgc.comm.TorchCollectives`).
+    registered for the configuration's class (DGC's, :class:`~lightning_dgc.algorithms.dgc.DGCConfig`,
+    by default); ``collectives`` defaults to the process group's (:class:`~lightning_dgc.comm.TorchCollectives`).
     After every backward pass that ran the hook, call :meth:`finish_step` once (the strategy does): it
     commits the memory only if the step was finite on every rank. If it is not called, the hook
     commits the previous step itself when the next one starts, with a warning.
@@ -82,7 +83,7 @@ class ExchangeState:
         measure_buildup: bool = False,
     ) -> None:
         # A copy: schedules change the density of this run, never the caller's configuration object.
-        self.config = replace(config) if config is not None else DGCConfig()
+        self.config = replace(config) if config is not None else algorithms.get("dgc").config_class()
         self.collectives = collectives if collectives is not None else TorchCollectives(process_group)
         self.world_size, self.rank = self.collectives.world_size, self.collectives.rank
         #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
@@ -91,10 +92,9 @@ class ExchangeState:
         #: host synchronisation per bucket, so otherwise only in steps :meth:`request_buildup` asks for.
         self.measure_buildup = measure_buildup
         self._buildup_step = -1
-        self.generator = torch.Generator().manual_seed(
-            int(getattr(self.config, "seed", 0)) * 1_000_003 + self.rank
-        )
+        self.generator = torch.Generator().manual_seed(int(self.config.seed) * 1_000_003 + self.rank)
         self._draw_generators: dict[torch.device, tuple[torch.Generator, int]] = {}
+        self._tensor_generators: dict[torch.device, torch.Generator] = {}
         self.memory = ResidualMemory()
         self.param_names: dict[int, str] = {}
         self._params: dict[str, Tensor] = {}
@@ -130,15 +130,34 @@ class ExchangeState:
     def draw_generator(self, device: torch.device) -> torch.Generator:
         """A generator on ``device`` for this step's random draws, the same on every rank.
 
-        Seeded from the configuration's seed and the step counter at the first draw of every step: it
-        needs no state in checkpoints, and a resumed run draws what the straight run would.
+        Seeded from the configuration's seed and the step counter at the first draw of every step, and
+        then drawn from bucket after bucket: it needs no state in checkpoints, but what a bucket draws
+        depends on the buckets before it in the step. DDP's first step after a (re)start runs its
+        initial bucket order, not the rebuilt one the straight run had reached, so a resumed run's first
+        step can draw differently (every rank alike). For draws that resume exactly use
+        :meth:`tensor_generator`.
         """
         generator, step = self._draw_generators.get(device, (None, -1))
         if generator is None:
             generator = torch.Generator(device=device)
         if step != self.step:
-            generator.manual_seed(int(getattr(self.config, "seed", 0)) * 1_000_003 + self.step)
+            generator.manual_seed(int(self.config.seed) * 1_000_003 + self.step)
             self._draw_generators[device] = (generator, self.step)
+        return generator
+
+    def tensor_generator(self, name: str, device: torch.device) -> torch.Generator:
+        """A generator on ``device`` for parameter ``name``'s random draws in this step, the same on every rank.
+
+        Seeded from the configuration's seed, the step counter and the parameter's name only: what a
+        tensor draws does not depend on the bucket order, so a resumed run draws exactly what the straight
+        run would, whatever order DDP's buckets are in. One generator per device is re-seeded at every
+        call: draw from it before asking for the next tensor's.
+        """
+        generator = self._tensor_generators.get(device)
+        if generator is None:
+            generator = self._tensor_generators[device] = torch.Generator(device=device)
+        key = zlib.crc32(name.encode()) * 1_000_003 + self.step * 7_919 + int(self.config.seed) * 104_729
+        generator.manual_seed(key % (1 << 63))
         return generator
 
     def param(self, name: str) -> Tensor:
@@ -160,12 +179,15 @@ class ExchangeState:
     @property
     def density(self) -> float | None:
         """The density in force, or ``None`` for an algorithm without one."""
-        return getattr(self.config, "density", None)
+        return self.config.density
 
     @density.setter
     def density(self, value: float) -> None:
-        if not hasattr(self.config, "density"):
-            raise AttributeError(f"the {self.algorithm.name} algorithm has no density")
+        if self.config.density is None:
+            raise AttributeError(
+                f"the {self.algorithm.name} algorithm has no density: its configuration"
+                f" {type(self.config).__name__} declares no `density` field; do not set one (e.g. drop SparsityWarmup)."
+            )
         value = check_density(value)
         if value != self.config.density:  # type: ignore[attr-defined]
             self.config.density = value  # type: ignore[attr-defined]
@@ -195,6 +217,12 @@ class ExchangeState:
         if numel != buffer.numel():
             raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {numel}.")
         plan = self._plans[key] = self.algorithm.plan(layout, buffer)
+        if not (hasattr(plan, "layout") and hasattr(plan, "dense_bytes")):
+            raise TypeError(
+                f"{type(self.algorithm).__name__}.plan() returned a {type(plan).__name__} without `layout` and"
+                " `dense_bytes` attributes, which the hook and the statistics read: subclass"
+                " lightning_dgc.algorithms.BucketPlan, or give the plan both fields."
+            )
         return plan
 
     @property
@@ -234,8 +262,10 @@ class ExchangeState:
             stats.buckets += 1
             stats.density = self.density
             stats.rank_selected += work.stats.get("rank_selected", 0)
-            stats.union_values += work.stats.get("union_values", 0)
-            stats.buildup_measured = self.measures_buildup
+            stats.buildup_requested = self.measures_buildup
+            if "union_values" in work.stats:
+                stats.union_values += work.stats["union_values"]
+                stats.buildup_measured = True
             if "rank_selection_ms" in work.stats:
                 stats.rank_selection_ms = work.stats["rank_selection_ms"]
             if "plan" in work.stats:
@@ -245,6 +275,7 @@ class ExchangeState:
         """Add to this step's union size (called from decode callbacks, which may run concurrently)."""
         with self._stats_lock:
             self._current.union_values += count
+            self._current.buildup_measured = True
 
     # -- step boundary -----------------------------------------------------------------------------
     def finish_step(self, check_unused: bool = True) -> bool:
@@ -308,7 +339,8 @@ class ExchangeState:
         }
         if s.density is not None:
             stats["density"] = s.density
-        if s.buildup_measured:
+        # Nothing selected: no build-up (1). Selected but not counted: not reported, rather than a false 0.
+        if s.buildup_measured or (s.buildup_requested and not s.k_target):
             stats["union_values"] = s.union_values
             stats["buildup_factor"] = s.union_values / s.k_target if s.k_target else 1.0
         if s.rank_selection_ms:
@@ -316,9 +348,11 @@ class ExchangeState:
             stats["max_rank_selection_ms"] = max(s.rank_selection_ms)
         return stats
 
-    def residual_norm(self) -> float:
-        """L2 norm of what the memory holds back (DGC's velocity, PowerSGD's error), for monitoring."""
-        return self.memory.residual_norm(getattr(self.algorithm, "residual_kind", "velocity"))
+    def residual_norm(self) -> float | None:
+        """L2 norm of what the memory holds back (DGC's velocity, PowerSGD's error), for monitoring;
+        ``None`` for an algorithm that holds nothing back (``Algorithm.residual_kind is None``)."""
+        kind = self.algorithm.residual_kind
+        return self.memory.residual_norm(kind) if kind is not None else None
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self, memory: bool = True) -> dict[str, Any]:

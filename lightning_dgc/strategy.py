@@ -211,12 +211,15 @@ class CompressionStrategy(DDPStrategy):
     def density(self) -> float | None:
         """The density in force, ``None`` for an algorithm without one (set it to change the sparsity
         during training, identically on all ranks: ``SparsityWarmup`` does)."""
-        return getattr(self.config, "density", None)
+        return self.config.density
 
     @density.setter
     def density(self, value: float) -> None:
-        if not hasattr(self._config, "density"):
-            raise AttributeError(f"the {self.algorithm} algorithm has no density")
+        if self._config.density is None:
+            raise AttributeError(
+                f"the {self.algorithm} algorithm has no density: its configuration declares no `density` field;"
+                " do not set one (e.g. drop SparsityWarmup)."
+            )
         if self._state is not None:
             self._state.density = value
         else:

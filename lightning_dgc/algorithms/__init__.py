@@ -13,6 +13,7 @@ import pkgutil
 from lightning_dgc.algorithms.base import (
     Algorithm,
     AlgorithmConfig,
+    BucketPlan,
     BucketWork,
     Message,
     TensorSpec,
@@ -26,6 +27,7 @@ from lightning_dgc.algorithms.base import (
 __all__ = [
     "Algorithm",
     "AlgorithmConfig",
+    "BucketPlan",
     "BucketWork",
     "Message",
     "TensorSpec",

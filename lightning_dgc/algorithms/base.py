@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,7 +38,20 @@ class AlgorithmConfig:
     """Base of an algorithm's hyper-parameters: a dataclass, validated (and normalised) on construction.
 
     Subclasses document every field in their docstring: the one place a hyper-parameter is described.
+    Two field names have a meaning outside the algorithm; declare them as fields to opt in:
+
+    * ``density: float``: the fraction of values a step sends, in (0, 1]. ``ExchangeState.density``,
+      the strategy's ``density`` and :class:`~lightning_dgc.callbacks.SparsityWarmup` change it, the
+      statistics report it, and a new value makes new plans (see :meth:`Algorithm.plan_key`). Without
+      the field it is ``None``: the algorithm has no density, and setting one raises an error.
+    * ``seed: int``: seeds the per-rank generator (``ExchangeState.generator``) and the draws shared
+      by every rank (:meth:`ExchangeState.draw_generator`, :meth:`ExchangeState.tensor_generator`);
+      0 without the field.
     """
+
+    # Not annotated, so that they are no dataclass fields here: a subclass's own fields keep their order.
+    density = None  # float | None: a subclass declares ``density: float = ...`` as a field
+    seed = 0  # int: likewise ``seed: int = ...``
 
     def __post_init__(self) -> None:
         self.validate()
@@ -137,10 +151,29 @@ VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.flo
 
 
 @dataclass
+class BucketPlan:
+    """The least a plan holds (the hook and the statistics read both); an algorithm's plan may subclass
+    it (its own fields then need defaults, or ``@dataclass(kw_only=True)``), or declare both itself."""
+
+    layout: list[TensorSpec]  # the bucket's tensors, in bucket order
+    dense_bytes: int  # what plain DDP would all-reduce for the bucket (numel * the bucket's element size)
+
+
+@dataclass
 class BucketWork:
     """What one hook call carries from step to step (an algorithm subclasses it for its own tensors).
 
-    ``keep``: tensors made on the hook's stream that the decode reads (recorded on its stream, CUDA).
+    ``keep``: tensors made on the hook's stream that the decode reads. On CUDA the decode runs on
+    another stream; every tensor in ``keep`` is recorded on it, so that the caching allocator does
+    not reuse its memory before the decode's kernels ran. The hook adds ``flat`` when it is a copy of
+    a non-fp32 bucket, and every collective's output; an algorithm adds whatever else it makes in
+    steps 2-4 and reads in step 5. Buffers that live across steps (memory, plan buffers) are made
+    before the collectives start (in :meth:`Algorithm.plan` or :meth:`Algorithm.compensate`), never
+    in the decode.
+
+    ``stats``: measured extras for ``compression_stats()``, all optional: ``"rank_selected"`` (values
+    this rank selected), ``"union_values"`` (distinct indices of all ranks' selections, set only when
+    ``state.measures_buildup``; it gives ``buildup_factor``), ``"rank_selection_ms"``, ``"plan"``.
     """
 
     grads: list[Tensor]  # per tensor of the plan: the local gradient, fp32, flat views of one buffer
@@ -167,11 +200,15 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         takes_over_momentum: whether SGD's momentum, Nesterov and weight decay are applied inside the
             exchange (set to 0 in the optimizer while ``fit`` runs), as DGC's momentum correction does.
         memory_kinds: the per-parameter buffers it keeps (the checkpoint's ``"memory"`` keys).
+        residual_kind: the memory kind that holds back gradient not yet sent (DGC's ``"velocity"``,
+            an error-feedback algorithm's ``"error"``): ``state.residual_norm()`` reports its norm.
+            ``None`` (the default): the algorithm holds nothing back, and the norm is not reported.
     """
 
     name: ClassVar[str]
     config_class: ClassVar[type[AlgorithmConfig]]
     memory_kinds: ClassVar[tuple[str, ...]] = ()
+    residual_kind: ClassVar[str | None] = None
 
     def __init__(self, config: ConfigT, state: ExchangeState) -> None:
         self.config = config
@@ -180,6 +217,39 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
     @property
     def takes_over_momentum(self) -> bool:
         return False
+
+    # -- helpers for step 2 ------------------------------------------------------------------------------
+    def error_feedback(self, layout: Sequence[TensorSpec], flat: Tensor, kind: str | None = None) -> Tensor:
+        """Error feedback in one call: the gradient plus what was held back, in a flat fp32 buffer.
+
+        ``layout``: the tensors to compensate (often the plan's whole ``layout``); ``flat``: their
+        gradients one after the other (``flat`` of :meth:`compensate` when ``layout`` is the bucket's).
+        Returns ``residual + flat`` in the scratch buffer of the memory ``kind`` (default
+        :attr:`residual_kind`), staged: whatever the algorithm leaves in it is held back for the next
+        step. So subtract what you send from it (in :meth:`select` or :meth:`decode`), e.g.
+        ``residual[idx] = 0`` after sending ``residual[idx]``. It is committed with the step, or
+        discarded on every rank if the step is skipped (inf/NaN); checkpoints save it per rank.
+        Call it in :meth:`compensate` (on the hook's stream: the buffers are made there).
+        """
+        kind = kind if kind is not None else self.residual_kind
+        if kind is None:
+            raise ValueError(
+                f"{type(self).__name__}.error_feedback() needs a memory kind: pass `kind=` or set the class"
+                " attribute `residual_kind` (e.g. `residual_kind = \"error\"`, listed in `memory_kinds`)."
+            )
+        memory = self.state.memory
+        names = [spec.name for spec in layout]
+        sizes = [spec.numel for spec in layout]
+        if sum(sizes) != flat.numel():
+            raise ValueError(
+                f"error_feedback(): `flat` holds {flat.numel()} values but the tensors of `layout` {sum(sizes)};"
+                " pass the gradients of exactly these tensors, one after the other."
+            )
+        committed, scratch = memory.group(kind, names, sizes, flat.device)
+        torch.add(committed, flat.reshape(-1), out=scratch)
+        for name in names:
+            memory.stage(kind, name)
+        return scratch
 
     # -- the plan --------------------------------------------------------------------------------------
     def plan_key(self) -> tuple[Any, ...]:
@@ -190,7 +260,8 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
     def plan(self, layout: list[TensorSpec], buffer: Tensor) -> PlanT:
         """What the algorithm decides once per bucket layout (``buffer``: the bucket's gradients, for their
         device and dtype): which tensors it compresses, its buffers, ... The plan must have ``layout``
-        and ``dense_bytes`` (what plain DDP would send for the bucket) attributes."""
+        and ``dense_bytes`` (what plain DDP would send for the bucket) attributes: subclass
+        :class:`BucketPlan`, or declare both."""
 
     # -- the step --------------------------------------------------------------------------------------
     @abstractmethod
@@ -245,13 +316,22 @@ A = TypeVar("A", bound=type)
 
 
 def register(cls: A) -> A:
-    """Class decorator: register an :class:`Algorithm` under its ``name``."""
+    """Class decorator: register an :class:`Algorithm` under its ``name``.
+
+    ``Trainer(strategy="<name>")`` (and ``"<name>_spawn"``) then works whatever the import order: if
+    ``lightning.pytorch`` is already imported the strategy names are registered at once, else as soon
+    as it is (see :mod:`lightning_dgc`).
+    """
     name = cls.name  # type: ignore[attr-defined]
     if name in _REGISTRY and _REGISTRY[name] is not cls:
         raise ValueError(
             f"an algorithm named {name!r} is already registered ({_REGISTRY[name].__qualname__})"
         )
     _REGISTRY[name] = cls  # type: ignore[assignment]
+    if "lightning.pytorch" in sys.modules and not cls.__module__.startswith("lightning_dgc."):
+        from lightning_dgc import _register_strategies  # the package's own are registered with it
+
+        _register_strategies()
     return cls
 
 

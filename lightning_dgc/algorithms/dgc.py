@@ -359,6 +359,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         for _, members in plan.dense_momentum_groups:  # made here, on the hook's stream, not in the callback
             for i in members:
                 memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
+                memory.scratch("momentum", plan.entries[i].name)  # written by the decode (dense_momentum)
         for i, e in enumerate(plan.entries):
             if e.kind == "dense":
                 work.dense_parts.append(grads[i])

@@ -155,6 +155,7 @@ class PowerSGDPlan:
 @dataclass
 class PowerSGDWork(BucketWork):
     compressing: bool = True
+    warm: bool = False  # Q starts from the previous step's (every compressed tensor has one)
     input_copy: Tensor | None = None  # the error-compensated gradient (for the next error)
     uncompressed: Pending | None = None
     q: Pending | None = None
@@ -175,6 +176,9 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
         # Seeds of the random Q: the same sequence on every rank, a draw per bucket that starts (or per
         # bucket and step without warm start).
         self.rng = np.random.RandomState(config.seed)
+        # Names whose Q was first made in a step not yet known to be committed: (step, skipped steps then).
+        # A skipped step leaves that Q at zeros, which must not warm-start the next step.
+        self._q_made: dict[str, tuple[int, int]] = {}
 
     def compressing(self) -> bool:
         return self.state.step >= self.config.start_iter
@@ -219,14 +223,39 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
     # -- step 2 ----------------------------------------------------------------------------------------------
     def compensate(self, plan: PowerSGDPlan, grads: list[Tensor], flat: Tensor) -> PowerSGDWork:
         work = PowerSGDWork(grads, flat, compressing=self.compressing())
-        if not work.compressing or not self.config.use_error_feedback:
+        if not work.compressing:
             return work
         memory = self.state.memory
+        # Buffers that live across steps are made here, on the hook's stream, never in the decode.
+        if self.config.warm_start:
+            work.warm = all(self._has_q(f.spec.name) for f in plan.factors)
+            for f in plan.factors:
+                memory.buffer("q", f.spec.name, (f.m, f.r), flat.device)
+                memory.scratch("q", f.spec.name)
+                if not work.warm:
+                    self._q_made[f.spec.name] = (self.state.step, self.state.skipped_steps)
+        if not self.config.use_error_feedback:
+            return work
         errors = [memory.buffer("error", s.name, s.numel, flat.device) for s in plan.layout]
+        for s in plan.layout:
+            memory.scratch("error", s.name)
         torch._foreach_add_(grads, errors)
         work.input_copy = flat.clone()
         work.keep.append(work.input_copy)
         return work
+
+    def _has_q(self, name: str) -> bool:
+        """Whether ``name`` has a committed ``Q`` from an earlier step (one made in a skipped step has not)."""
+        if not self.state.memory.has("q", name):
+            return False
+        made = self._q_made.get(name)
+        if made is None:  # committed long ago, or loaded from a checkpoint
+            return True
+        step, skipped = made
+        if self.state.step > step and self.state.skipped_steps == skipped:  # no step skipped since
+            del self._q_made[name]
+            return True
+        return False
 
     # -- step 3 ----------------------------------------------------------------------------------------------
     def select(self, plan: PowerSGDPlan, work: PowerSGDWork) -> None:
@@ -234,18 +263,17 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
         if not work.compressing or not plan.factors:
             return
         memory, epsilon = self.state.memory, self.config.orthogonalization_epsilon
-        warm = self.config.warm_start and all(memory.has("q", f.spec.name) for f in plan.factors)
-        if warm:
+        if work.warm:
             for f in plan.factors:
                 f.q.copy_(memory.committed["q"][f.spec.name].view_as(f.q))
                 orthogonalize_(f.q, epsilon)
         else:
-            # The same seed on every rank; a CPU generator, forked so that the global one is untouched.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(self.rng.randint(1_000_000_000)))
-                for f in plan.factors:
-                    f.q.copy_(torch.randn(*f.q.shape, device="cpu"))
-                    orthogonalize_(f.q, epsilon)
+            # The same seed on every rank; a CPU generator of its own (the global one stays untouched, and
+            # simulated ranks in threads do not share it), drawing what torch's hook draws.
+            generator = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            for f in plan.factors:
+                f.q.copy_(torch.randn(*f.q.shape, device="cpu", generator=generator))
+                orthogonalize_(f.q, epsilon)
         for f in plan.factors:
             torch.bmm(self._matrix(work, f), f.q, out=f.p)
         plan.p_flat[:1].add_(work.poison)  # NaN in P is NaN in every Q and so in every decoded matrix
@@ -285,7 +313,6 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
                 torch.bmm(f.p, f.q.transpose(1, 2), out=self._matrix(work, f))
                 if self.config.warm_start:
                     name = f.spec.name
-                    memory.buffer("q", name, (f.m, f.r), result.device)
                     memory.scratch("q", name).copy_(f.q.view(f.m, f.r))
                     memory.stage("q", name)
         if work.input_copy is not None:  # error feedback: what the approximation missed, per tensor

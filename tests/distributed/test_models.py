@@ -62,14 +62,17 @@ def test_sparse_gradients_are_refused_by_name() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    "hook,config",
+    "hook,config,param_dtype",
     [
-        ("dgc", {"density": 0.001}),
-        ("dgc", {"density": 0.01, "value_dtype": "fp16"}),
-        ("deft", {"density": 0.01}),
+        ("dgc", {"density": 0.001}, None),
+        ("dgc", {"density": 0.01, "value_dtype": "fp16"}, None),
+        ("deft", {"density": 0.01}, None),
+        # bf16 parameters (Lightning's "bf16-true"): the hook decodes into an fp32 copy of the bucket
+        ("dgc", {"density": 0.01}, "bfloat16"),
+        ("powersgd", {"start_iter": 2, "matrix_approximation_rank": 2}, "bfloat16"),
     ],
 )
-def test_cuda_ranks_stay_bit_identical(hook: str, config: dict) -> None:
+def test_cuda_ranks_stay_bit_identical(hook: str, config: dict, param_dtype: str | None) -> None:
     """Two processes share one GPU over gloo; 30 sparse steps with several buckets.
 
     With different data per rank the parameters must agree bit for bit at every step (the averaged
@@ -78,7 +81,8 @@ def test_cuda_ranks_stay_bit_identical(hook: str, config: dict) -> None:
     """
     sgd = {"lr": 0.05, "momentum": 0.9}
     common = {"steps": 30, "use_hook": True, "hook": hook, "model_kind": "conv", "sgd": sgd,
-              "take_over": True, "config": config, "device": "cuda:0", "bucket_cap_mb": 0.004}  # fmt: skip
+              "take_over": True, "config": config, "device": "cuda:0", "bucket_cap_mb": 0.004,
+              "param_dtype": param_dtype}  # fmt: skip
     different, same = zip(
         *run_ranks(workers.train_many, runs=[common, {**common, "same_data": True}]), strict=True
     )
@@ -87,7 +91,8 @@ def test_cuda_ranks_stay_bit_identical(hook: str, config: dict) -> None:
         for step, (a, b) in enumerate(zip(run[0]["params"], run[1]["params"], strict=True)):
             assert torch.equal(a, b), f"ranks diverged at step {step}: {float((a - b).abs().max())}"
         assert all(run[0]["finite"]) and run[0]["losses"][-1] < run[0]["losses"][0]
+    assert same[0]["memory"][-1], "the algorithm kept no memory"
     for step in range(30):
-        for kind in ("momentum", "velocity"):
+        for kind in same[0]["memory"][step]:
             for name, t in same[0]["memory"][step][kind].items():
                 assert torch.equal(t, same[1]["memory"][step][kind][name]), f"{kind} of {name}, step {step}"

@@ -84,15 +84,18 @@ def train(
     channels_last: bool = False,
     device: str = "cpu",
     same_data: bool = False,
+    param_dtype: str | None = None,
 ) -> dict[str, Any]:
     """Train a toy model; optionally through the DGC hook. Returns per-step params and stats.
 
     ``model_kind``: ``"mlp"``, ``"wide"``, ``"conv"`` (conv net + MLP; ``channels_last`` puts it in that
     memory format) or ``"branch"`` (a branch used on even steps only: DDP runs with
     ``find_unused_parameters``). ``same_data``: every rank trains on rank 0's batches, so that their
-    memory, not only their parameters, must agree.
+    memory, not only their parameters, must agree. ``param_dtype``: e.g. ``"bfloat16"``, parameters
+    (and so DDP's buckets) in that dtype, as Lightning's ``"bf16-true"`` makes them.
     """
-    model = make_model(kind=model_kind).to(device)
+    dtype = getattr(torch, param_dtype) if param_dtype is not None else torch.float32
+    model = make_model(kind=model_kind).to(device, dtype)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=model_kind == "branch")
@@ -113,7 +116,7 @@ def train(
     opt = torch.optim.SGD(model.parameters(), **sgd)
     params, losses, stats, finite, memory, plans_agree = [], [], [], [], [], []
     for step in range(steps):
-        x, y = (t.to(device) for t in batch(0 if same_data else rank, step))
+        x, y = (t.to(device, dtype) for t in batch(0 if same_data else rank, step))
         opt.zero_grad()
         out = ddp(x, use_branch=step % 2 == 0) if model_kind == "branch" else ddp(x)
         loss = nn.functional.mse_loss(out, y)

@@ -1,0 +1,57 @@
+"""An algorithm written outside the package (``randomk.py``, the public API only): the authors' kit passes
+it, and ``Trainer(strategy="randomk")`` trains with it whatever the import order."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_dgc.testing import check_algorithm
+from tests.extending.randomk import RandomKConfig
+from tests.lightning.run import ROOT, _environment, params, results, run_script
+
+
+def test_randomk_passes_check_algorithm() -> None:
+    # draws keyed by tensor name and step: it resumes exactly even when the buckets come in another order
+    check_algorithm(
+        RandomKConfig(density=0.1), lossless=RandomKConfig(density=1.0), reorder_buckets_on_resume=True
+    )
+
+
+def test_check_algorithm_names_a_broken_contract() -> None:
+    """An algorithm that forgets to hold back what it did not send fails the conservation check."""
+    from tests.extending import leaky  # noqa: F401  (registers "leaky_randomk")
+
+    with pytest.raises(AssertionError, match="conservation"):
+        check_algorithm(leaky.LeakyConfig(density=0.1))
+
+
+@pytest.mark.parametrize("first", ["lightning.pytorch", "tests.extending.randomk"])
+def test_strategy_name_registered_in_any_import_order(first: str) -> None:
+    second = "tests.extending.randomk" if first == "lightning.pytorch" else "lightning.pytorch"
+    code = (
+        f"import {first}; import {second}\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "assert 'randomk' in StrategyRegistry and 'randomk_spawn' in StrategyRegistry, sorted(StrategyRegistry)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=_environment(), cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_trainer_fits_with_an_outside_algorithm(tmp_path) -> None:
+    """Lightning imported first, then the user's module: ``Trainer(strategy="randomk")`` on 2 processes."""
+    out = tmp_path / "randomk"
+    run_script("randomk_script.py", out, "--max-steps", "6")
+    summaries = results(out)
+    for summary in summaries:
+        assert summary["strategy"] == "CompressionStrategy" and summary["hook_calls"] >= 6
+        assert summary["stats"][-1]["algorithm"] == "randomk"
+        assert 0 < summary["stats"][-1]["values_sent"] < summary["stats"][-1]["numel"]
+        assert summary["residual_norm"] > 0  # what was not sent is held back
+    assert torch.equal(params(out, 0), params(out, 1))

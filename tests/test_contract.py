@@ -1,0 +1,286 @@
+"""The algorithm contract: CUDA buffer lifetimes (tripwires that run on the CPU), the declared attributes,
+the error-feedback helper, per-tensor draws, and the authors' kit on the package's own algorithms."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_dgc
+from lightning_dgc import comm, hook
+from lightning_dgc.algorithms.deft import DEFTConfig
+from lightning_dgc.algorithms.dgc import DGCConfig
+from lightning_dgc.algorithms.powersgd import PowerSGDConfig
+from lightning_dgc.state import ExchangeState
+from lightning_dgc.testing import check_algorithm
+from tests.extending.randomk import RandomKConfig
+
+PACKAGE = Path(lightning_dgc.__file__).parent
+
+
+# -- 1. CUDA buffer lifetimes ------------------------------------------------------------------------------
+def test_futures_are_chained_only_in_when_all() -> None:
+    """``.then``, ``collect_all`` and ``add_done_callback`` order CUDA streams correctly only as
+    ``comm.when_all`` uses them (see its docstring): nowhere else in the package."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        allowed: set[int] = set()
+        if path.name == "comm.py" and path.parent == PACKAGE:
+            when_all = next(
+                n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "when_all"
+            )
+            allowed = {id(n) for n in ast.walk(when_all)}
+        for node in ast.walk(tree):
+            name = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.id
+                if isinstance(node, ast.Name)
+                else None
+            )
+            if name in ("then", "collect_all", "add_done_callback") and id(node) not in allowed:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}")
+    assert not found, f"futures chained outside comm.when_all: {found}"
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 48)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "config",
+    [
+        DGCConfig(density=0.05),
+        DEFTConfig(density=0.05),
+        PowerSGDConfig(start_iter=2),
+        RandomKConfig(density=0.1),
+    ],
+    ids=["dgc", "deft", "powersgd", "randomk"],
+)
+def test_the_fp32_copy_of_a_non_fp32_bucket_is_kept_until_the_decode_ran(config, dtype: torch.dtype) -> None:
+    """The decode reads and writes the bucket's fp32 copy on another CUDA stream: it must be in
+    ``work.keep`` (recorded on that stream), with every collective's output, when the decode runs."""
+
+    def rank_run(collectives: comm.Collectives) -> list[bool]:
+        model = _model(dtype)
+        state = ExchangeState(config, collectives=collectives)
+        state.register_parameters(model.named_parameters())
+        params = list(model.parameters())
+        decode, seen = state.algorithm.decode, []
+
+        def observed_decode(plan, work):  # the algorithm's own decode, observed
+            seen.append(work.flat.dtype == torch.float32 and any(t is work.flat for t in work.keep))
+            return decode(plan, work)
+
+        state.algorithm.decode = observed_decode  # type: ignore[method-assign]
+        for step in range(3):
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            buffer = torch.randn(
+                sum(p.numel() for p in params), generator=torch.Generator().manual_seed(step)
+            )
+            update = hook.exchange(state, params, buffer.to(dtype)).wait()
+            assert update.dtype == dtype and bool(update.isfinite().all())
+            state.finish_step()
+        return seen
+
+    for seen in comm.simulate(2, rank_run):
+        assert seen == [True, True, True]
+
+
+def test_when_all_holds_what_it_keeps_until_the_decode_ran() -> None:
+    future: torch.futures.Future = torch.futures.Future()
+    pending = comm.Pending("all-reduce", future, torch.zeros(2))
+    copy = torch.ones(3)
+    alive = weakref.ref(copy)
+    ran = []
+    result = comm.when_all([pending], lambda: ran.append(alive() is not None) or pending.output, torch.device("cpu"),
+                           keep=[copy])  # fmt: skip
+    del copy
+    gc.collect()
+    assert alive() is not None and not ran, "dropped before the collective finished"
+    future.set_result(None)
+    result.wait()
+    assert ran == [True]
+
+
+def test_an_older_torch_is_refused_for_cuda_exchanges() -> None:
+    comm._check_device_futures("2.11.0+cu130")  # what pyproject.toml accepts
+    comm._check_device_futures("2.12.0a0")
+    with pytest.raises(RuntimeError, match=r"torch >= 2.11 .*this is torch 2.10.1.*pip install 'torch>=2.11"):
+        comm._check_device_futures("2.10.1+cu128")
+
+
+def test_powersgd_allocates_its_memory_before_the_collectives() -> None:
+    """Q and the error exist once step 2 ran, on the hook's stream: the decode only writes into them."""
+    model = _model(torch.float32)
+    state = ExchangeState(PowerSGDConfig(start_iter=2))
+    state.register_parameters(model.named_parameters())
+    state.step = 2  # compressing
+    params = list(model.parameters())
+    plan = state.plan(params, torch.zeros(sum(p.numel() for p in params)))
+    grads = list(torch.zeros(sum(s.numel for s in plan.layout)).split([s.numel for s in plan.layout]))
+    state.algorithm.compensate(plan, grads, torch.cat(grads))
+    assert all(state.memory.has("error", s.name) for s in plan.layout)
+    assert [f.spec.name for f in plan.factors] and all(
+        state.memory.has("q", f.spec.name) for f in plan.factors
+    )
+
+
+# -- 2. the declared contract ------------------------------------------------------------------------------
+def _state(config) -> tuple[ExchangeState, list[nn.Parameter]]:
+    model = _model(torch.float32)
+    state = ExchangeState(config)
+    state.register_parameters(model.named_parameters())
+    return state, list(model.parameters())
+
+
+def test_error_feedback_adds_what_was_held_back_and_commits_what_stays() -> None:
+    state, params = _state(RandomKConfig(density=0.1))
+    plan = state.plan(params, torch.zeros(sum(p.numel() for p in params)))
+    first = torch.randn(sum(s.numel for s in plan.layout))
+    residual = state.algorithm.error_feedback(plan.layout, first)
+    assert torch.equal(residual, first)  # nothing held back yet
+    residual[:10] = 0.0  # "sent"
+    state.memory.commit()
+    second = torch.randn_like(first)
+    residual = state.algorithm.error_feedback(plan.layout, second)
+    expected = first + second
+    expected[:10] = second[:10]
+    assert torch.allclose(residual, expected)
+    state.memory.discard()  # a skipped step: the residual stays what the first step left
+    kept = first.clone()
+    kept[:10] = 0.0
+    assert torch.equal(state.algorithm.error_feedback(plan.layout, torch.zeros_like(first)), kept)
+
+
+def test_error_feedback_errors_name_the_fix() -> None:
+    state, params = _state(DGCConfig())
+    plan = state.plan(params, torch.zeros(sum(p.numel() for p in params)))
+    with pytest.raises(ValueError, match="holds 3 values but the tensors of `layout`"):
+        state.algorithm.error_feedback(plan.layout, torch.zeros(3))
+    state.algorithm.residual_kind = None  # type: ignore[misc]
+    with pytest.raises(ValueError, match="pass `kind=` or set the class attribute `residual_kind`"):
+        state.algorithm.error_feedback(plan.layout, torch.zeros(1))
+    assert state.residual_norm() is None, "an algorithm that holds nothing back reports no norm"
+
+
+def test_a_plan_without_layout_is_a_clear_error() -> None:
+    state, params = _state(DGCConfig())
+    state.algorithm.plan = lambda layout, buffer: {"layout": layout}  # type: ignore[method-assign]
+    with pytest.raises(TypeError, match="without `layout` and `dense_bytes`.*BucketPlan"):
+        state.plan(params, torch.zeros(sum(p.numel() for p in params)))
+
+
+def test_density_and_seed_are_declared_by_the_config_base() -> None:
+    assert (
+        PowerSGDConfig().density is None and RandomKConfig().density == 0.01 and DGCConfig(seed=3).seed == 3
+    )
+    assert [f.name for f in dataclasses.fields(DGCConfig)][:2] == [
+        "density",
+        "sample_ratio",
+    ]  # positions kept
+    state, _ = _state(PowerSGDConfig())
+    assert state.density is None
+    with pytest.raises(AttributeError, match="declares no `density` field"):
+        state.density = 0.1
+
+
+def test_tensor_draws_depend_on_name_and_step_only() -> None:
+    state, _ = _state(RandomKConfig(seed=1))
+    cpu = torch.device("cpu")
+
+    def draw(name: str) -> torch.Tensor:
+        return torch.randperm(100, generator=state.tensor_generator(name, cpu))
+
+    a, b = draw("0.weight"), draw("2.weight")
+    assert torch.equal(draw("2.weight"), b) and torch.equal(draw("0.weight"), a)  # any order
+    assert not torch.equal(a, b)
+    state.step += 1
+    assert not torch.equal(draw("0.weight"), a)
+    other, _ = _state(RandomKConfig(seed=2))
+    assert not torch.equal(torch.randperm(100, generator=other.tensor_generator("0.weight", cpu)), a)
+
+
+def test_buildup_is_reported_only_when_measured() -> None:
+    """An algorithm that selects but does not count the union (random-k) reports no build-up factor, not 0."""
+
+    def rank_run(collectives: comm.Collectives) -> dict:
+        model = _model(torch.float32)
+        state = ExchangeState(RandomKConfig(density=0.1), collectives=collectives, measure_buildup=True)
+        state.register_parameters(model.named_parameters())
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        hook.exchange(state, params, torch.randn(sum(p.numel() for p in params))).wait()
+        state.finish_step()
+        return state.compression_stats()
+
+    for stats in comm.simulate(2, rank_run):
+        assert stats["k"] > 0 and "buildup_factor" not in stats and "union_values" not in stats
+
+
+# -- 3. the authors' kit on the package's algorithms ---------------------------------------------------------
+SMALL = {"min_compress_numel": 64}
+
+
+@pytest.mark.parametrize(
+    "config,lossless",
+    [
+        (DGCConfig(density=0.1, **SMALL), DGCConfig(density=1.0, **SMALL)),
+        (
+            DGCConfig(density=0.1, selection_backend="torch", **SMALL),
+            DGCConfig(density=1.0, selection_backend="torch", **SMALL),
+        ),
+        (DGCConfig(density=0.1, selection="exact", value_dtype="fp16", **SMALL), None),
+        (DEFTConfig(density=0.1, **SMALL), DEFTConfig(density=1.0, **SMALL)),
+        (DEFTConfig(density=0.1, selection_backend="torch", selectors="all", **SMALL), None),
+        (DEFTConfig(density=0.1, k_allocation="size", fragmenting=False, **SMALL), None),
+        (
+            PowerSGDConfig(start_iter=2, matrix_approximation_rank=2),
+            PowerSGDConfig(start_iter=2, min_compression_rate=1e9),
+        ),
+        (PowerSGDConfig(start_iter=2, warm_start=False), None),
+    ],
+    ids=[
+        "dgc",
+        "dgc-batched",
+        "dgc-exact-fp16",
+        "deft",
+        "deft-batched-all",
+        "deft-size",
+        "powersgd",
+        "powersgd-cold",
+    ],
+)
+def test_package_algorithms_pass_check_algorithm(config, lossless) -> None:
+    fp16 = getattr(config, "value_dtype", "fp32") == "fp16"  # fp16 on the wire drops its rounding error
+    check_algorithm(config, lossless=lossless, conservation_rtol=2e-3 if fp16 else 1e-4)
+
+
+def test_dgc_with_momentum_passes_everything_but_conservation() -> None:
+    check_algorithm(DGCConfig(density=0.1, momentum=0.9, **SMALL), conservation=False)
+    with pytest.raises(AssertionError, match="conservation"):
+        check_algorithm(DGCConfig(density=0.1, momentum=0.9, **SMALL))
+
+
+def test_check_algorithm_catches_a_wrong_lossless_setting() -> None:
+    with pytest.raises(AssertionError, match="lossless: step 0"):
+        check_algorithm(DGCConfig(density=0.1, **SMALL), lossless=DGCConfig(density=0.3, **SMALL))
+
+
+def test_check_algorithm_catches_draws_that_do_not_resume() -> None:
+    """PowerSGD's random Q comes from a sequence drawn bucket after bucket: another bucket order on resume
+    changes it (DDP's buckets are in their final order from step 2 on, where PowerSGD starts)."""
+    with pytest.raises(AssertionError, match="resume"):
+        check_algorithm(PowerSGDConfig(start_iter=2), reorder_buckets_on_resume=True)
