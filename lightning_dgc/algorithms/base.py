@@ -167,11 +167,14 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         takes_over_momentum: whether SGD's momentum, Nesterov and weight decay are applied inside the
             exchange (set to 0 in the optimizer while ``fit`` runs), as DGC's momentum correction does.
         memory_kinds: the per-parameter buffers it keeps (the checkpoint's ``"memory"`` keys).
+        state_settings: configuration fields that shape the memory: a checkpoint saved with other values
+            of them is refused on resume (PowerSGD's ``matrix_approximation_rank``).
     """
 
     name: ClassVar[str]
     config_class: ClassVar[type[AlgorithmConfig]]
     memory_kinds: ClassVar[tuple[str, ...]] = ()
+    state_settings: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ConfigT, state: ExchangeState) -> None:
         self.config = config
@@ -231,6 +234,14 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         return self.wire_cost(self.config, layout, self.state.world_size, plan.dense_bytes)  # type: ignore[attr-defined]
 
     # -- statistics and checkpoints ------------------------------------------------------------------------
+    def memory_shape(self, kind: str, name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The shape of the ``kind`` buffer this run keeps for parameter ``name`` (of ``shape``), or ``None``
+        if it keeps none; checkpoints are checked against it. Default: flat, one value per gradient value."""
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        return (numel,) if kind in self.memory_kinds else None
+
     def extra_state(self) -> dict[str, Any]:
         """Algorithm state beside the memory to keep in checkpoints (``weights_only``-loadable)."""
         return {}
