@@ -631,7 +631,8 @@ class DGCStrategy(CompressionStrategy):
     """Data-parallel training with Deep Gradient Compression (Lin et al., ICLR 2018).
 
     ``CompressionStrategy(DGCConfig(...))`` with DGC's settings as arguments (each one is described
-    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), plus every ``DDPStrategy`` argument.
+    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector, see
+    :class:`CompressionStrategy`), plus every ``DDPStrategy`` argument.
     """
 
     def __init__(
@@ -647,6 +648,7 @@ class DGCStrategy(CompressionStrategy):
         local_clip_norm: float | None = DGCConfig.local_clip_norm,
         value_dtype: ValueDType = DGCConfig.value_dtype,
         seed: int = DGCConfig.seed,
+        max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         **kwargs: Any,
     ) -> None:
         options = {
@@ -656,7 +658,10 @@ class DGCStrategy(CompressionStrategy):
             "momentum_masking": momentum_masking, "local_clip_norm": local_clip_norm, "value_dtype": value_dtype,
             "seed": seed,
         }  # fmt: skip
-        super().__init__(self.config_class(**options, **self._more_options()), **kwargs)
+        super().__init__(
+            self.config_class(**options, **self._more_options()), max_consecutive_skips=max_consecutive_skips,
+            **kwargs,
+        )  # fmt: skip
 
     #: The configuration the arguments fill.
     config_class: ClassVar[type[DGCConfig]] = DGCConfig

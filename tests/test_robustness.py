@@ -228,3 +228,38 @@ def test_a_bad_run_fraction_is_rejected_with_its_own_message(bad) -> None:
     with pytest.raises(ValueError, match=r"`run_fraction` is the fraction of the run's optimizer steps") as error:
         SparsityWarmup(run_fraction=bad)
     assert "density" not in str(error.value) and "99.9%" not in str(error.value)
+
+
+# -- The stall detector ----------------------------------------------------------------------------------------
+def test_consecutive_skipped_steps_count_non_finite_steps_in_a_row_identically_on_every_rank() -> None:
+    """Rank 1 sends inf in steps 1, 2, 3 and 5: both ranks count 1, 2, 3, then 0 after a finite step."""
+
+    def rank_run(collectives: comm.Collectives) -> list[int]:
+        torch.manual_seed(0)
+        model = nn.Linear(64, 32)
+        state = ExchangeState(DGCConfig(density=0.1), collectives=collectives)
+        state.register_parameters(model.named_parameters())
+        params, counts = list(model.parameters()), []
+        for step in range(7):
+            local = torch.randn(sum(p.numel() for p in params))
+            if collectives.rank == 1 and step in (1, 2, 3, 5):
+                local[0] = math.inf
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            hook.exchange(state, params, local)
+            state.finish_step()
+            counts.append(state.consecutive_skipped_steps)
+        return counts
+
+    assert comm.simulate(2, rank_run) == [[0, 1, 2, 3, 0, 1, 0]] * 2
+
+
+@pytest.mark.parametrize("bad, match", [(-1, "must be >= 0"), (2.5, "must be an integer"), ("10", "must be an integer")])
+def test_a_bad_max_consecutive_skips_is_rejected_naming_it(bad, match) -> None:
+    from lightning_dgc import CompressionStrategy, DGCStrategy
+
+    for strategy in (lambda: CompressionStrategy("powersgd", max_consecutive_skips=bad),
+                     lambda: DGCStrategy(max_consecutive_skips=bad)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"`max_consecutive_skips` {match}"):
+            strategy()
+    assert DGCStrategy(max_consecutive_skips=None).max_consecutive_skips == 0  # off
