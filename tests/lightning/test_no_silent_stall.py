@@ -56,6 +56,14 @@ def test_a_nan_buffer_of_one_rank_stops_both_ranks_before_the_first_step(tmp_pat
         assert returncode != 0, f"rank {rank} trained on:\n{stdout[-2000:]}"
         assert "rank 1: the checkpoint's 'velocity' buffer of parameter 'net.0.weight' holds NaN or inf" in stderr
         assert f"rank {rank} step" not in stdout, "a step was taken before the check"
+    # A malformed entry (fewer rank states than it says) is named, not an IndexError, at any world size.
+    checkpoint["lightning_dgc"]["ranks"] = checkpoint["lightning_dgc"]["ranks"][:1]
+    torch.save(checkpoint, ckpt)
+    proc = run_script("fit_script.py", tmp_path / "one", "--devices", "1", "--max-steps", "8", "--resume",
+                      str(ckpt), check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert "checkpoint['lightning_dgc'] says it was written by world_size=2 ranks but holds 1 rank states" \
+        in proc.stderr, proc.stderr[-2000:]
 
 
 def test_powersgd_refuses_to_resume_with_another_matrix_approximation_rank(tmp_path) -> None:
