@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_dgc.checks import check_density
+from lightning_dgc.checks import check_density, real_number
 
 Interval = Literal["epoch", "step"]
 
@@ -88,6 +88,17 @@ def spread_warmup(
     return [float(d) for d in stages for _ in range(stage)]
 
 
+def check_run_fraction(run_fraction: object) -> float:
+    """``run_fraction`` as a float if it lies in (0, 1]; a ``ValueError`` naming the argument otherwise."""
+    value = real_number(run_fraction, "run_fraction")
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise ValueError(
+            "`run_fraction` is the fraction of the run's optimizer steps that the warm-up takes and must lie in"
+            f" (0, 1], got {run_fraction!r}. Use 0.2 to warm up over the first fifth of the run."
+        )
+    return value
+
+
 class SparsityWarmup(L.Callback):
     """Raise the sparsity gradually at the start of training (DGC's "warm-up training").
 
@@ -141,7 +152,7 @@ class SparsityWarmup(L.Callback):
                     "`run_fraction` spreads the warm-up over a fraction of the run's steps by itself; leave"
                     f" `interval` at its default (got interval={interval!r})."
                 )
-            run_fraction = check_density(run_fraction, "run_fraction")  # (the same range: (0, 1])
+            run_fraction = check_run_fraction(run_fraction)
         if densities is None and interval == "step":
             raise ValueError(
                 "The paper's warm-up is per epoch; pass `densities=[...]` (one per optimizer step) to warm up"
@@ -219,6 +230,15 @@ class SparsityWarmup(L.Callback):
             )
         self.densities = spread_warmup(int(steps), self.run_fraction, self.final_density or 0.0, self._stages)
         self.interval = "step"
+        warm, stages = len(self.densities), len(self._stages or PAPER_WARMUP_DENSITIES)
+        if warm >= steps or self.run_fraction * steps < stages:  # every stage lasts one step at least
+            reached = "never reaches" if warm >= steps else "reaches only after"
+            rank_zero_warn(
+                f"SparsityWarmup(run_fraction={self.run_fraction:g}): the warm-up's {stages} stages take one step"
+                f" each at least, {warm} of the run's {int(steps)} optimizer steps (more than the"
+                f" {self.run_fraction:g} asked), so the run {reached} the density {self.final_density:g}. Train"
+                " for more steps (max_steps / max_epochs), or pass fewer stages (`densities=[...]`)."
+            )
 
     def _steps_per_epoch(self, trainer: L.Trainer) -> int | None:
         if self.interval != "step" or not self.dense_epochs:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dgc import algorithms
+from lightning_dgc import algorithms, comm
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, WireCost
 from lightning_dgc.checks import check_density
 from lightning_dgc.comm import Collectives, TorchCollectives
@@ -101,6 +101,8 @@ class ExchangeState:
         self.param_settings: dict[str, ParamSettings] = {}
         self.step = 0
         self.skipped_steps = 0
+        #: Non-finite steps in a row (reset by a finite one): what the strategies' stall detector reads.
+        self.consecutive_skipped_steps = 0
         self.last_selection_ms = 0.0  # this rank's selection time in the previous step (DEFT shares it)
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._planned_this_step: set[tuple[Any, ...]] = set()
@@ -300,6 +302,7 @@ class ExchangeState:
         finite = self.memory.finish_step(unused)
         if not finite:
             self.skipped_steps += 1
+        self.consecutive_skipped_steps = 0 if finite else self.consecutive_skipped_steps + 1
         with self._stats_lock:
             self.last_selection_ms = self._current.selection_ms
             self._last, self._current = self._current, StepStats()
@@ -372,8 +375,67 @@ class ExchangeState:
         }
         return state | {"memory": self.memory.state_dict()} if memory else state
 
+    def check_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """What in a rank's saved state (:meth:`state_dict`) this run cannot take, one line per problem.
+
+        Every buffer is checked against what the run keeps for its parameter (the algorithm's
+        :meth:`~lightning_dgc.algorithms.Algorithm.memory_shape`): a tensor, fp32, of that shape, finite;
+        and the saved settings that shape the memory (``Algorithm.state_settings``) against the run's.
+        Call :meth:`register_parameters` first. Empty: it loads.
+        """
+        problems = []
+        saved_config = state.get("config")
+        for setting in self.algorithm.state_settings if isinstance(saved_config, dict) else ():
+            ours = getattr(self.config, setting)
+            if setting in saved_config and saved_config[setting] != ours:
+                problems.append(
+                    f"the checkpoint's exchange state was made with {setting}={saved_config[setting]!r}, this run has"
+                    f" {setting}={ours!r}: its buffers have other shapes. Resume with"
+                    f" {setting}={saved_config[setting]!r}."
+                )
+        for kind, by_name in state["memory"].items():
+            for name, tensor in by_name.items():
+                where = f"the checkpoint's {kind!r} buffer of parameter {name!r}"
+                param = self._params.get(name)
+                expected = None if param is None else self.algorithm.memory_shape(kind, name, tuple(param.shape))
+                if param is None:
+                    problems.append(f"{where}: the model has no parameter of that name.")
+                elif expected is None:
+                    problems.append(f"{where}: this run of {self.algorithm.name} keeps no such buffer for it.")
+                elif not isinstance(tensor, Tensor):
+                    problems.append(f"{where} is a {type(tensor).__name__}, not a tensor.")
+                elif tuple(tensor.shape) != tuple(expected):
+                    problems.append(f"{where} has shape {tuple(tensor.shape)}, this run expects {tuple(expected)}.")
+                elif tensor.dtype != torch.float32:
+                    problems.append(f"{where} is {tensor.dtype}, the memory is torch.float32.")
+                elif not bool(torch.isfinite(tensor).all()):
+                    problems.append(f"{where} holds NaN or inf values (the run that saved it had diverged?).")
+        return problems
+
+    def restore(self, entry: dict[str, Any], device: torch.device | None = None) -> bool:
+        """Load this rank's state from a checkpoint entry (:func:`state_for_rank`), checked first on every
+        rank (:meth:`check_state_dict`): any rank's problem is raised on every rank, before the first step.
+
+        Call it on every rank of the process group at once (it is a collective). Returns whether the
+        state was redistributed to another world size.
+        """
+        state, redistributed = state_for_rank(entry, self.world_size, self.rank)
+        problems = [f"rank {self.rank}: {p}" for p in self.check_state_dict(state)]
+        everyone = [p for rank_problems in comm.all_gather_object(problems) for p in rank_problems]  # type: ignore[union-attr]
+        if everyone:
+            raise ValueError(restore_error(everyone))
+        self._load(state, device)
+        return redistributed
+
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
-        """Restore memory, step and generators. The density stays as configured (arguments and callbacks own it)."""
+        """Restore memory, step and generators, checked by :meth:`check_state_dict` (a ``ValueError`` names what
+        this run cannot take). The density stays as configured (arguments and callbacks own it)."""
+        problems = self.check_state_dict(state)
+        if problems:
+            raise ValueError(restore_error(problems))
+        self._load(state, device)
+
+    def _load(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         self.step = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.memory.load_state_dict(state["memory"], device)
@@ -393,6 +455,62 @@ def sparse_gradient_message(names: list[str]) -> str:
     )
 
 
+def restore_error(problems: list[str]) -> str:
+    """The error for exchange state that a run cannot resume from."""
+    shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+    return (
+        f"The checkpoint's {CHECKPOINT_KEY!r} exchange state does not fit this run:\n  {shown}\nResume with the"
+        " model and the settings that wrote it, or delete the checkpoint's"
+        f" {CHECKPOINT_KEY!r} entry to resume the model and optimizer with empty exchange buffers."
+    )
+
+
+#: Key of the per-rank exchange state in Lightning checkpoints.
+CHECKPOINT_KEY = "lightning_dgc"
+
+
+def check_checkpoint_entry(entry: object) -> None:
+    """Raise a ``ValueError`` naming the part of a checkpoint's ``"lightning_dgc"`` entry that is malformed.
+
+    The entry is ``{"algorithm": name, "world_size": N, "ranks": [state_0, ..., state_N-1]}``, every state
+    with a ``"step"`` and a ``"memory"`` of ``{kind: {parameter: tensor}}``, the same kinds, parameters and
+    shapes on every rank (the strategies write it so). The check is the same on every rank.
+    """
+    key = f"checkpoint[{CHECKPOINT_KEY!r}]"
+    fix = f" Resume from an unmodified checkpoint, or delete {key} to start the exchange with empty buffers."
+    if not isinstance(entry, dict):
+        raise ValueError(f"{key} must be a dict written by lightning-dgc, got a {type(entry).__name__}.{fix}")
+    for field_, kind in (("algorithm", str), ("world_size", int), ("ranks", list)):
+        if not isinstance(entry.get(field_), kind) or isinstance(entry.get(field_), bool):
+            got = "nothing" if field_ not in entry else f"a {type(entry[field_]).__name__}"
+            raise ValueError(f"{key}[{field_!r}] must be a {kind.__name__}, found {got}.{fix}")
+    ranks, world_size = entry["ranks"], entry["world_size"]
+    if world_size < 1 or len(ranks) != world_size:
+        raise ValueError(
+            f"{key} says it was written by world_size={world_size} ranks but holds {len(ranks)} rank states"
+            f" ({key}['ranks']).{fix}"
+        )
+    layout = None
+    for r, state in enumerate(ranks):
+        where = f"{key}['ranks'][{r}]"
+        if not isinstance(state, dict) or not isinstance(state.get("memory"), dict) or "step" not in state:
+            raise ValueError(f"{where} must be a dict with 'step' and 'memory' entries.{fix}")
+        memory = state["memory"]
+        if not all(
+            isinstance(by_name, dict) and all(isinstance(t, Tensor) for t in by_name.values())
+            for by_name in memory.values()
+        ):
+            raise ValueError(f"{where}['memory'] must map every buffer kind to {{parameter name: tensor}}.{fix}")
+        mine = {
+            (kind, name): tuple(t.shape)
+            for kind, by_name in memory.items()
+            for name, t in by_name.items()
+        }
+        if layout is not None and mine != layout:
+            raise ValueError(f"{where}['memory'] holds other buffers (or shapes) than rank 0's.{fix}")
+        layout = mine
+
+
 def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[dict[str, Any], bool]:
     """This rank's state from a checkpoint entry ``{"world_size": N, "ranks": [state_0, ...]}``.
 
@@ -401,6 +519,7 @@ def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[d
     ``sum(v_r) / N``, is then preserved exactly (``M * mean / M``), while per-rank detail is lost; the
     sampling generator restarts from the seed. Returns ``(state, redistributed)``.
     """
+    check_checkpoint_entry(saved)
     ranks = saved["ranks"]
     if int(saved["world_size"]) == world_size:
         return ranks[rank], False

@@ -36,15 +36,17 @@ from lightning_dgc import algorithms, comm
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend, ValueDType
-from lightning_dgc.checks import check_density
+from lightning_dgc.checks import check_density, whole_number
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.memory import bucket_order_flat, momentum_from_sgd, momentum_to_sgd
-from lightning_dgc.state import ExchangeState, ParamSettings, sparse_gradient_message, state_for_rank
+from lightning_dgc.state import ExchangeState, ParamSettings, check_checkpoint_entry, sparse_gradient_message
 
 log = logging.getLogger(__name__)
 
 #: Key of the per-rank exchange state in Lightning checkpoints.
 CHECKPOINT_KEY = "lightning_dgc"
+#: Consecutive optimizer steps skipped for non-finite gradients after which ``fit`` stops with an error.
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 25
 #: Version of that entry. 2: the checkpoint's optimizer state holds the user's SGD hyper-parameters and
 #: momentum (absent: written before, with the take-over's zeros there).
 CHECKPOINT_FORMAT = 2
@@ -131,6 +133,10 @@ class CompressionStrategy(DDPStrategy):
             configuration object (``DGCConfig(...)``, ``PowerSGDConfig(...)``).
         options: the configuration's fields, with an algorithm given by name
             (``CompressionStrategy("powersgd", {"matrix_approximation_rank": 2})``).
+        max_consecutive_skips: the stall detector: after this many optimizer steps in a row that the strategy
+            skipped for non-finite gradients (on any rank), ``fit`` raises on every rank instead of training
+            on without moving the model. ``None`` or 0 turns it off. Steps a GradScaler skips (mixed
+            precision backing its scale off) are the scaler's and are not counted.
         **kwargs: every argument of ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
             ``process_group_backend``, ``timeout``, ``start_method``, ...).
     """
@@ -147,8 +153,17 @@ class CompressionStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         **kwargs: Any,
     ) -> None:
+        if max_consecutive_skips is not None and (
+            whole_number(max_consecutive_skips, "max_consecutive_skips") < 0
+        ):
+            raise ValueError(
+                f"`max_consecutive_skips` must be >= 0 (0 or None: no stall detector), got {max_consecutive_skips}."
+            )
+        #: Raise after this many consecutive steps skipped by the strategy (0 or None: never).
+        self.max_consecutive_skips = int(max_consecutive_skips or 0)
         for forbidden in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(forbidden) is not None:
                 raise ValueError(
@@ -389,7 +404,8 @@ class CompressionStrategy(DDPStrategy):
         digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[
             :16
         ]  # hash() is salted per process
-        mine = (type(self).__name__, state.algorithm.name, state.config.fingerprint(), state.density, digest)
+        mine = (type(self).__name__, state.algorithm.name, state.config.fingerprint(), state.density, digest,
+                self.max_consecutive_skips)  # fmt: skip
         everyone = comm.all_gather_object(mine)
         if any(other != mine for other in everyone):
             raise RuntimeError(
@@ -436,6 +452,16 @@ class CompressionStrategy(DDPStrategy):
             f"{type(self).__name__}: non-finite gradients at step {self._state.step - 1}; the optimizer step was"
             " skipped on every rank and the compression memory was left as it was before the step."
         )
+        # The stall detector counts only what the strategy skips itself (no GradScaler: returned above); the
+        # count is identical on every rank (the verdict is), so every rank raises at the same step.
+        skipped = self._state.consecutive_skipped_steps
+        if self.max_consecutive_skips and skipped >= self.max_consecutive_skips:
+            raise RuntimeError(
+                f"{type(self).__name__}: the last {skipped} optimizer steps (up to step {self._state.step - 1}) were all"
+                " skipped because the gradients exchanged were not finite (inf/NaN on at least one rank), so the"
+                " model has stopped training. Check the loss for inf/NaN (data, learning rate; gradient"
+                " clipping), or raise `max_consecutive_skips` (None turns this check off)."
+            )
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override
@@ -517,6 +543,8 @@ class CompressionStrategy(DDPStrategy):
         super().load_model_state_dict(checkpoint, strict)
         # Lightning restores the model before setup(); the exchange state is applied once it exists.
         self._checkpoint_entry = checkpoint.get(CHECKPOINT_KEY)
+        if self._checkpoint_entry is not None:
+            check_checkpoint_entry(self._checkpoint_entry)
         self._legacy_checkpoint = False
         if self._checkpoint_entry is None and "optimizer_states" in checkpoint:
             rank_zero_warn(
@@ -578,14 +606,12 @@ class CompressionStrategy(DDPStrategy):
         entry, self._checkpoint_entry = self._checkpoint_entry, None
         if entry is None:
             return
-        state, redistributed = state_for_rank(entry, self.world_size, self.global_rank)
-        if redistributed:
+        if self.exchange_state.restore(entry, self.root_device):  # checked on every rank: a clear error, no reset
             rank_zero_warn(
                 f"The checkpoint was written by {entry['world_size']} ranks and is resumed by {self.world_size}:"
                 " every rank starts from the mean of the saved momentum and residual buffers, which keeps the"
                 " pending update of the whole group and drops per-rank detail."
             )
-        self.exchange_state.load_state_dict(state, self.root_device)
 
     @classmethod
     @override
@@ -608,7 +634,8 @@ class DGCStrategy(CompressionStrategy):
     """Data-parallel training with Deep Gradient Compression (Lin et al., ICLR 2018).
 
     ``CompressionStrategy(DGCConfig(...))`` with DGC's settings as arguments (each one is described
-    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), plus every ``DDPStrategy`` argument.
+    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector, see
+    :class:`CompressionStrategy`), plus every ``DDPStrategy`` argument.
     """
 
     def __init__(
@@ -624,6 +651,7 @@ class DGCStrategy(CompressionStrategy):
         local_clip_norm: float | None = DGCConfig.local_clip_norm,
         value_dtype: ValueDType = DGCConfig.value_dtype,
         seed: int = DGCConfig.seed,
+        max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         **kwargs: Any,
     ) -> None:
         options = {
@@ -633,7 +661,10 @@ class DGCStrategy(CompressionStrategy):
             "momentum_masking": momentum_masking, "local_clip_norm": local_clip_norm, "value_dtype": value_dtype,
             "seed": seed,
         }  # fmt: skip
-        super().__init__(self.config_class(**options, **self._more_options()), **kwargs)
+        super().__init__(
+            self.config_class(**options, **self._more_options()), max_consecutive_skips=max_consecutive_skips,
+            **kwargs,
+        )  # fmt: skip
 
     #: The configuration the arguments fill.
     config_class: ClassVar[type[DGCConfig]] = DGCConfig

@@ -203,12 +203,15 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         residual_kind: the memory kind that holds back gradient not yet sent (DGC's ``"velocity"``,
             an error-feedback algorithm's ``"error"``): ``state.residual_norm()`` reports its norm.
             ``None`` (the default): the algorithm holds nothing back, and the norm is not reported.
+        state_settings: configuration fields that shape the memory: a checkpoint saved with other values
+            of them is refused on resume (PowerSGD's ``matrix_approximation_rank``).
     """
 
     name: ClassVar[str]
     config_class: ClassVar[type[AlgorithmConfig]]
     memory_kinds: ClassVar[tuple[str, ...]] = ()
     residual_kind: ClassVar[str | None] = None
+    state_settings: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ConfigT, state: ExchangeState) -> None:
         self.config = config
@@ -302,6 +305,14 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         return self.wire_cost(self.config, layout, self.state.world_size, plan.dense_bytes)  # type: ignore[attr-defined]
 
     # -- statistics and checkpoints ------------------------------------------------------------------------
+    def memory_shape(self, kind: str, name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The shape of the ``kind`` buffer this run keeps for parameter ``name`` (of ``shape``), or ``None``
+        if it keeps none; checkpoints are checked against it. Default: flat, one value per gradient value."""
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        return (numel,) if kind in self.memory_kinds else None
+
     def extra_state(self) -> dict[str, Any]:
         """Algorithm state beside the memory to keep in checkpoints (``weights_only``-loadable)."""
         return {}

@@ -22,7 +22,9 @@ generator are saved in checkpoints, per rank. The optimizer keeps its own moment
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import warnings
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,6 +38,7 @@ from lightning_dgc.algorithms.base import (
     Message,
     TensorSpec,
     WireCost,
+    layout_of,
     register,
 )
 from lightning_dgc.checks import flag, real_number, whole_number
@@ -85,6 +88,12 @@ class PowerSGDConfig(AlgorithmConfig):
                 " its buckets after the first step, and the memory must start on the final buckets."
             )
         self.min_compression_rate = real_number(self.min_compression_rate, "min_compression_rate")
+        if not math.isfinite(self.min_compression_rate) or self.min_compression_rate < 1:
+            raise ValueError(
+                f"`min_compression_rate` must be a finite number >= 1, got {self.min_compression_rate}: a matrix"
+                " is compressed only when its factors are that many times smaller than it (torch's default is"
+                " 2; 1 compresses every matrix whose factors are smaller at all)."
+            )
         self.orthogonalization_epsilon = real_number(
             self.orthogonalization_epsilon, "orthogonalization_epsilon"
         )
@@ -93,6 +102,10 @@ class PowerSGDConfig(AlgorithmConfig):
                 f"`orthogonalization_epsilon` must be >= 0, got {self.orthogonalization_epsilon}."
             )
         self.seed = whole_number(self.seed, "seed")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(
+                f"`seed` must lie in [0, 2**32 - 1] (it seeds numpy's RandomState), got {self.seed}."
+            )
 
 
 def matrix_shape(spec: TensorSpec) -> tuple[int, int]:
@@ -112,15 +125,16 @@ def orthogonalize_(matrices: Tensor, epsilon: float = 0.0) -> None:
     """Orthonormalise the columns of each ``n x r`` matrix of the batch, in place.
 
     Gram-Schmidt for ranks up to 2 (and half precision, where QR does not work), QR otherwise, as
-    torch's PowerSGD hook decides; with ``epsilon > 0`` a column's norm gets ``epsilon`` added so that
-    an all-zero gradient column does not divide by zero.
+    torch's PowerSGD hook decides; with ``epsilon > 0`` a column's norm gets ``epsilon`` added. A column
+    that is all zeros (a zero gradient, or a matrix of lower rank than ``r``) stays zeros: torch's hook
+    divides it by its zero norm (NaN, with ``epsilon=0``); every other column is bit for bit torch's.
     """
     rank = matrices.shape[2]
     if rank <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
         for i in range(rank):
             col = matrices[:, :, i : i + 1]
             norm = torch.norm(col, dim=1, keepdim=True)
-            col /= norm + epsilon if epsilon else norm
+            col /= norm + epsilon if epsilon else torch.where(norm == 0, 1.0, norm)
             if i + 1 < rank:
                 rest = matrices[:, :, i + 1 :]
                 rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
@@ -160,6 +174,7 @@ class PowerSGDWork(BucketWork):
     uncompressed: Pending | None = None
     q: Pending | None = None
     plain: Pending | None = None
+    q_start: Tensor | None = None  # warm start: the orthonormal Q this step started from
 
 
 @register
@@ -170,6 +185,7 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
     config_class = PowerSGDConfig
     memory_kinds = ("error", "q")
     residual_kind = "error"
+    state_settings = ("matrix_approximation_rank",)
 
     def __init__(self, config: PowerSGDConfig, state: Any) -> None:
         super().__init__(config, state)
@@ -179,6 +195,7 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
         # Names whose Q was first made in a step not yet known to be committed: (step, skipped steps then).
         # A skipped step leaves that Q at zeros, which must not warm-start the next step.
         self._q_made: dict[str, tuple[int, int]] = {}
+        self._rank_warned: set[str] = set()  # parameters already named in the rank-too-large warning
 
     def compressing(self) -> bool:
         return self.state.step >= self.config.start_iter
@@ -194,6 +211,7 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
                 by_shape.setdefault((n, m), []).append(spec)
             else:
                 uncompressed.append(spec)
+        self._warn_rank_too_large(uncompressed)
         grouped = [spec for specs in by_shape.values() for spec in specs]
         p_flat = torch.empty(
             sum(matrix_shape(s)[0] * compressed_rank(s, self.config) for s in grouped), device=device
@@ -214,6 +232,28 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
             )
         return PowerSGDPlan(
             layout, buffer.numel() * buffer.element_size(), uncompressed, factors, p_flat, q_flat, index
+        )
+
+    def _warn_rank_too_large(self, uncompressed: list[TensorSpec]) -> None:
+        """Warn (once per parameter) about matrices left dense only because ``matrix_approximation_rank``
+        is too large for them: a rank-1 approximation would have been compressed."""
+        cfg = self.config
+        rank_one = replace(cfg, matrix_approximation_rank=1)
+        dense = [s for s in uncompressed if s.name not in self._rank_warned and compressed_rank(s, rank_one)]
+        if not dense:
+            return
+        self._rank_warned.update(s.name for s in dense)
+        limits = []
+        for s in dense:
+            n, m = matrix_shape(s)
+            largest = min(n, m, math.ceil(n * m / ((n + m) * cfg.min_compression_rate)) - 1)
+            limits.append(f"{s.name} ({n} x {m}): at most {largest}")
+        warnings.warn(
+            f"PowerSGD: matrix_approximation_rank={cfg.matrix_approximation_rank} is too large for"
+            f" {len(dense)} matrix(es), which are therefore all-reduced dense every step: {'; '.join(limits)}"
+            f" (min_compression_rate={cfg.min_compression_rate:g}). Lower `matrix_approximation_rank` to"
+            " compress them.",
+            stacklevel=2,
         )
 
     def _matrix(self, work: PowerSGDWork, factor: Factor) -> Tensor:
@@ -274,6 +314,9 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
             for f in plan.factors:
                 f.q.copy_(torch.randn(*f.q.shape, device="cpu", generator=generator))
                 orthogonalize_(f.q, epsilon)
+        if self.config.warm_start:
+            work.q_start = plan.q_flat.clone()
+            work.keep.append(work.q_start)
         for f in plan.factors:
             torch.bmm(self._matrix(work, f), f.q, out=f.p)
         plan.p_flat[:1].add_(work.poison)  # NaN in P is NaN in every Q and so in every decoded matrix
@@ -309,12 +352,19 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
             result.index_copy_(0, plan.uncompressed_index, work.uncompressed.output.div_(world))
         if work.q is not None:
             plan.q_flat.div_(world)
+            q_at = 0
             for f in plan.factors:
                 torch.bmm(f.p, f.q.transpose(1, 2), out=self._matrix(work, f))
                 if self.config.warm_start:
+                    # A column of Q that came out all zeros (a zero or rank-deficient gradient) would start
+                    # every later step at zero and never leave it (torch's hook: NaN, or stuck with an
+                    # epsilon): the next step starts from this step's column instead. Identical on all ranks.
+                    q, start = f.q.view(f.m, f.r), work.q_start[q_at : q_at + f.m * f.r].view(f.m, f.r)
                     name = f.spec.name
-                    memory.scratch("q", name).copy_(f.q.view(f.m, f.r))
+                    zero = torch.linalg.vector_norm(q, dim=0, keepdim=True) == 0
+                    torch.where(zero, start, q, out=memory.scratch("q", name))
                     memory.stage("q", name)
+                q_at += f.m * f.r
         if work.input_copy is not None:  # error feedback: what the approximation missed, per tensor
             for spec in plan.layout:
                 part = slice(spec.offset, spec.offset + spec.numel)
@@ -346,6 +396,14 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
                         sum(s.numel for s in plan.layout), 0, sum(s.numel for s in plan.layout))  # fmt: skip
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
+    def memory_shape(self, kind: str, name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        spec = layout_of([name], [shape])[0]
+        if kind == "error" and self.config.use_error_feedback:
+            return (spec.numel,)
+        if kind == "q" and self.config.warm_start and compressed_rank(spec, self.config):
+            return (matrix_shape(spec)[1], compressed_rank(spec, self.config))
+        return None
+
     def extra_state(self) -> dict[str, Any]:
         kind, keys, position, has_gauss, cached = self.rng.get_state()
         return {

@@ -34,6 +34,7 @@ class Regression(L.LightningModule):
         weight_decay: float = 0.0,
         inf_at: tuple[int, int] | None = None,
         manual: bool = False,
+        inf_from: tuple[int, int] | None = None,
         reuse_optimizer: bool = False,
     ):
         super().__init__()
@@ -47,6 +48,9 @@ class Regression(L.LightningModule):
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.hparams.inf_at == (self.global_rank, self.global_step):
             loss = loss * float("inf")  # a forced overflow on one rank
+        inf_from = self.hparams.inf_from
+        if inf_from is not None and self.global_rank == inf_from[0] and self.global_step >= inf_from[1]:
+            loss = loss * float("inf")  # an overflow in every step from then on: a stalled run
         return loss
 
     def training_step(self, batch, batch_idx):
@@ -175,6 +179,8 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=None, help="the process group's timeout, in seconds")
     p.add_argument("--log-steps", action="store_true", help="print every rank's optimizer steps")
     p.add_argument("--inf-at", default=None, help="RANK:STEP whose loss is multiplied by inf")
+    p.add_argument("--inf-from", default=None, help="RANK:STEP from which on the loss is multiplied by inf")
+    p.add_argument("--max-skips", type=int, default=None, help="the strategy's max_consecutive_skips")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--fp16-scaler", action="store_true", help="16-mixed with a GradScaler on CPU")
     p.add_argument("--accumulate", type=int, default=1)
@@ -202,6 +208,9 @@ def main() -> None:
         )  # fmt: skip
     if args.options is not None:
         strategy = lightning_dgc.CompressionStrategy(args.strategy, json.loads(args.options))
+    if args.max_skips is not None:
+        assert isinstance(strategy, str), "--max-skips takes --strategy NAME only"
+        strategy = lightning_dgc.CompressionStrategy(strategy, max_consecutive_skips=args.max_skips)
     if args.timeout is not None:
         kinds = {"dgc": lightning_dgc.DGCStrategy, "deft": lightning_dgc.DEFTStrategy, "ddp": DDPStrategy}
         strategy = kinds[args.strategy](timeout=timedelta(seconds=args.timeout))
@@ -243,6 +252,7 @@ def main() -> None:
     inf_at = tuple(map(int, args.inf_at.split(":"))) if args.inf_at else None
     model = Regression(
         optimizer=args.optimizer, momentum=args.momentum, lr=args.lr, inf_at=inf_at, manual=args.manual,
+        inf_from=tuple(map(int, args.inf_from.split(":"))) if args.inf_from else None,
         reuse_optimizer=bool(args.fit_twice),
     )  # fmt: skip
     data = DataLoader(dataset(args.samples), batch_size=16, shuffle=not args.no_shuffle)

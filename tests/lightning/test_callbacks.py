@@ -155,6 +155,14 @@ def test_a_warmup_over_a_fraction_of_the_run_is_per_step_and_a_long_epoch_warmup
         SparsityWarmup(densities=[0.5], interval="step", run_fraction=0.2)
 
 
+def test_a_run_fraction_warmup_that_takes_the_whole_short_run_warns() -> None:
+    """3 steps for the paper's 4 stages (one step each at least): the final density is never reached."""
+    recorder = Recorder()
+    with pytest.warns(UserWarning, match=r"4 of the run's 3 optimizer steps .*never reaches the density 0.01"):
+        _fit(DGCStrategy(density=0.01), [SparsityWarmup(run_fraction=0.2), recorder], max_steps=3)
+    assert [density for _, _, density in recorder.batches] == [0.25, 0.0625, 0.015625]
+
+
 def test_monitor_follows_the_trainers_log_every_n_steps() -> None:
     logger = RecordingLogger()
     _fit(DGCStrategy(density=0.01), [CompressionMonitor()], logger=logger, max_steps=7, log_every_n_steps=3)
