@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -55,11 +55,13 @@ def _unwrapped(optimizer: Any) -> Optimizer:
 class OptimizerTakeOver:
     """The SGD parameter groups whose momentum and weight decay one strategy's exchange applies.
 
-    ``owner`` is the strategy's class name, used in messages.
+    ``owner`` is the strategy's class name, used in messages; ``spell(name, value)`` writes how the
+    strategy is given a setting, for the fix a message suggests (default: ``Owner(name=value)``).
     """
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, spell: Callable[[str, str], str] | None = None) -> None:
         self.owner = owner
+        self.spell = spell or (lambda name, value: f"{owner}({name}={value})")
         self.groups: list[_TakenOver] = []
 
     def __bool__(self) -> bool:
@@ -116,13 +118,13 @@ class OptimizerTakeOver:
                     raise ValueError(
                         f"{type(opt).__name__} applies its own momentum ({momentum}), and DGC's momentum"
                         " correction would apply it a second time. Use torch.optim.SGD (DGC takes its momentum"
-                        f" over), or set the optimizer's momentum to 0 and pass {self.owner}(momentum=...)."
+                        f" over), or set the optimizer's momentum to 0 and pass {self.spell('momentum', '...')}."
                     )
                 elif "betas" in group and cfg.momentum > 0:
                     raise ValueError(
                         f"{type(opt).__name__} keeps its own first moment (betas={group['betas']}); with DGC's"
                         f" momentum correction (momentum={cfg.momentum}) momentum would be applied twice."
-                        f" Use {self.owner}(momentum=0) with Adam-family optimizers."
+                        f" Use {self.spell('momentum', '0')} with Adam-family optimizers."
                     )
         state.clear_plans()
         if taken and not before:
