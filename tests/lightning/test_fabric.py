@@ -7,6 +7,8 @@ in this process with one device, beside the Trainer's, so that both give the sam
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -18,7 +20,7 @@ from torch import nn
 import lightning_dgc
 from lightning_dgc import DEFTStrategy, DGCStrategy, FabricCompressionStrategy
 from lightning_dgc.algorithms.dgc import DGCConfig
-from tests.lightning.run import run_script
+from tests.lightning.run import ROOT, _environment, run_script
 from tests.lightning.test_optimizers import _fit
 
 
@@ -144,3 +146,17 @@ def test_the_optimizer_needs_the_model_first() -> None:
 def test_a_hook_of_ones_own_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="`ddp_comm_hook` cannot be combined"):
         FabricCompressionStrategy("dgc", ddp_comm_hook=lambda state, bucket: None)
+
+
+@pytest.mark.slow
+def test_the_readme_loop_trains_and_saves_every_ranks_memory(tmp_path) -> None:
+    """``recipes/fabric_loop.py``, the README's Fabric loop, run as users run it."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "fabric_loop.py")],
+        env=_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    losses = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(losses) == 4 and losses[-1] < losses[0], proc.stdout
+    ckpt = torch.load(tmp_path / "fabric_dgc.ckpt", weights_only=True)
+    assert ckpt["epoch"] == 3 and len(ckpt["lightning_dgc"]["ranks"]) == 2
