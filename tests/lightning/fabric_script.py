@@ -33,7 +33,7 @@ def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _loop(
-    strategy: Any, stop: int = STEPS, save: Path | None = None, load: Path | None = None
+    strategy: Any, stop: int = STEPS, save: Path | None = None, load: Path | None = None, accumulate: int = 1
 ) -> dict[str, Any]:
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
@@ -45,10 +45,11 @@ def _loop(
         start = fabric.load(load, {"model": model, "optimizer": optimizer})["step"]
     during = None
     for step in range(start, stop):
-        x, y = _batch(step, fabric.global_rank, fabric.world_size)
-        loss = nn.functional.mse_loss(model(x), y)
         optimizer.zero_grad()
-        fabric.backward(loss)
+        for micro in range(accumulate):  # gradient accumulation: DDP's no_sync until the last micro-batch
+            x, y = _batch(step * accumulate + micro, fabric.global_rank, fabric.world_size)
+            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+                fabric.backward(nn.functional.mse_loss(model(x), y) / accumulate)
         optimizer.step()
         group = optimizer.param_groups[0]
         during = (group["momentum"], group["nesterov"], group["weight_decay"])
@@ -82,6 +83,10 @@ def main() -> None:
         FabricCompressionStrategy("dgc", {"density": 1.0}), stop=SAVE_AT, save=dense_ckpt
     )
     results["ddp_resumed_from_dgc_density_1"] = _loop("ddp", load=dense_ckpt)
+    results["ddp_accumulate_3"] = _loop("ddp", stop=4, accumulate=3)
+    results["dgc_density_1_accumulate_3"] = _loop(
+        FabricCompressionStrategy("dgc", {"density": 1.0}), stop=4, accumulate=3
+    )
     results["deft"] = _loop("deft", stop=4)
     results["powersgd"] = _loop("powersgd", stop=4)
     rank = torch.distributed.get_rank()

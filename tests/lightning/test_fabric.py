@@ -43,6 +43,15 @@ def test_density_one_equals_fabric_with_plain_ddp(fabric_run) -> None:
 
 
 @pytest.mark.slow
+def test_accumulation_with_no_backward_sync_exchanges_once_per_step_and_matches_ddp(fabric_run) -> None:
+    _, ranks = fabric_run
+    run = ranks[0]
+    ddp, dgc = run["ddp_accumulate_3"], run["dgc_density_1_accumulate_3"]
+    torch.testing.assert_close(dgc["params"], ddp["params"], rtol=1e-5, atol=1e-6)
+    assert dgc["hook_calls"] == 4, "one exchange per optimizer step (the model is one bucket)"
+
+
+@pytest.mark.slow
 def test_ranks_are_identical_under_every_algorithm(fabric_run) -> None:
     _, (zero, one) = fabric_run
     for phase in ("dgc", "dgc_resumed", "deft", "powersgd"):
