@@ -340,6 +340,17 @@ class FabricCompressionStrategy(DDPStrategy):
             self._take_over()  # the loaded SGD hyper-parameters and momentum buffers, taken over again
         return remainder
 
+    def release_optimizers(self) -> None:
+        """End the take-over, as the Trainer strategy does when ``fit`` ends (all ranks call this).
+
+        SGD gets its ``momentum``, ``nesterov`` and ``weight_decay`` back, and the mean over ranks of the
+        exchange's momentum as its ``momentum_buffer``, so that the optimizer continues it when it is used
+        again without this strategy. Call it after the loop; Fabric has no end-of-training hook to do it.
+        """
+        if self._state is not None:
+            self._taken_over.hand_back_momentum(self._state, self._optimizers)
+        self._taken_over.restore(self._optimizers)
+
     @override
     def teardown(self) -> None:
         """Give the optimizers their SGD hyper-parameters back."""

@@ -57,8 +57,13 @@ def _loop(
             fabric.save(save, {"model": model, "optimizer": optimizer, "step": step + 1})
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
     inner = fabric.strategy
+    if isinstance(inner, FabricCompressionStrategy):
+        inner.release_optimizers()
+    group = optimizer.param_groups[0]
     return {
         "params": flat,
+        "group_after": (group["momentum"], group["nesterov"], group["weight_decay"]),
+        "momentum_buffer": optimizer.state[group["params"][0]].get("momentum_buffer"),
         "hook_calls": getattr(inner, "hook_calls", 0),
         "group_during": during,
         "skipped": getattr(getattr(inner, "_state", None), "skipped_steps", 0),

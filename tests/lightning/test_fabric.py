@@ -40,6 +40,11 @@ def test_density_one_equals_fabric_with_plain_ddp(fabric_run) -> None:
     # the take-over: SGD applies neither momentum nor weight decay while the exchange does
     assert run["dgc_density_1"]["group_during"] == (0.0, False, 0.0)
     assert run["ddp"]["group_during"] == (0.9, False, 1e-4)
+    # release_optimizers() hands SGD its values and the exchange's momentum back, as DDP's SGD holds them
+    assert run["dgc_density_1"]["group_after"] == (0.9, False, 1e-4)
+    torch.testing.assert_close(
+        run["dgc_density_1"]["momentum_buffer"], run["ddp"]["momentum_buffer"], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.slow
