@@ -1,7 +1,8 @@
 """lightning-dgc: compressed gradient exchanges (DGC, DEFT, PowerSGD, ...) as PyTorch Lightning strategies.
 
 Importing the package registers every algorithm's strategy name with Lightning (``"dgc"``,
-``"dgc_spawn"``, ``"deft"``, ``"powersgd"``, ...), so ``Trainer(strategy="dgc")`` works. The names
+``"dgc_spawn"``, ``"deft"``, ``"powersgd"``, ...), so ``Trainer(strategy="dgc")`` and
+``Fabric(strategy="dgc")`` work. The names
 are registered as soon as ``lightning.pytorch`` is imported (at once if it already is): the package
 itself imports Lightning only when a name that needs it is used, so that the pure parts (the
 algorithms, the performance model) load without it.
@@ -25,6 +26,7 @@ _EXPORTS = {
     "CompressionStrategy": "lightning_dgc.strategy",
     "DEFTStrategy": "lightning_dgc.strategy",
     "DGCStrategy": "lightning_dgc.strategy",
+    "FabricCompressionStrategy": "lightning_dgc.fabric",
     "DEFTConfig": "lightning_dgc.algorithms.deft",
     "DGCConfig": "lightning_dgc.algorithms.dgc",
     "ExchangeState": "lightning_dgc.state",
@@ -52,6 +54,12 @@ def __dir__() -> list[str]:
 
 
 def _register_strategies() -> None:
+    # A module found half-made imported Lightning itself, and registers its names when done.
+    fabric = sys.modules.get("lightning_dgc.fabric")
+    if fabric is None or hasattr(fabric, "register_fabric_strategies"):
+        from lightning_dgc.fabric import register_fabric_strategies
+
+        register_fabric_strategies()  # Fabric(strategy="dgc")
     strategy = sys.modules.get("lightning_dgc.strategy")
     if strategy is not None and not hasattr(strategy, "DEFTStrategy"):
         return  # Lightning was imported *by* the strategy module, which registers the names when done

@@ -8,26 +8,18 @@ names with DGC's and DEFT's arguments spelled out (Lightning's CLI builds its sc
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -36,63 +28,32 @@ from lightning_dgc import algorithms, comm
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend, ValueDType
-from lightning_dgc.checks import check_density, whole_number
+from lightning_dgc.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CHECKPOINT_KEY,
+    check_entry,
+    gather_exchange_state,
+    is_local,
+    restore_exchange_state,
+    save_atomically,
+)
+from lightning_dgc.checks import check_density
 from lightning_dgc.hook import exchange_hook
-from lightning_dgc.memory import bucket_order_flat, momentum_from_sgd, momentum_to_sgd
-from lightning_dgc.state import ExchangeState, ParamSettings, check_checkpoint_entry, sparse_gradient_message
+from lightning_dgc.state import ExchangeState, sparse_gradient_message
+from lightning_dgc.takeover import (
+    DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    OptimizerTakeOver,
+    check_max_consecutive_skips,
+    check_ranks_agree,
+    skip_non_finite_step,
+)
+
+__all__ = [
+    "CHECKPOINT_FORMAT", "CHECKPOINT_KEY", "CompressionStrategy", "DEFTStrategy", "DGCStrategy",
+    "sparse_gradient_parameters",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-#: Key of the per-rank exchange state in Lightning checkpoints.
-CHECKPOINT_KEY = "lightning_dgc"
-#: Consecutive optimizer steps skipped for non-finite gradients after which ``fit`` stops with an error.
-DEFAULT_MAX_CONSECUTIVE_SKIPS = 25
-#: Version of that entry. 2: the checkpoint's optimizer state holds the user's SGD hyper-parameters and
-#: momentum (absent: written before, with the take-over's zeros there).
-CHECKPOINT_FORMAT = 2
-
-
-def _is_local(path: Any) -> bool:
-    return isinstance(get_filesystem(path), LocalFileSystem)
-
-
-def _save_atomically(checkpoint: dict[str, Any], filepath: Any) -> None:
-    """``torch.save`` straight into a temporary file beside ``filepath``, then renamed over it.
-
-    As atomic as Lightning's ``TorchCheckpointIO`` (a crash leaves the previous file or none), but
-    without serialising the whole checkpoint into memory first: the exchange's memory makes a
-    checkpoint ``2 x world_size`` model sizes larger than DDP's, and that buffer would double it.
-    """
-    path = Path(filepath)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        torch.save(checkpoint, partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-
-
-class _Hyperparameters(NamedTuple):
-    """The user's SGD hyper-parameters of one parameter group, before the take-over set them to 0."""
-
-    momentum: float
-    nesterov: bool
-    weight_decay: float
-
-
-@dataclass
-class _TakenOver:
-    """One SGD parameter group whose momentum and weight decay the exchange applies."""
-
-    optimizer: int  # index into ``strategy.optimizers``
-    group: int  # index into its ``param_groups``
-    user: _Hyperparameters
-    names: list[str]  # the group's parameter names, in group order ("" for parameters outside the module)
-
-    def restore(self, group: dict[str, Any]) -> None:
-        """Put the user's values back into ``group`` (a live group or a checkpoint's copy)."""
-        group["momentum"], group["nesterov"], group["weight_decay"] = self.user
 
 
 def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
@@ -156,14 +117,8 @@ class CompressionStrategy(DDPStrategy):
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         **kwargs: Any,
     ) -> None:
-        if max_consecutive_skips is not None and (
-            whole_number(max_consecutive_skips, "max_consecutive_skips") < 0
-        ):
-            raise ValueError(
-                f"`max_consecutive_skips` must be >= 0 (0 or None: no stall detector), got {max_consecutive_skips}."
-            )
-        #: Raise after this many consecutive steps skipped by the strategy (0 or None: never).
-        self.max_consecutive_skips = int(max_consecutive_skips or 0)
+        #: Raise after this many consecutive steps skipped by the strategy (0: never).
+        self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         for forbidden in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(forbidden) is not None:
                 raise ValueError(
@@ -191,7 +146,8 @@ class CompressionStrategy(DDPStrategy):
         )
         self._state: ExchangeState | None = None
         self._checkpoint_entry: dict[str, Any] | None = None  # restored in setup(), once the state exists
-        self._taken_over: list[_TakenOver] = []  # SGD groups whose momentum the exchange applies
+        # the SGD groups whose momentum the exchange applies
+        self._taken_over = OptimizerTakeOver(type(self).__name__)
         self._legacy_checkpoint = (
             False  # resuming a checkpoint whose optimizer state holds the take-over's zeros
         )
@@ -295,123 +251,18 @@ class CompressionStrategy(DDPStrategy):
         self._restore_exchange_state()
 
     def _take_over_optimizers(self, legacy_checkpoint: bool = False) -> None:
-        """Move SGD momentum and weight decay into the hook; reject optimizers that would apply momentum twice.
-
-        Called at setup and again after Lightning restored the optimizer state from a checkpoint (which
-        brings back the checkpoint's hyper-parameters). The user's values are read from the optimizer
-        (or, for a checkpoint written before they were kept, from the setup-time optimizer), recorded so
-        that checkpoints and the optimizer after ``fit`` hold them, and set to 0 in the optimizer. An
-        SGD ``momentum_buffer`` found in the optimizer state (a DDP checkpoint, or a previous ``fit``)
-        becomes the exchange's momentum for parameters that have none yet, and is removed from SGD.
-        """
-        state = self.exchange_state
-        cfg = state.config
-        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-        before = {(t.optimizer, t.group): t for t in self._taken_over}
-        self._taken_over = []
-        taken, carried = 0, 0
-        for oi, optimizer in enumerate(self.optimizers):
-            opt = getattr(optimizer, "_optimizer", optimizer)
-            for gi, group in enumerate(opt.param_groups):
-                momentum = float(group.get("momentum", 0.0) or 0.0)
-                if isinstance(opt, torch.optim.SGD):
-                    user = _Hyperparameters(
-                        momentum, bool(group.get("nesterov", False)), float(group.get("weight_decay", 0.0))
-                    )
-                    if legacy_checkpoint and (oi, gi) in before:
-                        user = before[oi, gi].user
-                    self._check_sgd(user.momentum, group)
-                    settings = ParamSettings(
-                        momentum=user.momentum if user.momentum > 0 else cfg.momentum,
-                        nesterov=user.nesterov or cfg.nesterov,
-                        weight_decay=user.weight_decay + cfg.weight_decay,
-                    )
-                    group["momentum"], group["nesterov"], group["weight_decay"] = 0.0, False, 0.0
-                    group_names = [names.get(id(p), "") for p in group["params"]]
-                    self._taken_over.append(_TakenOver(oi, gi, user, group_names))
-                    for p, name in zip(group["params"], group_names, strict=True):
-                        if not name:
-                            continue
-                        state.param_settings[name] = settings
-                        carried += self._carry_sgd_momentum(opt, p, name, settings)
-                    taken += int(user.momentum > 0 or settings.weight_decay > 0)
-                elif momentum > 0:
-                    raise ValueError(
-                        f"{type(opt).__name__} applies its own momentum ({momentum}), and DGC's momentum"
-                        " correction would apply it a second time. Use torch.optim.SGD (DGC takes its momentum"
-                        f" over), or set the optimizer's momentum to 0 and pass {type(self).__name__}(momentum=...)."
-                    )
-                elif "betas" in group and cfg.momentum > 0:
-                    raise ValueError(
-                        f"{type(opt).__name__} keeps its own first moment (betas={group['betas']}); with DGC's"
-                        f" momentum correction (momentum={cfg.momentum}) momentum would be applied twice."
-                        f" Use {type(self).__name__}(momentum=0) with Adam-family optimizers."
-                    )
-        state.clear_plans()
-        if taken and not before:
-            rank_zero_info(
-                f"{type(self).__name__}: took over SGD momentum/weight decay of {taken} parameter group(s);"
-                " they are applied by momentum correction inside the gradient exchange."
-            )
-        if carried:
-            rank_zero_info(
-                f"{type(self).__name__}: continued SGD's momentum buffers of {carried} parameter(s) as the"
-                " exchange's momentum."
-            )
-
-    def _check_sgd(self, momentum: float, group: dict[str, Any]) -> None:
-        cfg = self.exchange_state.config
-        if momentum > 0 and cfg.momentum > 0:
-            raise ValueError(
-                f"Momentum would be applied twice: the SGD optimizer has momentum={momentum} and"
-                f" {type(self).__name__} has momentum={cfg.momentum}. Set only one: DGC takes the"
-                " SGD momentum over by itself, so leave the strategy's `momentum` at 0."
-            )
-        if group.get("dampening", 0.0):
-            raise ValueError("DGC's momentum correction has no dampening; create SGD with `dampening=0`.")
-        if group.get("maximize", False):
-            raise ValueError("SGD(maximize=True) is not supported by DGC; negate the loss instead.")
-
-    def _carry_sgd_momentum(
-        self, opt: Optimizer, param: torch.Tensor, name: str, settings: ParamSettings
-    ) -> int:
-        """Move SGD's ``momentum_buffer`` of ``param`` (if any) into the exchange's momentum; 1 if carried."""
-        buffer = opt.state.get(param, {}).pop("momentum_buffer", None)
-        state = self.exchange_state
-        if buffer is None or not settings.momentum or state.memory.has("momentum", name):
-            return 0  # no buffer, no momentum, or the exchange has its own (checkpoint, earlier fit)
-        flat = bucket_order_flat(buffer.detach()).to(self.root_device, torch.float32)
-        momentum = momentum_from_sgd(flat, settings.momentum, settings.nesterov, state.is_dense(name))
-        state.memory.buffer("momentum", name, flat.numel(), flat.device).copy_(momentum)
-        return 1
-
-    def _sgd_momentum(self, name: str, momentum: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The exchange's momentum of ``name`` (flat) as an SGD ``momentum_buffer`` shaped and laid out like ``like``."""
-        settings = self.exchange_state.settings_for(name)
-        flat = momentum_to_sgd(
-            momentum, settings.momentum, settings.nesterov, self.exchange_state.is_dense(name)
+        """Move SGD momentum and weight decay into the hook (:meth:`OptimizerTakeOver.take_over`)."""
+        self._taken_over.take_over(
+            self.exchange_state,
+            self.optimizers,
+            self.lightning_module.named_parameters(),
+            self.root_device,
+            legacy_checkpoint,
         )
-        buffer = torch.empty_like(like, device=flat.device)
-        bucket_order_flat(buffer).copy_(flat)
-        return buffer
 
     def _check_ranks_agree(self) -> None:
         """Fail fast, on every rank, if ranks were configured differently (instead of hanging later)."""
-        state = self.exchange_state
-        settings = sorted(
-            (n, s.momentum, s.nesterov, s.weight_decay) for n, s in state.param_settings.items()
-        )
-        digest = hashlib.sha256(json.dumps(settings).encode()).hexdigest()[
-            :16
-        ]  # hash() is salted per process
-        mine = (type(self).__name__, state.algorithm.name, state.config.fingerprint(), state.density, digest,
-                self.max_consecutive_skips)  # fmt: skip
-        everyone = comm.all_gather_object(mine)
-        if any(other != mine for other in everyone):
-            raise RuntimeError(
-                f"{type(self).__name__} settings differ between ranks: {everyone}. Every rank must construct the"
-                " strategy and optimizer with identical arguments (check per-rank config files or environment)."
-            )
+        check_ranks_agree(self.exchange_state, type(self).__name__, self.max_consecutive_skips)
 
     # -- the step --------------------------------------------------------------------------------
     @override
@@ -443,25 +294,10 @@ class CompressionStrategy(DDPStrategy):
     def _finish_step(self, optimizer: Optimizer) -> None:
         if self._state is None or self._state.finish_step():
             return
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            return  # the GradScaler sees the non-finite gradients, skips the step and lowers its scale
-        for group in getattr(optimizer, "param_groups", []):
-            for p in group["params"]:
-                p.grad = None
-        rank_zero_warn(
-            f"{type(self).__name__}: non-finite gradients at step {self._state.step - 1}; the optimizer step was"
-            " skipped on every rank and the compression memory was left as it was before the step."
-        )
-        # The stall detector counts only what the strategy skips itself (no GradScaler: returned above); the
-        # count is identical on every rank (the verdict is), so every rank raises at the same step.
-        skipped = self._state.consecutive_skipped_steps
-        if self.max_consecutive_skips and skipped >= self.max_consecutive_skips:
-            raise RuntimeError(
-                f"{type(self).__name__}: the last {skipped} optimizer steps (up to step {self._state.step - 1}) were all"
-                " skipped because the gradients exchanged were not finite (inf/NaN on at least one rank), so the"
-                " model has stopped training. Check the loss for inf/NaN (data, learning rate; gradient"
-                " clipping), or raise `max_consecutive_skips` (None turns this check off)."
-            )
+        skip_non_finite_step(
+            self._state, optimizer, type(self).__name__, self.max_consecutive_skips,
+            scaler=getattr(self.precision_plugin, "scaler", None) is not None,
+        )  # fmt: skip
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override
@@ -479,91 +315,30 @@ class CompressionStrategy(DDPStrategy):
         if self._state is None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        entry = self._gather_exchange_state()
+        entry = gather_exchange_state(self.exchange_state, self.algorithm, self.world_size, type(self).__name__)
         if entry is None:  # not rank 0: its buffers went to rank 0
             return
         checkpoint[CHECKPOINT_KEY] = entry
         if "optimizer_states" in checkpoint:
-            self._write_user_optimizer_state(checkpoint["optimizer_states"], entry)
-        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and _is_local(filepath):
-            _save_atomically(checkpoint, filepath)  # Lightning's buffers the whole file in memory first
+            self._taken_over.write_user_optimizer_state(
+                self.exchange_state,
+                dict(enumerate(checkpoint["optimizer_states"])),
+                entry,
+                dict(self.lightning_module.named_parameters()),
+            )
+        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local(filepath):
+            save_atomically(checkpoint, filepath)  # Lightning's buffers the whole file in memory first
         else:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def _gather_exchange_state(self) -> dict[str, Any] | None:
-        state = self.exchange_state
-        committed = state.memory.committed
-        keys = sorted((kind, name) for kind, by_name in committed.items() for name in by_name)
-        layout = [(kind, name, list(committed[kind][name].shape)) for kind, name in keys]
-        digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
-        if len(set(comm.all_gather_object(digest))) != 1:
-            raise RuntimeError(
-                f"{type(self).__name__}: the ranks hold memory for different parameters and cannot write one"
-                " checkpoint; every rank must train the same model."
-            )
-        metadata = comm.gather_object(state.state_dict(memory=False))
-        gathered = comm.gather_tensors([committed[kind][name] for kind, name in keys])
-        if metadata is None or gathered is None:
-            return None
-        ranks = []
-        for r, meta in enumerate(metadata):
-            memory: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in committed}
-            for (kind, name), copies in zip(keys, gathered, strict=True):
-                memory[kind][name] = copies[r]
-            ranks.append({**meta, "memory": memory})  # type: ignore[dict-item]
-        return {
-            "algorithm": self.algorithm,
-            "format": CHECKPOINT_FORMAT,
-            "world_size": self.world_size,
-            "ranks": ranks,
-        }
-
-    def _write_user_optimizer_state(
-        self, optimizer_states: list[dict[str, Any]], entry: dict[str, Any]
-    ) -> None:
-        """The user's hyper-parameters and the mean momentum as SGD buffers, into the checkpoint's copy."""
-        params = dict(self.lightning_module.named_parameters())
-        momenta = [r["memory"].get("momentum", {}) for r in entry["ranks"]]
-        for taken in self._taken_over:
-            packed = optimizer_states[taken.optimizer]
-            group = packed["param_groups"][taken.group]
-            taken.restore(group)
-            if not taken.user.momentum:
-                continue
-            for index, name in zip(group["params"], taken.names, strict=True):
-                if name not in momenta[0]:
-                    continue
-                mean = torch.stack([m[name] for m in momenta]).mean(0)
-                buffer = self._sgd_momentum(name, mean, params[name].detach().cpu()).to(params[name].dtype)
-                # A new dict: the packed state's values are the optimizer's live per-parameter dicts.
-                packed["state"][index] = {**packed["state"].get(index, {}), "momentum_buffer": buffer}
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict)
         # Lightning restores the model before setup(); the exchange state is applied once it exists.
         self._checkpoint_entry = checkpoint.get(CHECKPOINT_KEY)
-        if self._checkpoint_entry is not None:
-            check_checkpoint_entry(self._checkpoint_entry)
-        self._legacy_checkpoint = False
-        if self._checkpoint_entry is None and "optimizer_states" in checkpoint:
-            rank_zero_warn(
-                f"The checkpoint holds no {type(self).__name__} state (it was written by another strategy):"
-                " its SGD momentum buffers continue as the exchange's momentum, and the residuals start empty."
-            )
-        elif self._checkpoint_entry is not None and self._checkpoint_entry.get("algorithm") != self.algorithm:
-            found = self._checkpoint_entry.get("algorithm")
-            raise ValueError(
-                f"This checkpoint holds the exchange state of {found!r}, not {self.algorithm!r}: its residuals mean"
-                f" something else here. Resume with strategy={found!r}, or delete the checkpoint's"
-                f" {CHECKPOINT_KEY!r} entry to start {self.algorithm!r} with empty buffers."
-            )
-        elif self._checkpoint_entry is not None and "format" not in self._checkpoint_entry:
-            self._legacy_checkpoint = True
-            rank_zero_warn(
-                "This checkpoint was written by an earlier lightning-dgc, whose optimizer state holds 0 for the SGD"
-                " momentum and weight decay that the exchange applied: they are taken from configure_optimizers()."
-            )
+        self._legacy_checkpoint = check_entry(
+            self._checkpoint_entry, self.algorithm, type(self).__name__, "optimizer_states" in checkpoint
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -579,39 +354,19 @@ class CompressionStrategy(DDPStrategy):
         super().on_train_end()
         if self._state is None:
             return
-        state = self.exchange_state
-        for taken in self._taken_over:
-            if not taken.user.momentum:
-                continue
-            opt = self.optimizers[taken.optimizer]
-            opt = getattr(opt, "_optimizer", opt)
-            for param, name in zip(opt.param_groups[taken.group]["params"], taken.names, strict=True):
-                if state.memory.has("momentum", name):
-                    mean = comm.average(state.memory.committed["momentum"][name].clone())
-                    opt.state[param]["momentum_buffer"] = self._sgd_momentum(name, mean, param.detach()).to(
-                        param.dtype
-                    )
+        self._taken_over.hand_back_momentum(self.exchange_state, self.optimizers)
 
     @override
     def teardown(self) -> None:
         """Give the optimizer its SGD hyper-parameters back (the take-over ends with ``fit``)."""
-        for taken in self._taken_over:
-            if taken.optimizer < len(self.optimizers):
-                opt = self.optimizers[taken.optimizer]
-                taken.restore(getattr(opt, "_optimizer", opt).param_groups[taken.group])
-        self._taken_over = []
+        self._taken_over.restore(self.optimizers)
         super().teardown()
 
     def _restore_exchange_state(self) -> None:
         entry, self._checkpoint_entry = self._checkpoint_entry, None
         if entry is None:
             return
-        if self.exchange_state.restore(entry, self.root_device):  # checked on every rank: a clear error, no reset
-            rank_zero_warn(
-                f"The checkpoint was written by {entry['world_size']} ranks and is resumed by {self.world_size}:"
-                " every rank starts from the mean of the saved momentum and residual buffers, which keeps the"
-                " pending update of the whole group and drops per-rank detail."
-            )
+        restore_exchange_state(self.exchange_state, entry, self.root_device)
 
     @classmethod
     @override

@@ -1,0 +1,129 @@
+"""Checkpoint I/O of the exchange state: every rank's memory gathered into the file rank 0 writes.
+
+Shared by the Trainer strategy (:mod:`lightning_dgc.strategy`) and the Fabric strategy
+(:mod:`lightning_dgc.fabric`). The entry under :data:`CHECKPOINT_KEY` holds the algorithm's name, the
+format, the world size and one state per rank (:meth:`ExchangeState.state_dict`); a resume on another
+world size gives every rank the mean (:func:`lightning_dgc.state.state_for_rank`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_dgc import comm
+from lightning_dgc.state import CHECKPOINT_KEY, ExchangeState, check_checkpoint_entry
+
+__all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_KEY", "check_entry", "gather_exchange_state", "restore_exchange_state"]
+#: Version of that entry. 2: the checkpoint's optimizer state holds the user's SGD hyper-parameters and
+#: momentum (absent: written before, with the take-over's zeros there).
+CHECKPOINT_FORMAT = 2
+
+
+def is_local(path: Any) -> bool:
+    return isinstance(get_filesystem(path), LocalFileSystem)
+
+
+def save_atomically(checkpoint: dict[str, Any], filepath: Any) -> None:
+    """``torch.save`` straight into a temporary file beside ``filepath``, then renamed over it.
+
+    As atomic as Lightning's ``TorchCheckpointIO`` (a crash leaves the previous file or none), but
+    without serialising the whole checkpoint into memory first: the exchange's memory makes a
+    checkpoint ``2 x world_size`` model sizes larger than DDP's, and that buffer would double it.
+    """
+    path = Path(filepath)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        torch.save(checkpoint, partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def gather_exchange_state(
+    state: ExchangeState, algorithm: str, world_size: int, owner: str
+) -> dict[str, Any] | None:
+    """Every rank's exchange state, gathered into rank 0 tensor by tensor (all ranks call this).
+
+    Returns the checkpoint entry on rank 0, ``None`` on the other ranks (their buffers were sent as
+    they are, without copies). ``owner`` is the strategy's class name, used in messages.
+    """
+    committed = state.memory.committed
+    keys = sorted((kind, name) for kind, by_name in committed.items() for name in by_name)
+    layout = [(kind, name, list(committed[kind][name].shape)) for kind, name in keys]
+    digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+    if len(set(comm.all_gather_object(digest))) != 1:
+        raise RuntimeError(
+            f"{owner}: the ranks hold memory for different parameters and cannot write one"
+            " checkpoint; every rank must train the same model."
+        )
+    metadata = comm.gather_object(state.state_dict(memory=False))
+    gathered = comm.gather_tensors([committed[kind][name] for kind, name in keys])
+    if metadata is None or gathered is None:
+        return None
+    ranks = []
+    for r, meta in enumerate(metadata):
+        memory: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in committed}
+        for (kind, name), copies in zip(keys, gathered, strict=True):
+            memory[kind][name] = copies[r]
+        ranks.append({**meta, "memory": memory})  # type: ignore[dict-item]
+    return {
+        "algorithm": algorithm,
+        "format": CHECKPOINT_FORMAT,
+        "world_size": world_size,
+        "ranks": ranks,
+    }
+
+
+def check_entry(entry: dict[str, Any] | None, algorithm: str, owner: str, has_optimizer_state: bool) -> bool:
+    """Check a checkpoint's exchange entry against the strategy's algorithm before it is restored.
+
+    Warns when there is none but there is optimizer state (another strategy wrote the checkpoint);
+    raises for another algorithm's entry. Returns whether the entry is of a format written before the
+    checkpoint kept the user's SGD hyper-parameters (a "legacy" checkpoint). A malformed entry is an error
+    that names the part (:func:`lightning_dgc.state.check_checkpoint_entry`).
+    """
+    if entry is not None:
+        check_checkpoint_entry(entry)
+    if entry is None and has_optimizer_state:
+        rank_zero_warn(
+            f"The checkpoint holds no {owner} state (it was written by another strategy):"
+            " its SGD momentum buffers continue as the exchange's momentum, and the residuals start empty."
+        )
+    elif entry is not None and entry.get("algorithm") != algorithm:
+        found = entry.get("algorithm")
+        raise ValueError(
+            f"This checkpoint holds the exchange state of {found!r}, not {algorithm!r}: its residuals mean"
+            f" something else here. Resume with strategy={found!r}, or delete the checkpoint's"
+            f" {CHECKPOINT_KEY!r} entry to start {algorithm!r} with empty buffers."
+        )
+    elif entry is not None and "format" not in entry:
+        rank_zero_warn(
+            "This checkpoint was written by an earlier lightning-dgc, whose optimizer state holds 0 for the SGD"
+            " momentum and weight decay that the exchange applied: they are taken from configure_optimizers()."
+        )
+        return True
+    return False
+
+
+def restore_exchange_state(state: ExchangeState, entry: dict[str, Any], device: torch.device) -> None:
+    """Load this rank's part of a checkpoint entry into ``state`` (the mean of all ranks' on another world size).
+
+    A collective: every rank checks what it loads (:meth:`ExchangeState.restore`), and a problem on any rank
+    is raised on every rank before the first step, never a silent reset.
+    """
+    if state.restore(entry, device):
+        rank_zero_warn(
+            f"The checkpoint was written by {entry['world_size']} ranks and is resumed by {state.world_size}:"
+            " every rank starts from the mean of the saved momentum and residual buffers, which keeps the"
+            " pending update of the whole group and drops per-rank detail."
+        )

@@ -1,0 +1,385 @@
+"""Fabric glue: ``Fabric(strategy="dgc" | "deft" | "powersgd" | FabricCompressionStrategy(...))``.
+
+:class:`FabricCompressionStrategy` subclasses Fabric's
+:class:`~lightning.fabric.strategies.DDPStrategy` and runs any registered algorithm
+(:mod:`lightning_dgc.algorithms`) as the Trainer's :class:`~lightning_dgc.CompressionStrategy` does,
+with the same optimizer take-over (:mod:`lightning_dgc.takeover`) and the same checkpoint entry
+(:mod:`lightning_dgc.checkpoint`):
+
+* ``fabric.setup(model, optimizer)`` wraps the model in DDP and registers the exchange's hook on every
+  device type (Fabric's own DDP strategy registers none);
+* ``fabric.backward(loss)`` runs the exchange, bucket by bucket;
+* ``optimizer.step()`` first closes the exchange's step (commit the memory, or skip the step on every
+  rank when a gradient was not finite), then steps;
+* ``fabric.save(path, state)`` adds every rank's memory (gathered into rank 0) and writes the user's SGD
+  hyper-parameters and momentum into the optimizer's state; ``fabric.load(path, state)`` restores them.
+
+Every algorithm is registered in Fabric's strategy registry under its name, and ``"<name>_spawn"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision, TorchCheckpointIO
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.types import Optimizable
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dgc import algorithms, comm
+from lightning_dgc.algorithms import AlgorithmConfig
+from lightning_dgc.checkpoint import (
+    CHECKPOINT_KEY,
+    check_entry,
+    gather_exchange_state,
+    is_local,
+    restore_exchange_state,
+    save_atomically,
+)
+from lightning_dgc.checks import check_density
+from lightning_dgc.hook import exchange_hook
+from lightning_dgc.state import ExchangeState, algorithm_for, sparse_gradient_message
+from lightning_dgc.takeover import (
+    DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    OptimizerTakeOver,
+    check_max_consecutive_skips,
+    check_ranks_agree,
+    skip_non_finite_step,
+)
+
+log = logging.getLogger(__name__)
+
+_FORBIDDEN = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+
+
+class FabricCompressionStrategy(DDPStrategy):
+    """Fabric's data-parallel strategy with a compressed gradient exchange (any registered algorithm).
+
+    The optimizer contract is the Trainer strategy's (:class:`~lightning_dgc.CompressionStrategy`): for
+    algorithms that apply momentum in the exchange (DGC; DEFT with ``momentum_correction=True``) SGD's
+    ``momentum``, ``nesterov`` and ``weight_decay`` are taken over (set to 0 in the optimizer from
+    ``fabric.setup`` on, applied by the exchange); other optimizers with momentum are rejected.
+    ``fabric.save`` writes the user's values and the mean momentum into the optimizer's state, so that
+    a checkpoint resumes under plain DDP too.
+
+    One model per strategy: its exchange memory is keyed by the model's parameter names.
+
+    Args:
+        algorithm: a registered algorithm's name (``"dgc"``, ``"deft"``, ``"powersgd"``, ...) or its
+            configuration object (``DGCConfig(density=0.01)``).
+        options: the configuration's fields, with an algorithm given by name
+            (``FabricCompressionStrategy("dgc", {"density": 0.01})``).
+        **kwargs: every argument of Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
+            ``start_method``, and DDP's own: ``find_unused_parameters``, ``static_graph``, ...).
+    """
+
+    def __init__(
+        self,
+        algorithm: str | AlgorithmConfig = "dgc",
+        options: dict[str, Any] | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        **kwargs: Any,
+    ) -> None:
+        #: Raise after this many consecutive steps skipped for non-finite gradients (0: never).
+        self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
+        for forbidden in _FORBIDDEN:
+            if kwargs.get(forbidden) is not None:
+                raise ValueError(
+                    f"{type(self).__name__} installs its own DDP communication hook; `{forbidden}` cannot be"
+                    " combined with it. Use Fabric's `DDPStrategy` for other hooks."
+                )
+            kwargs.pop(forbidden, None)
+        if isinstance(algorithm, AlgorithmConfig):
+            if options:
+                raise ValueError("pass either a configuration object or `options`, not both")
+            self._config = algorithm
+        else:
+            self._config = algorithms.get(algorithm).config_class(**(options or {}))
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._state: ExchangeState | None = None
+        self._module: DistributedDataParallel | None = None
+        self._optimizers: list[Optimizer] = []  # set up through this strategy, in order
+        self._taken_over = OptimizerTakeOver(
+            type(self).__name__, lambda name, value: f"{type(self).__name__}({self.algorithm!r}, {{{name!r}: {value}}})"
+        )
+        self._hook_calls_at_commit = 0
+        self.hook_calls = 0  # incremented by the registered hook: proof that it runs
+
+    # -- public API ------------------------------------------------------------------------------
+    @property
+    def algorithm(self) -> str:
+        """The algorithm's registered name (stored with the exchange state in checkpoints)."""
+        return algorithm_for(self._config).name
+
+    @property
+    def config(self) -> AlgorithmConfig:
+        """The algorithm's settings in force (``density`` may change during training)."""
+        return self._state.config if self._state is not None else self._config
+
+    @property
+    def exchange_state(self) -> ExchangeState:
+        if self._state is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no exchange state before `fabric.setup(model, ...)` has set up the model."
+            )
+        return self._state
+
+    @property
+    def density(self) -> float | None:
+        """The density in force, ``None`` for an algorithm without one (set it to change the sparsity
+        during training, identically on all ranks)."""
+        return getattr(self.config, "density", None)
+
+    @density.setter
+    def density(self, value: float) -> None:
+        if getattr(self._config, "density", None) is None:
+            raise AttributeError(f"the {self.algorithm} algorithm has no density")
+        if self._state is not None:
+            self._state.density = value
+        else:
+            self._config.density = check_density(value)  # type: ignore[attr-defined]
+
+    def compression_stats(self) -> dict[str, float | int | bool]:
+        """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`)."""
+        return self._state.compression_stats() if self._state is not None else {}
+
+    def residual_norm(self) -> float | None:
+        """L2 norm of what this rank's memory holds back (``None`` before the model was set up)."""
+        return self._state.residual_norm() if self._state is not None else None
+
+    # -- setup -----------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
+
+    def _hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
+        strategy = self
+
+        def counted_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
+            strategy.hook_calls += 1
+            return exchange_hook(state, bucket)
+
+        return counted_hook
+
+    @override
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        """Wrap ``module`` in DDP and register the exchange's hook (on every device type, CPU included)."""
+        from lightning_dgc.strategy import sparse_gradient_parameters
+
+        if self._module is not None:
+            raise ValueError(
+                f"{type(self).__name__} compresses the gradients of one model, and one is set up already: set up"
+                " the other models under another Fabric, or put them in one `nn.Module`."
+            )
+        sparse = sparse_gradient_parameters(module)
+        if sparse:
+            raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
+        ddp = super().setup_module(module)
+        state = self._state = ExchangeState(self._config)
+        state.register_parameters(list(ddp.module.named_parameters()))
+        ddp.register_comm_hook(state, self._hook())
+        self._module = ddp
+        check_ranks_agree(state, type(self).__name__, self.max_consecutive_skips)
+        log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
+        return ddp
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Take over SGD's momentum and weight decay (for algorithms that apply momentum in the exchange)."""
+        if self._state is None:
+            raise RuntimeError(
+                f"{type(self).__name__} must know the model before its optimizer: call `fabric.setup(model,"
+                " optimizer)`, or `fabric.setup_module(model)` before `fabric.setup_optimizers(optimizer)`."
+            )
+        optimizer = super().setup_optimizer(optimizer)
+        self._optimizers.append(optimizer)
+        self._take_over()
+        return optimizer
+
+    def _take_over(self) -> None:
+        state = self.exchange_state
+        if not state.algorithm.takes_over_momentum:
+            return
+        assert self._module is not None
+        self._taken_over.restore(self._optimizers)  # the live groups hold the user's values again
+        self._taken_over.take_over(state, self._optimizers, self._module.module.named_parameters(), self.root_device)
+        check_ranks_agree(state, type(self).__name__, self.max_consecutive_skips)
+
+    # -- the step --------------------------------------------------------------------------------
+    @override
+    def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
+        if self._state is not None:
+            scaler = getattr(self.precision, "scaler", None)
+            self._state.grad_scale = (
+                float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+            )
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """Close the exchange's step (commit its memory, or skip the step on non-finite gradients), then step.
+
+        With a ``closure`` (e.g. LBFGS) the step closes after each call of the closure, which runs backward.
+        """
+        closure = kwargs.get("closure")
+        if closure is None:
+            self._finish_step(optimizer)
+        else:
+
+            def closure_then_finish() -> Any:
+                result = closure()
+                self._finish_step(optimizer)
+                return result
+
+            kwargs["closure"] = closure_then_finish
+        return super().optimizer_step(optimizer, **kwargs)
+
+    def _finish_step(self, optimizer: Optimizable) -> None:
+        if self._state is None or self.hook_calls == self._hook_calls_at_commit:
+            return  # no exchange since the last commit (a second optimizer after the same backward)
+        self._hook_calls_at_commit = self.hook_calls
+        if self._state.finish_step():
+            return
+        skip_non_finite_step(
+            self._state, optimizer, type(self).__name__, self.max_consecutive_skips,
+            scaler=getattr(self.precision, "scaler", None) is not None,
+        )  # fmt: skip
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Write ``state`` with every rank's exchange memory gathered into it (all ranks call this).
+
+        Each optimizer set up through this strategy is written with the user's SGD hyper-parameters and,
+        as SGD's ``momentum_buffer``, the mean over ranks of the exchange's momentum (as the Trainer
+        strategy does).
+        """
+        if self._state is None:
+            super().save_checkpoint(path, state, storage_options, filter)
+            return
+        if CHECKPOINT_KEY in state:
+            raise ValueError(
+                f"`fabric.save(path, state)`: the key {CHECKPOINT_KEY!r} is where {type(self).__name__} stores"
+                " the exchange state; rename that entry of `state`."
+            )
+        converted = self._convert_stateful_objects_in_state(state, filter=(filter or {}))
+        entry = gather_exchange_state(self._state, self.algorithm, self.world_size, type(self).__name__)
+        if entry is None:  # not rank 0: its buffers went to rank 0
+            return
+        converted[CHECKPOINT_KEY] = entry
+        packed = {
+            index: converted[key]
+            for key, obj in state.items()
+            for index, optimizer in enumerate(self._optimizers)
+            if obj is optimizer and isinstance(converted.get(key), dict) and "param_groups" in converted[key]
+        }
+        assert self._module is not None
+        params = dict(self._module.module.named_parameters())
+        self._taken_over.write_user_optimizer_state(self._state, packed, entry, params)
+        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local(path):
+            save_atomically(converted, path)  # Lightning's buffers the whole file in memory first
+        else:
+            self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` and this rank's exchange memory (the mean of all ranks' on another world size).
+
+        The exchange memory is restored when ``state`` is a dictionary of objects to restore
+        (``fabric.load(path, {"model": model, "optimizer": optimizer, ...})``); with no ``state`` the
+        checkpoint is returned in full, its exchange entry under ``"lightning_dgc"`` included.
+        """
+        if self._state is None or not isinstance(state, dict) or not state:
+            return super().load_checkpoint(path, state, strict, weights_only)
+        self._taken_over.restore(self._optimizers)  # as the checkpoint's optimizer state holds them
+        try:
+            remainder = super().load_checkpoint(path, state, strict, weights_only)
+            entry = remainder.pop(CHECKPOINT_KEY, None)
+            loads_optimizer = any(obj is opt for obj in state.values() for opt in self._optimizers)
+            check_entry(entry, self.algorithm, type(self).__name__, loads_optimizer)
+            if entry is not None:
+                restore_exchange_state(self._state, entry, self.root_device)
+        finally:
+            self._take_over()  # the loaded SGD hyper-parameters and momentum buffers, taken over again
+        return remainder
+
+    def release_optimizers(self) -> None:
+        """End the take-over, as the Trainer strategy does when ``fit`` ends (all ranks call this).
+
+        SGD gets its ``momentum``, ``nesterov`` and ``weight_decay`` back, and the mean over ranks of the
+        exchange's momentum as its ``momentum_buffer``, so that the optimizer continues it when it is used
+        again without this strategy. Call it after the loop; Fabric has no end-of-training hook to do it.
+        """
+        if self._state is not None:
+            self._taken_over.hand_back_momentum(self._state, self._optimizers)
+        self._taken_over.restore(self._optimizers)
+
+    @override
+    def teardown(self) -> None:
+        """Give the optimizers their SGD hyper-parameters back."""
+        self._taken_over.restore(self._optimizers)
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register every algorithm under its name (``start_method="popen"``) and ``<name>_spawn``."""
+        for name in algorithms.registered():
+            for registered, start_method in ((name, "popen"), (f"{name}_spawn", "spawn")):
+                if registered not in strategy_registry:
+                    strategy_registry.register(
+                        registered, cls, description=f"{cls.__name__} ({name}), start_method '{start_method}'",
+                        algorithm=name, start_method=start_method,
+                    )  # fmt: skip
+
+
+def register_fabric_strategies() -> None:
+    """Register every algorithm's name in Fabric's strategy registry (``Fabric(strategy="dgc")``)."""
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    FabricCompressionStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``)
+# then finds this module half-made and leaves the names to be registered here.
+register_fabric_strategies()
