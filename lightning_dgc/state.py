@@ -10,12 +10,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dgc import algorithms
+from lightning_dgc import algorithms, shards
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, WireCost
+from lightning_dgc.algorithms.base import allgather_volume
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.checks import check_density
-from lightning_dgc.comm import Collectives, TorchCollectives
-from lightning_dgc.memory import ResidualMemory
+from lightning_dgc.comm import Collectives, Topology, TorchCollectives
+from lightning_dgc.memory import ResidualMemory, bucket_order_flat
 
 
 def algorithm_for(config: AlgorithmConfig) -> type[Algorithm[Any, Any, Any]]:
@@ -45,6 +46,7 @@ class StepStats:
     dense_bytes: int = 0  # what plain DDP would have sent for the same buckets
     values_sent: int = 0
     link_bytes: float = 0.0  # what each worker's link carries, every collective a ring (WireCost.link_bytes)
+    inter_node_bytes: float = 0.0  # the part of link_bytes that crosses nodes (all of it on a flat run)
     numel: int = 0
     selection_ms: float = 0.0
     buckets: int = 0
@@ -71,6 +73,11 @@ class ExchangeState:
     After every backward pass that ran the hook, call :meth:`finish_step` once (the strategy does): it
     commits the memory only if the step was finite on every rank. If it is not called, the hook
     commits the previous step itself when the next one starts, with a warning.
+
+    ``topology`` (:class:`~lightning_dgc.comm.Topology`): run the two-level exchange
+    (:func:`lightning_dgc.hook.exchange_two_level`). The algorithm then exchanges across the nodes:
+    ``world_size`` and ``rank`` (and ``collectives``) are those of the ranks that share this rank's
+    local rank, and its bucket is this rank's shard (:mod:`lightning_dgc.shards`).
     """
 
     def __init__(
@@ -80,10 +87,15 @@ class ExchangeState:
         collectives: Collectives | None = None,
         grad_scale: float = 1.0,
         measure_buildup: bool = False,
+        topology: Topology | None = None,
     ) -> None:
         # A copy: schedules change the density of this run, never the caller's configuration object.
         self.config = replace(config) if config is not None else DGCConfig()
-        self.collectives = collectives if collectives is not None else TorchCollectives(process_group)
+        #: The two levels (inside the node, across nodes) of a two-level exchange; ``None``: flat.
+        self.topology = topology
+        if collectives is None:
+            collectives = topology.across if topology is not None else TorchCollectives(process_group)
+        self.collectives = collectives
         self.world_size, self.rank = self.collectives.world_size, self.collectives.rank
         #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
         self.grad_scale = grad_scale
@@ -142,11 +154,22 @@ class ExchangeState:
         return generator
 
     def param(self, name: str) -> Tensor:
-        return self._params[name]
+        """The parameter ``name``; for a piece ``"<param>[a:b]"`` of a two-level shard, its values ``a:b``
+        (bucket order) shaped as the piece."""
+        piece = shards.parse_piece(name) if name not in self._params else None
+        if piece is None:
+            return self._params[name]
+        parent, a, b = piece
+        param = self._params[parent]
+        return bucket_order_flat(param)[a:b].view(shards.piece_shape(param.shape, a, b))
+
+    def _parent(self, name: str) -> str:
+        piece = shards.parse_piece(name) if name not in self._params else None
+        return piece[0] if piece is not None else name
 
     def is_dense(self, name: str) -> bool:
         """Whether parameter ``name`` is always averaged dense (DGC and DEFT: 1-D or small)."""
-        param = self._params[name]
+        param = self.param(name)
         averaged_dense = getattr(self.config, "averaged_dense", None)
         return averaged_dense is None or averaged_dense(param.numel(), param.dim())
 
@@ -155,7 +178,7 @@ class ExchangeState:
         default = ParamSettings(
             getattr(cfg, "momentum", 0.0), getattr(cfg, "nesterov", False), getattr(cfg, "weight_decay", 0.0)
         )
-        return self.param_settings.get(name, default)
+        return self.param_settings.get(self._parent(name), default)
 
     @property
     def density(self) -> float | None:
@@ -194,8 +217,13 @@ class ExchangeState:
         numel = sum(s.numel for s in layout)
         if numel != buffer.numel():
             raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {numel}.")
-        plan = self._plans[key] = self.algorithm.plan(layout, buffer)
+        plan = self._plans[key] = self._make_plan(layout, buffer)
         return plan
+
+    def _make_plan(self, layout: list[algorithms.TensorSpec], buffer: Tensor) -> Any:
+        if self.topology is None:
+            return self.algorithm.plan(layout, buffer)
+        return TwoLevelPlan.make(self, layout, buffer)
 
     @property
     def plans(self) -> list[Any]:
@@ -216,8 +244,9 @@ class ExchangeState:
         """Whether this step counts the union of all ranks' selections (see :meth:`request_buildup`)."""
         return self.measure_buildup or self._buildup_step == self.step
 
-    def record(self, cost: WireCost, work: BucketWork, selection_s: float) -> None:
-        """Add one bucket's wire cost and measured figures to this step's statistics."""
+    def record(self, cost: WireCost, work: BucketWork, selection_s: float, node_link_bytes: float = 0.0) -> None:
+        """Add one bucket's wire cost and measured figures to this step's statistics (``node_link_bytes``: what
+        a two-level exchange moves inside the node besides)."""
         payload = cost.bytes_sent - cost.bytes_of("dense")
         with self._stats_lock:
             stats = self._current
@@ -227,7 +256,9 @@ class ExchangeState:
             stats.dense_exchange_bytes += cost.bytes_of("dense")
             stats.dense_bytes += cost.dense_bytes
             stats.values_sent += cost.values_sent
-            stats.link_bytes += cost.link_bytes(self.world_size)
+            across = cost.link_bytes(self.world_size)
+            stats.link_bytes += across + node_link_bytes
+            stats.inter_node_bytes += across
             stats.k_target += cost.k
             stats.numel += cost.numel
             stats.selection_ms += selection_s * 1e3
@@ -283,6 +314,9 @@ class ExchangeState:
         the dense all-reduce; ``dense_bytes`` is what plain DDP would have sent; ``compression_ratio``
         is their quotient. ``link_bytes`` is what each worker's link carries with ring collectives (an
         all-gather forwards every rank's payload: DGC's grows with the ranks, DEFT's all-reduce does not).
+        ``inter_node_bytes`` is the part of it that crosses nodes: all of it on a flat run. In a two-level
+        exchange the other figures describe this rank's shard, exchanged across the nodes (``dense_bytes``:
+        the shard's), and ``link_bytes`` adds the reduce-scatter and all-gather inside the node.
         """
         s = self._last
         if s is None:
@@ -296,6 +330,7 @@ class ExchangeState:
             "dense_bytes": s.dense_bytes,
             "compression_ratio": s.dense_bytes / s.bytes_sent if s.bytes_sent else float("inf"),
             "link_bytes": s.link_bytes,
+            "inter_node_bytes": s.inter_node_bytes,
             "values_sent": s.values_sent,
             "numel": s.numel,
             "selection_ms": s.selection_ms,
@@ -320,6 +355,13 @@ class ExchangeState:
         """L2 norm of what the memory holds back (DGC's velocity, PowerSGD's error), for monitoring."""
         return self.memory.residual_norm(getattr(self.algorithm, "residual_kind", "velocity"))
 
+    @property
+    def topology_signature(self) -> dict[str, Any]:
+        """Where this run's memory lives: flat, or ``nodes`` x ``per_node`` shards (checkpoints record it)."""
+        if self.topology is not None:
+            return self.topology.signature
+        return {"hierarchical": False, "nodes": self.world_size, "per_node": 1}
+
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self, memory: bool = True) -> dict[str, Any]:
         """This rank's state: config, step, memory and generators, loadable with ``weights_only=True``.
@@ -335,6 +377,7 @@ class ExchangeState:
             "rank": self.rank,
             "generator": self.generator.get_state(),
             "extra": self.algorithm.extra_state(),
+            "topology": self.topology_signature,
         }
         return state | {"memory": self.memory.state_dict()} if memory else state
 
@@ -378,3 +421,31 @@ def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[d
     merged = {k: v for k, v in first.items() if k not in ("memory", "generator", "rank")}
     merged["memory"] = memory
     return merged, True
+
+
+class TwoLevelPlan:
+    """A bucket's plan in a two-level exchange: its :class:`~lightning_dgc.shards.ShardLayout` for this
+    rank, the algorithm's plan of this rank's shard, and the buffers the two node-level collectives use."""
+
+    def __init__(self, shard: shards.ShardLayout, inner: Any, node: Tensor, gathered: Tensor) -> None:
+        self.shard = shard
+        self.inner = inner
+        self.node = node  # parts * shard_numel: the bucket in the node layout (padding stays 0)
+        self.gathered = gathered  # parts * shard_numel: every local rank's decoded shard
+        self.decoded = torch.zeros(shard.shard_numel, dtype=torch.float32, device=node.device)  # this rank's
+        self.layout = inner.layout
+        self.dense_bytes = inner.dense_bytes
+
+    @classmethod
+    def make(cls, state: ExchangeState, layout: list[algorithms.TensorSpec], buffer: Tensor) -> TwoLevelPlan:
+        topology = state.topology
+        assert topology is not None
+        shard = shards.shard_layout(layout, topology.per_node, topology.local_rank, buffer.device)
+        node = torch.zeros(topology.per_node * shard.shard_numel, dtype=torch.float32, device=buffer.device)
+        inner = state.algorithm.plan(shard.pieces, node[: shard.numel])
+        return cls(shard, inner, node, torch.empty_like(node))
+
+    def node_link_bytes(self) -> float:
+        """Bytes this rank's link inside the node carries per step: the reduce-scatter and the all-gather."""
+        g, block = self.shard.parts, 4 * self.shard.shard_numel
+        return allgather_volume(block, g) * 2  # a ring reduce-scatter moves what an all-gather does
