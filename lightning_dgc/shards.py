@@ -16,6 +16,7 @@ longest shard of the bucket (the collectives move equal blocks).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -156,8 +157,8 @@ def slice_memory(memory: Memory, shapes: Mapping[str, Sequence[int]], parts: int
     for kind, by_name in memory.items():
         out[kind] = {}
         for name, tensor in by_name.items():
-            if name not in shapes:
-                continue
+            if name not in shapes or tensor.numel() != math.prod(shapes[name]):
+                continue  # not one value per gradient value (PowerSGD's q): restarts
             for piece, a, b in pieces_of(name, shapes[name], parts, index):
                 out[kind][piece] = tensor.reshape(-1)[a:b].clone()
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -400,6 +401,42 @@ def sparse_gradient_message(names: list[str]) -> str:
         " with sparse=False (the exchange already sends only the largest values), or train with"
         " strategy='ddp'."
     )
+
+
+def state_for_topology(
+    saved: dict[str, Any], topology: dict[str, Any], rank: int, shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, Any], bool]:
+    """This rank's state from a checkpoint entry, for a run whose memory lives as ``topology`` says
+    (:attr:`ExchangeState.topology_signature`). Returns ``(state, redistributed)``.
+
+    Same topology (flat at the same world size, or two-level with the same nodes and ranks per node):
+    rank r gets exactly what rank r saved. Otherwise the buffers are redistributed as a change of world
+    size redistributes them (:func:`state_for_rank`), with a node's shards put back together first: every
+    saved node (a flat run: every rank) becomes one memory of whole parameters, their mean is what every
+    new node (flat: every rank) starts from, cut into this rank's pieces in a two-level run. The update
+    still owed to the model (the mean over nodes) is kept; buffers that are not one value per gradient
+    value (PowerSGD's ``q``) restart. ``shapes``: every parameter's shape.
+    """
+    world = topology["nodes"] * topology["per_node"]
+    old = saved.get("topology") or {"hierarchical": False, "nodes": int(saved["world_size"]), "per_node": 1}
+    if not old["hierarchical"] and not topology["hierarchical"]:
+        return state_for_rank(saved, world, rank)
+    ranks = saved["ranks"]
+    if old == topology:
+        return ranks[rank], False
+    numels = {name: math.prod(shape) for name, shape in shapes.items()}
+    per_node = int(old["per_node"])
+    nodes = [
+        shards.assemble([r["memory"] for r in ranks[n * per_node : (n + 1) * per_node]], numels)
+        for n in range(int(old["nodes"]))
+    ]
+    memory = shards.mean_memory(nodes)
+    if topology["hierarchical"]:
+        memory = shards.slice_memory(memory, shapes, topology["per_node"], rank % topology["per_node"])
+    merged = {k: v for k, v in ranks[0].items() if k not in ("memory", "generator", "rank")}
+    merged["memory"] = memory
+    merged["topology"] = topology
+    return merged, True
 
 
 def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[dict[str, Any], bool]:

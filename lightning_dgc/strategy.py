@@ -32,14 +32,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dgc import algorithms, comm
+from lightning_dgc import algorithms, comm, shards
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend, ValueDType
 from lightning_dgc.checks import check_density
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.memory import bucket_order_flat, momentum_from_sgd, momentum_to_sgd
-from lightning_dgc.state import ExchangeState, ParamSettings, sparse_gradient_message, state_for_rank
+from lightning_dgc.state import ExchangeState, ParamSettings, sparse_gradient_message, state_for_topology
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,11 @@ class CompressionStrategy(DDPStrategy):
             configuration object (``DGCConfig(...)``, ``PowerSGDConfig(...)``).
         options: the configuration's fields, with an algorithm given by name
             (``CompressionStrategy("powersgd", {"matrix_approximation_rank": 2})``).
+        hierarchical: the two-level exchange across nodes of several devices (``"auto"``, ``True``,
+            ``False``): a dense reduce-scatter inside each node, the algorithm across the nodes on each
+            rank's shard, an all-gather inside the node (:func:`lightning_dgc.hook.exchange_two_level`).
+            ``"auto"`` runs it when there is more than one node (``Trainer(num_nodes=...)``) and more than
+            one device per node; ``True`` on one node is an error.
         **kwargs: every argument of ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
             ``process_group_backend``, ``timeout``, ``start_method``, ...).
     """
@@ -147,8 +152,11 @@ class CompressionStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        hierarchical: Literal["auto"] | bool = "auto",
         **kwargs: Any,
     ) -> None:
+        comm.resolve_hierarchical(hierarchical, 1, 1)  # the value only: the nodes are known at setup
+        self._hierarchical = hierarchical
         for forbidden in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(forbidden) is not None:
                 raise ValueError(
@@ -261,10 +269,23 @@ class CompressionStrategy(DDPStrategy):
         named = list(self.model.module.named_parameters())
         state = self._state
         if state is None or list(state.param_names.values()) != [n for n, _ in named]:
-            state = self._state = ExchangeState(self._config)  # else a second fit: the memory carries on
+            # else a second fit: the memory carries on
+            state = self._state = ExchangeState(self._config, topology=self._two_level_topology())
         state.register_parameters(named)
         self.model.register_comm_hook(state, self._hook())
         log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
+
+    def _two_level_topology(self) -> comm.Topology | None:
+        """The process groups of the two-level exchange, or ``None`` for a flat one (``hierarchical``)."""
+        if not comm.resolve_hierarchical(self._hierarchical, self.num_nodes, self.world_size):
+            return None
+        ranks = comm.all_gather_object((self.global_rank, self.node_rank, self.local_rank))
+        per_node = comm.check_node_layout(ranks, self.num_nodes)  # type: ignore[arg-type]
+        rank_zero_info(
+            f"{type(self).__name__}: two-level exchange, {self.num_nodes} nodes x {per_node} devices: dense inside"
+            f" the node, {self.algorithm} across the nodes on each device's shard."
+        )
+        return comm.two_level_topology(self.num_nodes, per_node, self.global_rank)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -363,6 +384,15 @@ class CompressionStrategy(DDPStrategy):
         if buffer is None or not settings.momentum or state.memory.has("momentum", name):
             return 0  # no buffer, no momentum, or the exchange has its own (checkpoint, earlier fit)
         flat = bucket_order_flat(buffer.detach()).to(self.root_device, torch.float32)
+        topology = state.topology
+        if topology is not None:  # a two-level exchange keeps this rank's pieces only
+            pieces = shards.pieces_of(name, param.shape, topology.per_node, topology.local_rank)
+            if any(state.memory.has("momentum", piece) for piece, _, _ in pieces):
+                return 0
+            for piece, a, b in pieces:
+                momentum = momentum_from_sgd(flat[a:b], settings.momentum, settings.nesterov, state.is_dense(piece))
+                state.memory.buffer("momentum", piece, b - a, flat.device).copy_(momentum)
+            return 1
         momentum = momentum_from_sgd(flat, settings.momentum, settings.nesterov, state.is_dense(name))
         state.memory.buffer("momentum", name, flat.numel(), flat.device).copy_(momentum)
         return 1
@@ -467,6 +497,8 @@ class CompressionStrategy(DDPStrategy):
         keys = sorted((kind, name) for kind, by_name in committed.items() for name in by_name)
         layout = [(kind, name, list(committed[kind][name].shape)) for kind, name in keys]
         digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+        if state.topology is not None:
+            return self._gather_two_level_state(digest)
         if len(set(comm.all_gather_object(digest))) != 1:
             raise RuntimeError(
                 f"{type(self).__name__}: the ranks hold memory for different parameters and cannot write one"
@@ -486,15 +518,51 @@ class CompressionStrategy(DDPStrategy):
             "algorithm": self.algorithm,
             "format": CHECKPOINT_FORMAT,
             "world_size": self.world_size,
+            "topology": state.topology_signature,
             "ranks": ranks,
         }
+
+    def _gather_two_level_state(self, digest: str) -> dict[str, Any] | None:
+        """:meth:`_gather_exchange_state` of a two-level exchange, whose ranks hold different pieces: the
+        ranks sharing a local rank must agree, and each rank's state travels as one object."""
+        state = self.exchange_state
+        assert state.topology is not None
+        local = state.topology.local_rank
+        digests = comm.all_gather_object((local, digest))
+        if len(set(digests)) != state.topology.per_node:
+            raise RuntimeError(
+                f"{type(self).__name__}: the ranks hold memory for different parameters and cannot write one"
+                " checkpoint; every rank must train the same model."
+            )
+        ranks = comm.gather_object(state.state_dict())
+        if ranks is None:
+            return None
+        return {
+            "algorithm": self.algorithm,
+            "format": CHECKPOINT_FORMAT,
+            "world_size": self.world_size,
+            "topology": state.topology_signature,
+            "ranks": ranks,
+        }
+
+    def _momenta_by_unit(self, ranks: list[dict[str, Any]], topology: dict[str, Any] | None) -> list[dict[str, Any]]:
+        """The saved momentum of every rank (flat) or node (two-level, its pieces put together), whole parameters."""
+        if not topology or not topology["hierarchical"]:
+            return [r["memory"].get("momentum", {}) for r in ranks]
+        numels = {n: p.numel() for n, p in self.lightning_module.named_parameters()}
+        g = int(topology["per_node"])
+        return [
+            shards.assemble([{"momentum": r["memory"].get("momentum", {})} for r in ranks[n * g : (n + 1) * g]],
+                            numels).get("momentum", {})
+            for n in range(int(topology["nodes"]))
+        ]  # fmt: skip
 
     def _write_user_optimizer_state(
         self, optimizer_states: list[dict[str, Any]], entry: dict[str, Any]
     ) -> None:
         """The user's hyper-parameters and the mean momentum as SGD buffers, into the checkpoint's copy."""
         params = dict(self.lightning_module.named_parameters())
-        momenta = [r["memory"].get("momentum", {}) for r in entry["ranks"]]
+        momenta = self._momenta_by_unit(entry["ranks"], entry.get("topology"))
         for taken in self._taken_over:
             packed = optimizer_states[taken.optimizer]
             group = packed["param_groups"][taken.group]
@@ -549,6 +617,9 @@ class CompressionStrategy(DDPStrategy):
         if self._state is None:
             return
         state = self.exchange_state
+        if state.topology is not None:
+            self._hand_back_two_level_momentum()
+            return
         for taken in self._taken_over:
             if not taken.user.momentum:
                 continue
@@ -557,6 +628,24 @@ class CompressionStrategy(DDPStrategy):
             for param, name in zip(opt.param_groups[taken.group]["params"], taken.names, strict=True):
                 if state.memory.has("momentum", name):
                     mean = comm.average(state.memory.committed["momentum"][name].clone())
+                    opt.state[param]["momentum_buffer"] = self._sgd_momentum(name, mean, param.detach()).to(
+                        param.dtype
+                    )
+
+    def _hand_back_two_level_momentum(self) -> None:
+        """:meth:`on_train_end` for a two-level exchange: every rank's pieces are gathered (blocking, once)."""
+        state = self.exchange_state
+        mine = {n: t.detach().cpu() for n, t in state.memory.committed.get("momentum", {}).items()}
+        everyone = comm.all_gather_object({"memory": {"momentum": mine}})
+        momenta = self._momenta_by_unit(everyone, state.topology_signature)  # type: ignore[arg-type]
+        for taken in self._taken_over:
+            if not taken.user.momentum:
+                continue
+            opt = self.optimizers[taken.optimizer]
+            opt = getattr(opt, "_optimizer", opt)
+            for param, name in zip(opt.param_groups[taken.group]["params"], taken.names, strict=True):
+                if name in momenta[0]:
+                    mean = torch.stack([m[name] for m in momenta]).mean(0).to(param.device)
                     opt.state[param]["momentum_buffer"] = self._sgd_momentum(name, mean, param.detach()).to(
                         param.dtype
                     )
@@ -575,8 +664,17 @@ class CompressionStrategy(DDPStrategy):
         entry, self._checkpoint_entry = self._checkpoint_entry, None
         if entry is None:
             return
-        state, redistributed = state_for_rank(entry, self.world_size, self.global_rank)
-        if redistributed:
+        shapes = {n: tuple(p.shape) for n, p in self.lightning_module.named_parameters()}
+        topology = self.exchange_state.topology_signature
+        state, redistributed = state_for_topology(entry, topology, self.global_rank, shapes)
+        saved = entry.get("topology")
+        if redistributed and saved is not None and saved != topology:
+            rank_zero_warn(
+                f"The checkpoint's exchange memory was laid out as {saved} and is resumed as {topology}: every"
+                " node (every rank when flat) starts from the mean of the saved nodes' momentum and residual"
+                " buffers, which keeps the pending update of the whole group and drops per-node detail."
+            )
+        elif redistributed:
             rank_zero_warn(
                 f"The checkpoint was written by {entry['world_size']} ranks and is resumed by {self.world_size}:"
                 " every rank starts from the mean of the saved momentum and residual buffers, which keeps the"
