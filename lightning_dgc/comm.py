@@ -129,7 +129,14 @@ class TorchCollectives(Collectives):
             return _done(what, tensor[:block], self.rank)
         out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
         work = dist.reduce_scatter_tensor(out, tensor, group=self.group, async_op=True)
-        return Pending(what, work.get_future(), out, self.rank)
+        try:
+            return Pending(what, work.get_future(), out, self.rank)
+        except RuntimeError:  # gloo's reduce-scatter has no future: wait here (the hook waits for it next)
+            try:
+                work.wait()
+            except Exception as error:
+                raise _failed(what, self.rank, error) from error
+            return _done(what, out, self.rank)
 
 
 def _done(what: str, output: Tensor, rank: int) -> Pending:
