@@ -86,6 +86,19 @@ class ShardLayout:
     bucket_numel: int
 
 
+def shard_pieces(layout: Sequence[TensorSpec], parts: int, index: int) -> list[TensorSpec]:
+    """The pieces of a bucket of ``layout`` that local rank ``index`` of ``parts`` owns (offsets in its shard);
+    what the performance model hands an algorithm's ``wire_cost``."""
+    pieces: list[TensorSpec] = []
+    offset = 0
+    for spec in layout:
+        a, b = row_ranges(spec.shape, parts)[index]
+        if b > a:
+            pieces.append(TensorSpec(piece_name(spec.name, a, b), piece_shape(spec.shape, a, b), offset, b - a))
+            offset += b - a
+    return pieces
+
+
 def shard_layout(layout: Sequence[TensorSpec], parts: int, index: int, device: torch.device) -> ShardLayout:
     """The :class:`ShardLayout` of a bucket of ``layout`` for local rank ``index`` of ``parts``."""
     sizes = [0] * parts
