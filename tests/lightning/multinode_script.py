@@ -124,6 +124,10 @@ def main() -> None:
             "inter_node_bytes": strategy.compression_stats().get("inter_node_bytes"),
             "link_bytes": strategy.compression_stats().get("link_bytes"),
             "initial_loss": initial_loss, "loss": loss_of(resumed.lightning_module),
+            "momentum_handed_back": [  # SGD's momentum buffers after fit (the exchange's momentum, handed back)
+                list(optimizer.state.get(p, {}).get("momentum_buffer", torch.empty(0)).shape)
+                for optimizer in resumed.optimizers for group in optimizer.param_groups for p in group["params"]
+            ],
         }  # fmt: skip
         params = torch.cat([p.detach().flatten() for p in resumed.lightning_module.parameters()])
         torch.save(params, args.out / f"{name}.rank{rank}.params.pt")

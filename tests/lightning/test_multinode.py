@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
+from tests.lightning.fit_script import Regression
 from tests.lightning.run import HERE, _environment
 
 
@@ -139,6 +140,11 @@ def test_two_torchrun_agents_of_two_processes_run_the_two_level_exchange(tmp_pat
     assert "is resumed as" in "".join(outputs)
     flat = [torch.load(tmp_path / f"dgc_flat.rank{r}.params.pt", weights_only=True) for r in range(4)]
     assert all(torch.equal(flat[0], f) for f in flat[1:])
+    # the checkpoint and the optimizer after fit hold SGD momentum buffers put together from the nodes' pieces
+    shapes = [list(p.shape) for p in Regression().parameters()]
+    saved = torch.load(tmp_path / "dgc.ckpt", weights_only=True)["optimizer_states"][0]["state"]
+    assert [list(saved[i]["momentum_buffer"].shape) for i in range(len(shapes))] == shapes
+    assert all(r["dgc"]["momentum_handed_back"] == shapes for r in reports)
 
 
 @pytest.mark.slow
