@@ -22,6 +22,7 @@ DDP checks the hook's annotations literally, so this module does not use postpon
 
 import math
 import time
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -120,6 +121,9 @@ def exchange_two_level(
         if state.grad_scale != 1.0:
             two.node.mul_(1.0 / state.grad_scale)
         summed = topology.node.reduce_scatter(two.node, "reduce-scatter inside the node").wait()
+        if plan is None:  # this rank owns no piece of the bucket: nothing to exchange across the nodes
+            gathered = topology.node.all_gather(two.decoded, two.gathered, "all-gather inside the node")
+            return _finish_two_level(state, two, buffer, gathered, [])
         flat = summed[: shard.numel].div_(topology.per_node)
         poison = torch.where(torch.isfinite(flat.sum()), 0.0, math.nan)
         grads = list(flat.split([spec.numel for spec in plan.layout]))
@@ -148,15 +152,22 @@ def exchange_two_level(
         failed.set_exception(error)
         state.memory.note_bucket(failed)
         return failed
+    return _finish_two_level(state, two, buffer, gathered, work.keep)
+
+
+def _finish_two_level(
+    state: ExchangeState, two: Any, buffer: Tensor, gathered: comm.Pending, keep: list[Tensor]
+) -> torch.futures.Future[torch.Tensor]:
+    """Step 5's end and step 6 of :func:`exchange_two_level`: the bucket in its order once the all-gather is done."""
 
     def finish() -> Tensor:
-        update = two.gathered.index_select(0, shard.dest)
+        update = two.gathered.index_select(0, two.shard.dest)
         state.memory.note_finite(torch.isfinite(update.sum()))
         if state.grad_scale != 1.0:
             update.mul_(state.grad_scale)
         return update if buffer.dtype == torch.float32 else update.to(buffer.dtype)
 
-    future = comm.when_all([gathered], finish, buffer.device, keep=[*work.keep, two.node])
+    future = comm.when_all([gathered], finish, buffer.device, keep=[*keep, two.node])
 
     # Step 6: the memory staged in steps 2-5 commits with the step (state.finish_step()).
     state.memory.note_bucket(future)

@@ -470,8 +470,8 @@ class TwoLevelPlan:
         self.node = node  # parts * shard_numel: the bucket in the node layout (padding stays 0)
         self.gathered = gathered  # parts * shard_numel: every local rank's decoded shard
         self.decoded = torch.zeros(shard.shard_numel, dtype=torch.float32, device=node.device)  # this rank's
-        self.layout = inner.layout
-        self.dense_bytes = inner.dense_bytes
+        self.layout = inner.layout if inner is not None else []
+        self.dense_bytes = inner.dense_bytes if inner is not None else 0
 
     @classmethod
     def make(cls, state: ExchangeState, layout: list[algorithms.TensorSpec], buffer: Tensor) -> TwoLevelPlan:
@@ -479,7 +479,9 @@ class TwoLevelPlan:
         assert topology is not None
         shard = shards.shard_layout(layout, topology.per_node, topology.local_rank, buffer.device)
         node = torch.zeros(topology.per_node * shard.shard_numel, dtype=torch.float32, device=buffer.device)
-        inner = state.algorithm.plan(shard.pieces, node[: shard.numel])
+        # a rank that owns no piece of the bucket (tensors of fewer rows than ranks) only takes part in the
+        # node's collectives: its group across the nodes owns nothing either
+        inner = state.algorithm.plan(shard.pieces, node[: shard.numel]) if shard.pieces else None
         return cls(shard, inner, node, torch.empty_like(node))
 
     def node_link_bytes(self) -> float:

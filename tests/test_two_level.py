@@ -255,3 +255,15 @@ def test_the_model_puts_two_level_dgc_ahead_of_flat_dgc_and_of_dense_on_ten_time
         assert h["dgc_node_1g"] >= 3 * h["dgc_1g"] and h["dgc_node_1g"] > h["ddp_10g"], (nic, h)
         assert [r["selection_ms"] for r in h["selection_sweep"]][0] == 0.0
     assert h["dgc_node_1g"] > 30  # a card per GPU: 8 x the bandwidth of a node's shared card
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_rank_that_owns_no_piece_of_a_bucket_takes_part_in_the_node_only(name: str) -> None:
+    """4 ranks per node, the last buckets a (3, 48) weight and a (3,) bias: local rank 3 owns nothing of them."""
+    options = EXACT if name != "powersgd" else {"matrix_approximation_rank": 1, "start_iter": 2}
+    ranks = _train(algorithms.get(name).config_class(**options), nodes=2, per_node=4, steps=2,
+                   buckets=[[0, 1, 2, 3], [4], [5]])  # fmt: skip
+    for step in range(2):
+        mean = torch.stack([r["local"][step] for r in ranks]).mean(0)
+        for r in ranks:
+            torch.testing.assert_close(r["updates"][step], mean, rtol=1e-6, atol=1e-6)
