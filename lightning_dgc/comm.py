@@ -346,6 +346,13 @@ def topology_signature(world_size: int, nodes: int, per_node: int, hierarchical:
     return {"hierarchical": True, "nodes": nodes, "per_node": per_node}
 
 
+def check_hierarchical(option: Any) -> Any:
+    """``option`` if it is a value of ``hierarchical`` (``"auto"``, ``True``, ``False``), else a ``ValueError``."""
+    if option not in ("auto", True, False) or (option in (0, 1) and not isinstance(option, bool)):
+        raise ValueError(f"hierarchical must be 'auto', True or False, got {option!r}.")
+    return option
+
+
 def resolve_hierarchical(option: Any, num_nodes: int, world_size: int) -> bool:
     """Whether to run the two-level exchange for ``hierarchical=option`` (``"auto"``, ``True``, ``False``).
 
@@ -353,8 +360,7 @@ def resolve_hierarchical(option: Any, num_nodes: int, world_size: int) -> bool:
     ``ValueError`` for another value, for ``True`` on one node and for ranks that do not divide evenly
     into the nodes.
     """
-    if option not in ("auto", True, False):
-        raise ValueError(f"hierarchical must be 'auto', True or False, got {option!r}.")
+    check_hierarchical(option)
     if option is False:
         return False
     if num_nodes < 1 or world_size % num_nodes:

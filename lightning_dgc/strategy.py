@@ -155,8 +155,7 @@ class CompressionStrategy(DDPStrategy):
         hierarchical: Literal["auto"] | bool = "auto",
         **kwargs: Any,
     ) -> None:
-        comm.resolve_hierarchical(hierarchical, 1, 1)  # the value only: the nodes are known at setup
-        self._hierarchical = hierarchical
+        self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
         for forbidden in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(forbidden) is not None:
                 raise ValueError(
@@ -668,7 +667,7 @@ class CompressionStrategy(DDPStrategy):
         topology = self.exchange_state.topology_signature
         state, redistributed = state_for_topology(entry, topology, self.global_rank, shapes)
         saved = entry.get("topology")
-        if redistributed and saved is not None and saved != topology:
+        if redistributed and (topology["hierarchical"] or (saved or {}).get("hierarchical", False)):
             rank_zero_warn(
                 f"The checkpoint's exchange memory was laid out as {saved} and is resumed as {topology}: every"
                 " node (every rank when flat) starts from the mean of the saved nodes' momentum and residual"

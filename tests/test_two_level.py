@@ -267,3 +267,25 @@ def test_a_rank_that_owns_no_piece_of_a_bucket_takes_part_in_the_node_only(name:
         mean = torch.stack([r["local"][step] for r in ranks]).mean(0)
         for r in ranks:
             torch.testing.assert_close(r["updates"][step], mean, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_every_compression_strategy_takes_the_option_and_true_on_one_node_fails_at_setup(tmp_path) -> None:
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_dgc import CompressionStrategy, DEFTStrategy, DGCStrategy
+    from tests.lightning.fit_script import Regression, dataset
+
+    for strategy in (DGCStrategy(hierarchical=True), DEFTStrategy(hierarchical=False),
+                     CompressionStrategy("powersgd", hierarchical="auto")):  # fmt: skip
+        assert strategy._hierarchical in ("auto", True, False)
+    with pytest.raises(ValueError, match="hierarchical must be 'auto', True or False, got 'yes'"):
+        DGCStrategy(hierarchical="yes")  # type: ignore[arg-type]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=DGCStrategy(hierarchical=True), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="hierarchical=True needs more than one node.*num_nodes=1"):
+        trainer.fit(Regression(), DataLoader(dataset(64), batch_size=16))
