@@ -17,6 +17,10 @@ algorithm (:mod:`lightning_dgc.algorithms`: DGC, DEFT, PowerSGD, ...), in number
 6. **memory**: what steps 2-5 staged is committed by ``state.finish_step()`` (or discarded if any
    rank saw inf/NaN) once the whole backward pass is done.
 
+Across nodes of several devices (``state.topology``, the strategies' ``hierarchical`` option),
+:func:`exchange_two_level` wraps the same steps: a dense reduce-scatter inside the node, the algorithm
+on this rank's shard across the nodes, an all-gather inside the node. Every algorithm gets it unchanged.
+
 DDP checks the hook's annotations literally, so this module does not use postponed annotations.
 """
 
