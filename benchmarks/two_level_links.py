@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -53,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(1)
-    interface = INTERFACES[int(__import__("os").environ["GROUP_RANK"])]
+    interface = INTERFACES[int(os.environ["GROUP_RANK"])]  # torchrun's node rank
     counter = Path(f"/sys/class/net/{interface}/statistics/tx_bytes")
 
     class Timer(L.Callback):
@@ -144,7 +145,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 local0 = [ranks[0][name], ranks[2][name]]  # local rank 0 of each node read its veth
                 node_inter = [sum(ranks[r][name]["inter_node_bytes"] or 0 for r in rs) for rs in ((0, 1), (2, 3))]
                 rows[name] = {
-                    "step_ms": 1e3 * max(statistics.median([r[name]["step_s"] for r in ranks]), 0.0),
+                    "step_ms": 1e3 * statistics.median([r[name]["step_s"] for r in ranks]),
                     "veth_tx_bytes_per_step": [n["tx_bytes_per_step"] for n in local0],
                     "stats_inter_node_bytes_per_node": node_inter,
                     "hierarchical": ranks[0][name]["hierarchical"],
