@@ -36,6 +36,57 @@ MASTER_PORT = 29527
 
 
 # -- one process -------------------------------------------------------------------------------------------
+def _mlp_module() -> Any:
+    import lightning as L
+    import torch
+    from torch import nn
+
+    class MLP(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(),
+                                     nn.Linear(1024, 256))  # fmt: skip
+
+        def training_step(self, batch: Any, _: int) -> Any:
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    return MLP
+
+
+def _shared_compute_and_local_bus(steps: int) -> dict[str, float]:
+    """All four processes at once: the median step without any exchange (forward, backward, SGD), and the
+    seconds of a dense all-reduce of the gradient between the two processes of a node (the local bus)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    model = _mlp_module()().net
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(32, 256), torch.randn(32, 256)
+    times = []
+    dist.barrier()
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    groups = [dist.new_group([2 * n, 2 * n + 1]) for n in range(2)]
+    mine = groups[dist.get_rank() // 2]
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    bus = []
+    dist.barrier()
+    for _ in range(steps):
+        start = time.perf_counter()
+        dist.all_reduce(flat, group=mine)
+        bus.append(time.perf_counter() - start)
+    return {"compute_s": statistics.median(times[2:]), "local_allreduce_s": statistics.median(bus),
+            "gradient_bytes": flat.numel() * 4}  # fmt: skip
+
 def _strategy(name: str, density: float) -> Any:
     import lightning_dgc
 
@@ -50,7 +101,6 @@ def _strategy(name: str, density: float) -> Any:
 def worker(args: argparse.Namespace) -> None:
     import lightning as L
     import torch
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(1)
@@ -75,19 +125,7 @@ def worker(args: argparse.Namespace) -> None:
                 torch.distributed.barrier()
                 self.tx.append(int(counter.read_text()))
 
-    class MLP(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(),
-                                     nn.Linear(1024, 256))  # fmt: skip
-
-        def training_step(self, batch: Any, _: int) -> Any:
-            x, y = batch
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
-
+    MLP = _mlp_module()
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, 256, generator=g), torch.randn(4096, 256, generator=g))
     report: dict[str, Any] = {}
@@ -110,6 +148,7 @@ def worker(args: argparse.Namespace) -> None:
             and trainer.strategy.exchange_state.topology is not None,
         }
     rank = trainer.global_rank
+    report["shared"] = _shared_compute_and_local_bus(args.steps)
     Path(args.out).joinpath(f"rank{rank}.json").write_text(json.dumps(report))
     import lightning_dgc
 
@@ -151,8 +190,43 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "hierarchical": ranks[0][name]["hierarchical"],
                 }
                 con.print(f"{mbit:g} Mbit/s {name}: {rows[name]}")
-            results["bandwidths"][f"{mbit:g}"] = {"goodput_mbit": goodput, "rows": rows}
+            shared = {k: statistics.median([r["shared"][k] for r in ranks]) for k in ranks[0]["shared"]}
+            predicted = predict_steps(args, goodput * 1e6, shared)
+            for name, row in rows.items():
+                row["predicted_ms"] = predicted[name] * 1e3
+                row["error"] = row["step_ms"] / row["predicted_ms"] - 1
+                con.print(f"  {name}: measured {row['step_ms']:.0f} ms, predicted {row['predicted_ms']:.0f} ms"
+                          f" ({row['error']:+.0%})")  # fmt: skip
+            results["bandwidths"][f"{mbit:g}"] = {"goodput_mbit": goodput, "shared": shared, "rows": rows}
     return results
+
+
+def predict_steps(args: argparse.Namespace, bandwidth: float, shared: dict[str, float]) -> dict[str, float]:
+    """The performance model's step time of every strategy at 4 workers, 2 per node, on ``bandwidth`` bits/s:
+    the compute measured with all four processes at once, the local bus from the measured all-reduce inside a
+    node (ring: ``2 (g-1)/g S`` bytes in that time), DGC's selection timed here, one network card per node."""
+    import torch
+
+    from lightning_dgc.algorithms.dgc import DGCConfig
+    from lightning_dgc.perfmodel import Network, Profile, step_time
+    from lightning_dgc.profiler import bucket_layout, bucket_profiles, time_selection
+
+    torch.set_num_threads(1)
+    net = _mlp_module()().net
+    buckets = bucket_profiles(bucket_layout(net))
+    numels = [p.numel() for p in net.parameters() if p.dim() > 1]
+    selection = time_selection(numels, DGCConfig(density=args.density), torch.device("cpu"))
+    local = 8 * shared["gradient_bytes"] / shared["local_allreduce_s"]  # 2 (g-1)/g = 1 at g = 2
+    profile = Profile("mlp", buckets, compute_s=shared["compute_s"], selection_s=selection, density=args.density,
+                      configs={"powersgd": {"matrix_approximation_rank": 4, "start_iter": 2}},
+                      batch_size=32)  # fmt: skip
+    network = Network(bandwidth=bandwidth, gpus_per_node=2, local_bandwidth=local, local_latency=50e-6)
+    out = {}
+    flat = Network(bandwidth=bandwidth, latency=network.latency)  # gloo's collectives are not node-aware
+    for name in args.strategies.split(","):
+        two_level = name.endswith("_node")
+        out[name] = step_time(profile, name, 4, network if two_level else flat).total_s
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
