@@ -14,7 +14,9 @@ rank 0 of each node reads the bytes its end of the veth sent (``/sys/class/net/<
 around the timed steps: the bytes that left the node per step, next to what ``compression_stats()``
 says the node's ranks sent across nodes (``inter_node_bytes``, summed over the node's ranks). The step time
 is the median of the timed steps (this machine's cores are shared by all four processes: compare the
-strategies with each other, not with a real cluster).
+strategies with each other, not with a real cluster). Beside each, the performance model's step for the
+setup (:func:`predict_steps`), from the compute measured with the four processes at once and the local
+bus measured with an all-reduce inside a node.
 """
 
 from __future__ import annotations
