@@ -44,11 +44,13 @@ from rich.table import Table
 from lightning_dgc.perfmodel import (
     BANDWIDTHS,
     METHODS,
+    NODE_METHODS,
     WORKERS,
     Network,
     Prediction,
     Profile,
     predict,
+    step_time,
     validate,
 )
 
@@ -58,6 +60,9 @@ METHOD_LABELS = {
     "dgc": "DGC",
     "deft": "DEFT",
     "sparse_allreduce": "sparse all-reduce (worst)",
+    "dgc_node": "DGC, two-level (dense in the node)",
+    "deft_node": "DEFT, two-level (dense in the node)",
+    "powersgd_node": "PowerSGD, two-level (dense in the node)",
 }
 #: The paper's published gradient sizes (Lin et al. 2018, Tables 4-6; "MB" there is 2^20 bytes).
 PAPER_GRADIENT_MB = {"resnet50": 97.0, "alexnet": 233.0, "lstm": 195.0, "deepspeech": 488.0}
@@ -328,7 +333,8 @@ def plot(prediction: Prediction, path: Path, methods: Sequence[str]) -> Path | N
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    colors = {"ddp": "tab:gray", "dgc": "tab:red", "deft": "tab:blue", "sparse_allreduce": "tab:orange"}
+    colors = {"ddp": "tab:gray", "dgc": "tab:red", "deft": "tab:blue", "sparse_allreduce": "tab:orange",
+              "dgc_node": "tab:purple", "deft_node": "tab:cyan", "powersgd_node": "tab:green"}  # fmt: skip
     bandwidths = sorted({r["bandwidth_bps"] for r in prediction.rows})
     workers = sorted({r["workers"] for r in prediction.rows})
     fig, axes = plt.subplots(
@@ -370,19 +376,48 @@ def highlights(prediction: Prediction, nodes: int = 64) -> dict[str, Any]:
     g = prediction.network.gpus_per_node
     workers = nodes * g
     out: dict[str, Any] = {"nodes": nodes, "workers": workers, "gpus_per_node": g}
-    for key, method, bw in (("ddp_10g", "ddp", 10e9), ("ddp_1g", "ddp", 1e9), ("dgc_1g", "dgc", 1e9),
-                            ("deft_1g", "deft", 1e9), ("dgc_10g", "dgc", 10e9),
-                            ("sparse_allreduce_1g", "sparse_allreduce", 1e9)):  # fmt: skip
+    cases = [("ddp_10g", "ddp", 10e9), ("ddp_1g", "ddp", 1e9), ("dgc_1g", "dgc", 1e9), ("deft_1g", "deft", 1e9),
+             ("dgc_10g", "dgc", 10e9), ("sparse_allreduce_1g", "sparse_allreduce", 1e9)]  # fmt: skip
+    if g > 1:  # the two-level exchange of every algorithm: dgc_node_1g, ...
+        cases += [(f"{m}_1g", m, 1e9) for m in NODE_METHODS] + [(f"{m}_10g", m, 10e9) for m in NODE_METHODS]
+    for key, method, bw in cases:
         for overlap in (True, False):
             one_node = g / prediction.step_time(method, g, bw, overlap).total_s
             many = workers / prediction.step_time(method, workers, bw, overlap).total_s
             out[f"{key}{'' if overlap else '_no_overlap'}"] = many / one_node
+    if g > 1:
+        out["selection_sweep"] = selection_sweep(prediction, nodes)
     out["paper"] = (
         "Lin et al. 2018, Figure 6 (nodes of 4 Titan Xp GPUs): AlexNet on 64 nodes, about 30x with dense"
         " training on 10 Gbit/s Ethernet against about 40x with DGC on 1 Gbit/s; the same figure plots"
         " ResNet-50 (compare with its curve there)."
     )
     return out
+
+
+#: Selection times (ms per step, DGC's top-k over one GPU's whole gradient) of the sweep below.
+SELECTION_MS = (0.0, 5.0, 10.0, 25.0, 50.0, 100.0)
+
+
+def selection_sweep(prediction: Prediction, nodes: int = 64) -> list[dict[str, float]]:
+    """What a GPU's selection time does at ``nodes`` nodes on 1 Gbit/s: flat DGC runs the top-k over the
+    whole gradient on every GPU, the two-level exchange over a ``1/gpus_per_node`` shard. Per method, the
+    step time (``<method>_ms``) and the speedup over one node that trains without any exchange (its step is
+    the compute time alone, whatever the selection costs): ``nodes * compute / step``. The profile's own
+    selection time is one of the rows."""
+    g = prediction.network.gpus_per_node
+    slow, fast = prediction.network_at(1e9), prediction.network_at(10e9)
+    rows = []
+    for ms in sorted({*SELECTION_MS, round(prediction.profile.selection_s * 1e3, 1)}):
+        profile = replace(prediction.profile, selection_s=ms / 1e3)
+        row: dict[str, float] = {"selection_ms": ms}
+        for method, net in (("dgc", slow), ("dgc_node", slow), ("deft", slow), ("deft_node", slow), ("ddp", fast)):
+            step = step_time(profile, method, nodes * g, net).total_s
+            key = "ddp_10g" if method == "ddp" else method
+            row[key] = nodes * profile.compute_s / step
+            row[f"{key}_ms"] = step * 1e3
+        rows.append(row)
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -407,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--latency-us", type=float, default=50.0, help="per message step on the slow links")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="> 1: hierarchical (fast local bus)")
     parser.add_argument("--local-gbps", type=float, default=100.0, help="local bus bandwidth, Gbit/s")
+    parser.add_argument("--nic", default="node", choices=["node", "gpu"],
+                        help="two-level methods: one network card per node (shared by its GPUs) or per GPU")  # fmt: skip
     parser.add_argument("--algorithm", default="ring", choices=["ring", "best"],
                         help="collectives: ring, or the cheaper of ring and recursive doubling")  # fmt: skip
     parser.add_argument("--bandwidths", default=",".join(f"{b / 1e9:g}" for b in BANDWIDTHS), help="Gbit/s")
@@ -462,9 +499,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     bandwidths = [float(b) * 1e9 for b in args.bandwidths.split(",")]
     network = Network(
         bandwidth=bandwidths[0], latency=args.latency_us * 1e-6, gpus_per_node=args.gpus_per_node,
-        local_bandwidth=args.local_gbps * 1e9, algorithm=args.algorithm,
+        local_bandwidth=args.local_gbps * 1e9, algorithm=args.algorithm, nic=args.nic,
     )  # fmt: skip
-    prediction = predict(profile, WORKERS, bandwidths, METHODS, network)
+    methods = METHODS + NODE_METHODS if args.gpus_per_node > 1 else METHODS
+    prediction = predict(profile, WORKERS, bandwidths, methods, network)
 
     console.print(
         f"[bold]{profile.model}[/bold] on {profile.device}: {profile.numel:,} values in {len(profile.buckets)}"
@@ -475,7 +513,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     for note in profile.notes:
         console.print(f"  note: {note}")
-    shown = ("ddp", "dgc", "deft")
+    shown: tuple[str, ...] = ("ddp", "dgc", "deft") + (("dgc_node", "deft_node") if args.gpus_per_node > 1 else ())
     print_table(console, prediction, True, shown)
     print_table(console, prediction, False, shown)
 
@@ -487,6 +525,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f" ({h['deft_1g_no_overlap']:.1f}x); dense on 1 Gbit/s {h['ddp_1g']:.1f}x, worst-case sparse all-reduce"
         f" on 1 Gbit/s {h['sparse_allreduce_1g']:.1f}x.\n  Paper: {h['paper']}"
     )
+    if args.gpus_per_node > 1:
+        console.print(
+            "  Two-level (dense inside the node, the algorithm across nodes on each GPU's shard; one network card"
+            f" per {'node' if args.nic == 'node' else 'GPU'}), on 1 Gbit/s (10 Gbit/s): "
+            + ", ".join(f"{m} {h[m + '_1g']:.1f}x ({h[m + '_10g']:.1f}x)" for m in NODE_METHODS)
+            + "."
+        )
+        sweep = Table(title=f"What a GPU's selection time does at 64 nodes x {args.gpus_per_node} on 1 Gbit/s: step time"
+                      " and speedup over one node without exchange (its step: the compute alone), overlap")  # fmt: skip
+        for column in ("selection ms/step", "DGC", "DGC two-level", "DEFT", "DEFT two-level", "DDP 10 Gbit/s"):
+            sweep.add_column(column, justify="right")
+        for r in h["selection_sweep"]:
+            keys = ("dgc", "dgc_node", "deft", "deft_node", "ddp_10g")
+            sweep.add_row(f"{r['selection_ms']:g}", *(f"{r[k + '_ms']:.0f} ms, {r[k]:.1f}x" for k in keys))
+        console.print(sweep)
 
     rows = validate(prediction, args.measured, print_fn=console.print)
     if rows:

@@ -292,6 +292,8 @@ class CompressionMonitor(L.Callback):
     * ``compression/link_bytes``: bytes each worker's link carried in the step, every collective a
       ring (an all-gather forwards all ranks' payloads; DDP's ring all-reduce would carry
       ``2 (N-1)/N`` times ``dense_bytes``).
+    * ``compression/inter_node_bytes``: the part of ``link_bytes`` that crosses nodes (all of it on a
+      flat exchange; the algorithm's exchange of this rank's shard in a two-level one).
     * ``compression/dense_bytes``: bytes plain DDP would have all-reduced for the same gradients.
     * ``compression/selection_ms``: milliseconds spent selecting the top-k values in the step (rank 0).
     * ``compression/residual_norm``: L2 norm of the gradient held back in the local memory (all
@@ -314,6 +316,7 @@ class CompressionMonitor(L.Callback):
         "ratio": "compression_ratio",
         "bytes_sent": "bytes_sent",
         "link_bytes": "link_bytes",
+        "inter_node_bytes": "inter_node_bytes",
         "dense_bytes": "dense_bytes",
         "selection_ms": "selection_ms",
         "buildup_factor": "buildup_factor",

@@ -61,6 +61,8 @@ def gather_exchange_state(
     keys = sorted((kind, name) for kind, by_name in committed.items() for name in by_name)
     layout = [(kind, name, list(committed[kind][name].shape)) for kind, name in keys]
     digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
+    if state.topology is not None:
+        return _gather_two_level_state(state, algorithm, world_size, owner, digest)
     if len(set(comm.all_gather_object(digest))) != 1:
         raise RuntimeError(
             f"{owner}: the ranks hold memory for different parameters and cannot write one"
@@ -76,12 +78,32 @@ def gather_exchange_state(
         for (kind, name), copies in zip(keys, gathered, strict=True):
             memory[kind][name] = copies[r]
         ranks.append({**meta, "memory": memory})  # type: ignore[dict-item]
+    return _entry(state, algorithm, world_size, ranks)
+
+
+def _entry(state: ExchangeState, algorithm: str, world_size: int, ranks: list[Any]) -> dict[str, Any]:
     return {
         "algorithm": algorithm,
         "format": CHECKPOINT_FORMAT,
         "world_size": world_size,
+        "topology": state.topology_signature,
         "ranks": ranks,
     }
+
+
+def _gather_two_level_state(
+    state: ExchangeState, algorithm: str, world_size: int, owner: str, digest: str
+) -> dict[str, Any] | None:
+    """:func:`gather_exchange_state` of a two-level exchange, whose ranks hold different pieces: the ranks
+    sharing a local rank must agree, and each rank's state travels as one object."""
+    assert state.topology is not None
+    if len(set(comm.all_gather_object((state.topology.local_rank, digest)))) != state.topology.per_node:
+        raise RuntimeError(
+            f"{owner}: the ranks hold memory for different parameters and cannot write one"
+            " checkpoint; every rank must train the same model."
+        )
+    ranks = comm.gather_object(state.state_dict())
+    return None if ranks is None else _entry(state, algorithm, world_size, ranks)
 
 
 def check_entry(entry: dict[str, Any] | None, algorithm: str, owner: str, has_optimizer_state: bool) -> bool:
@@ -121,7 +143,16 @@ def restore_exchange_state(state: ExchangeState, entry: dict[str, Any], device: 
     A collective: every rank checks what it loads (:meth:`ExchangeState.restore`), and a problem on any rank
     is raised on every rank before the first step, never a silent reset.
     """
-    if state.restore(entry, device):
+    if not state.restore(entry, device):
+        return
+    saved, topology = entry.get("topology"), state.topology_signature
+    if topology["hierarchical"] or (saved or {}).get("hierarchical", False):
+        rank_zero_warn(
+            f"The checkpoint's exchange memory was laid out as {saved} and is resumed as {topology}: every"
+            " node (every rank when flat) starts from the mean of the saved nodes' momentum and residual"
+            " buffers, which keeps the pending update of the whole group and drops per-node detail."
+        )
+    else:
         rank_zero_warn(
             f"The checkpoint was written by {entry['world_size']} ranks and is resumed by {state.world_size}:"
             " every rank starts from the mean of the saved momentum and residual buffers, which keeps the"

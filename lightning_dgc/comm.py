@@ -92,6 +92,16 @@ class Collectives(ABC):
     @abstractmethod
     def all_gather(self, tensor: Tensor, out: Tensor, what: str) -> Pending: ...
 
+    def reduce_scatter(self, tensor: Tensor, what: str) -> Pending:
+        """Sum ``tensor`` (``world_size`` equal blocks) over the ranks; the output is this rank's block.
+
+        This default is an all-reduce of the whole tensor, in place (``world_size`` times the bytes of a
+        real reduce-scatter): what a simulation needs. ``tensor`` may be overwritten.
+        """
+        pending = self.all_reduce(tensor, what)
+        block = tensor.numel() // self.world_size
+        return Pending(what, pending.future, tensor[self.rank * block : (self.rank + 1) * block], self.rank)
+
 
 class TorchCollectives(Collectives):
     """Collectives on a ``torch.distributed`` process group (``None``: the default group)."""
@@ -112,6 +122,22 @@ class TorchCollectives(Collectives):
             return _done(what, out, self.rank)
         work = dist.all_gather_into_tensor(out, tensor, group=self.group, async_op=True)
         return Pending(what, work.get_future(), out, self.rank)
+
+
+    def reduce_scatter(self, tensor: Tensor, what: str) -> Pending:
+        block = tensor.numel() // self.world_size
+        if self.world_size == 1:
+            return _done(what, tensor[:block], self.rank)
+        out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
+        work = dist.reduce_scatter_tensor(out, tensor, group=self.group, async_op=True)
+        try:
+            return Pending(what, work.get_future(), out, self.rank)
+        except RuntimeError:  # gloo's reduce-scatter has no future: wait here (the hook waits for it next)
+            try:
+                work.wait()
+            except Exception as error:
+                raise _failed(what, self.rank, error) from error
+            return _done(what, out, self.rank)
 
 
 def _done(what: str, output: Tensor, rank: int) -> Pending:
@@ -295,12 +321,16 @@ def simulate(world_size: int, fn: Callable[[Collectives], Any], fail_at: int | N
     Every rank's exceptions are re-raised (the first one) after all threads have finished.
     """
     group = LocalGroup(world_size, fail_at)
+    return _run_ranks(world_size, lambda rank: fn(LocalCollectives(group, rank)))
+
+
+def _run_ranks(world_size: int, fn: Callable[[int], Any]) -> list[Any]:
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 
     def run(rank: int) -> None:
         try:
-            results[rank] = fn(LocalCollectives(group, rank))
+            results[rank] = fn(rank)
         except BaseException as error:  # noqa: BLE001  (re-raised below, in the caller's thread)
             errors[rank] = error
 
@@ -313,6 +343,130 @@ def simulate(world_size: int, fn: Callable[[Collectives], Any], fail_at: int | N
         if error is not None:
             raise error
     return results
+
+
+# -- two levels: the ranks of a node, and the ranks across nodes ------------------------------------------
+@dataclass(frozen=True)
+class Topology:
+    """A two-level exchange's view from one rank: ``nodes`` nodes of ``per_node`` ranks each.
+
+    ``node``: the collectives of the ``per_node`` ranks of this rank's node (the fast local bus);
+    ``across``: those of the ``nodes`` ranks that share this rank's local rank, one per node (the
+    slow links). Global rank ``r`` is local rank ``r % per_node`` of node ``r // per_node``.
+    """
+
+    nodes: int
+    per_node: int
+    node_rank: int
+    local_rank: int
+    node: Collectives
+    across: Collectives
+
+    @property
+    def signature(self) -> dict[str, Any]:
+        """What a checkpoint records of the topology (see :func:`topology_signature`)."""
+        return topology_signature(self.nodes * self.per_node, self.nodes, self.per_node, True)
+
+
+def topology_signature(world_size: int, nodes: int, per_node: int, hierarchical: bool) -> dict[str, Any]:
+    """``{"hierarchical": bool, "nodes": ..., "per_node": ...}``: what decides where each memory buffer
+    lives (a flat run's memory is per rank whatever the nodes: it is recorded as ``world_size`` nodes of 1)."""
+    if not hierarchical:
+        return {"hierarchical": False, "nodes": world_size, "per_node": 1}
+    return {"hierarchical": True, "nodes": nodes, "per_node": per_node}
+
+
+def check_hierarchical(option: Any) -> Any:
+    """``option`` if it is a value of ``hierarchical`` (``"auto"``, ``True``, ``False``), else a ``ValueError``."""
+    if option not in ("auto", True, False) or (option in (0, 1) and not isinstance(option, bool)):
+        raise ValueError(f"hierarchical must be 'auto', True or False, got {option!r}.")
+    return option
+
+
+def resolve_hierarchical(option: Any, num_nodes: int, world_size: int) -> bool:
+    """Whether to run the two-level exchange for ``hierarchical=option`` (``"auto"``, ``True``, ``False``).
+
+    ``"auto"``: when there is more than one node and more than one rank per node. Raises a
+    ``ValueError`` for another value, for ``True`` on one node and for ranks that do not divide evenly
+    into the nodes.
+    """
+    check_hierarchical(option)
+    if option is False:
+        return False
+    if num_nodes < 1 or world_size % num_nodes:
+        raise ValueError(
+            f"hierarchical={option!r}: {world_size} processes do not divide evenly into {num_nodes} nodes; the"
+            " two-level exchange needs the same number of devices on every node. Start every node with the same"
+            " `devices` (torchrun --nproc-per-node, SLURM --ntasks-per-node), or pass hierarchical=False."
+        )
+    per_node = world_size // num_nodes
+    if option is True and num_nodes < 2:
+        raise ValueError(
+            f"hierarchical=True needs more than one node, but this run has num_nodes={num_nodes}: inside one node"
+            " there are no slow links to save. Set Trainer(num_nodes=...) to the number of nodes, or pass"
+            " hierarchical='auto' (or False)."
+        )
+    return option is True or (num_nodes > 1 and per_node > 1)
+
+
+def check_node_layout(ranks: Sequence[tuple[int, int, int]], nodes: int) -> int:
+    """``per_node`` for every rank's ``(global_rank, node_rank, local_rank)``, or a ``ValueError`` when the
+    ranks are not ``nodes`` nodes of equally many ranks numbered node by node (rank = node * per_node + local)."""
+    world = len(ranks)
+    counts: dict[int, int] = {}
+    for _, node, _ in ranks:
+        counts[node] = counts.get(node, 0) + 1
+    if len(counts) != nodes or len(set(counts.values())) != 1:
+        raise ValueError(
+            f"hierarchical: the two-level exchange needs the same number of devices on every node, but the"
+            f" {world} processes report these nodes (node_rank: processes): {dict(sorted(counts.items()))},"
+            f" with num_nodes={nodes}. Start every node with the same number of processes, or pass"
+            " hierarchical=False."
+        )
+    per_node = world // nodes
+    wrong = [r for r in ranks if r[0] != r[1] * per_node + r[2]]
+    if wrong:
+        raise ValueError(
+            f"hierarchical: global ranks must be numbered node by node (rank = node_rank * {per_node} +"
+            f" local_rank), but (rank, node_rank, local_rank) = {wrong[0]}. Use the launcher's default rank"
+            " assignment, or pass hierarchical=False."
+        )
+    return per_node
+
+
+def two_level_topology(nodes: int, per_node: int, rank: int) -> Topology:
+    """The process groups of a two-level exchange (blocking; every rank must call it, in the same order)."""
+    node_rank, local_rank = divmod(rank, per_node)
+    node_group = across_group = None
+    for n in range(nodes):  # every rank creates every group (torch.distributed requires it)
+        group = dist.new_group([n * per_node + i for i in range(per_node)])
+        if n == node_rank:
+            node_group = group
+    for i in range(per_node):
+        group = dist.new_group([n * per_node + i for n in range(nodes)])
+        if i == local_rank:
+            across_group = group
+    return Topology(
+        nodes, per_node, node_rank, local_rank, TorchCollectives(node_group), TorchCollectives(across_group)
+    )
+
+
+def simulate_nodes(
+    nodes: int, per_node: int, fn: Callable[[Topology], Any],
+    fail_at_node: int | None = None, fail_at_across: int | None = None,
+) -> list[Any]:  # fmt: skip
+    """:func:`simulate` for a two-level topology: ``[fn(topology of rank r)]`` for ``nodes * per_node``
+    ranks in threads. ``fail_at_node`` / ``fail_at_across``: the n-th collective of every group of that
+    level fails on every rank of the group, as a dead peer would."""
+    node_groups = [LocalGroup(per_node, fail_at_node) for _ in range(nodes)]
+    across_groups = [LocalGroup(nodes, fail_at_across) for _ in range(per_node)]
+
+    def topology(rank: int) -> Topology:
+        n, i = divmod(rank, per_node)
+        return Topology(nodes, per_node, n, i, LocalCollectives(node_groups[n], i),
+                        LocalCollectives(across_groups[i], n))  # fmt: skip
+
+    return _run_ranks(nodes * per_node, lambda rank: fn(topology(rank)))
 
 
 # -- setup, checkpoints and exit (blocking; never on the hot path) ----------------------------------------

@@ -18,11 +18,16 @@ algorithm (:mod:`lightning_dgc.algorithms`: DGC, DEFT, PowerSGD, ...), in number
 6. **memory**: what steps 2-5 staged is committed by ``state.finish_step()`` (or discarded if any
    rank saw inf/NaN) once the whole backward pass is done.
 
+Across nodes of several devices (``state.topology``, the strategies' ``hierarchical`` option),
+:func:`exchange_two_level` wraps the same steps: a dense reduce-scatter inside the node, the algorithm
+on this rank's shard across the nodes, an all-gather inside the node. Every algorithm gets it unchanged.
+
 DDP checks the hook's annotations literally, so this module does not use postponed annotations.
 """
 
 import math
 import time
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,6 +50,8 @@ def exchange(
     What :func:`exchange_hook` runs for a DDP bucket; callable without DDP, e.g. on simulated ranks
     (:func:`lightning_dgc.comm.simulate`). Returns the future of the averaged gradients.
     """
+    if state.topology is not None:
+        return exchange_two_level(state, params, buffer)
     algorithm = state.algorithm
 
     # Step 0: the plan of this bucket layout.
@@ -83,6 +90,91 @@ def exchange(
         return update if buffer.dtype == torch.float32 else update.to(buffer.dtype)
 
     future = comm.when_all(pending, decode, buffer.device, keep=work.keep)
+
+    # Step 6: the memory staged in steps 2-5 commits with the step (state.finish_step()).
+    state.memory.note_bucket(future)
+    return future
+
+
+def exchange_two_level(
+    state: ExchangeState, params: list[Tensor], buffer: Tensor
+) -> torch.futures.Future[torch.Tensor]:
+    """The hook's steps in two levels (``state.topology``): the same steps, on this rank's shard.
+
+    0. **plan**: the bucket cut into the node's shards (:mod:`lightning_dgc.shards`) and the algorithm's
+       plan of this rank's shard, whose pieces are tensors of their own.
+    1. **local gradient**, into the node layout; a dense **reduce-scatter inside the node** sums it, and
+       this rank's shard divided by the ranks per node is the node's mean gradient, whose poison the
+       algorithm carries.
+    2-4. **compensate, select, exchange**: the algorithm's own steps on the shard, across the nodes
+       (``state.collectives``: the ranks sharing this local rank); the memory is this shard's.
+    5. **decode** the shard once the exchange across nodes is done (the hook waits for it: on CUDA
+       without a host synchronisation, on the CPU blocking), then an **all-gather inside the node** of
+       the decoded shards, put back in bucket order once it is done.
+    6. **memory**: as in :func:`exchange`.
+
+    A failed collective at either level completes the bucket's future with the
+    :class:`~lightning_dgc.comm.CollectiveError`, which DDP raises from ``backward()``.
+    """
+    algorithm, topology = state.algorithm, state.topology
+    assert topology is not None
+
+    # Step 0: the plan of this bucket layout.
+    two = state.plan(params, buffer)
+    shard, plan = two.shard, two.inner
+    try:
+        # Step 1: the local gradient, fp32, in the node layout, the loss scale divided out.
+        two.node.index_copy_(0, shard.dest, buffer if buffer.dtype == torch.float32 else buffer.float())
+        if state.grad_scale != 1.0:
+            two.node.mul_(1.0 / state.grad_scale)
+        summed = topology.node.reduce_scatter(two.node, "reduce-scatter inside the node").wait()
+        if plan is None:  # this rank owns no piece of the bucket: nothing to exchange across the nodes
+            gathered = topology.node.all_gather(two.decoded, two.gathered, "all-gather inside the node")
+            return _finish_two_level(state, two, buffer, gathered, [])
+        flat = summed[: shard.numel].div_(topology.per_node)
+        poison = torch.where(torch.isfinite(flat.sum()), 0.0, math.nan)
+        grads = list(flat.split([spec.numel for spec in plan.layout]))
+
+        # Step 2: compensate.
+        work = algorithm.compensate(plan, grads, flat)
+        work.poison = poison
+
+        # Step 3: select.
+        start = time.perf_counter()
+        algorithm.select(plan, work)
+        selected_s = time.perf_counter() - start
+
+        # Step 4: exchange, across the nodes.
+        pending = algorithm.exchange(plan, work, state.collectives)
+        selection_s = work.selection_s if work.selection_s is not None else selected_s
+        state.record(algorithm.cost(plan), work, selection_s, two.node_link_bytes())
+
+        # Step 5: decode the shard, then the all-gather of the node's decoded shards.
+        for collective in pending:
+            collective.wait()
+        two.decoded[: shard.numel].copy_(algorithm.decode(plan, work))
+        gathered = topology.node.all_gather(two.decoded, two.gathered, "all-gather inside the node")
+    except comm.CollectiveError as error:
+        failed: torch.futures.Future = torch.futures.Future()
+        failed.set_exception(error)
+        state.memory.note_bucket(failed)
+        return failed
+    return _finish_two_level(state, two, buffer, gathered, work.keep)
+
+
+def _finish_two_level(
+    state: ExchangeState, two: Any, buffer: Tensor, gathered: comm.Pending, keep: list[Tensor]
+) -> torch.futures.Future[torch.Tensor]:
+    """Step 5's end and step 6 of :func:`exchange_two_level`: the bucket in its order once the all-gather is done."""
+
+    def finish() -> Tensor:
+        update = two.gathered.index_select(0, two.shard.dest)
+        state.memory.note_finite(torch.isfinite(update.sum()))
+        if state.grad_scale != 1.0:
+            update.mul_(state.grad_scale)
+        return update if buffer.dtype == torch.float32 else update.to(buffer.dtype)
+
+    future = comm.when_all([gathered], finish, buffer.device, keep=[*keep, two.node])
 
     # Step 6: the memory staged in steps 2-5 commits with the step (state.finish_step()).
     state.memory.note_bucket(future)

@@ -78,13 +78,14 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from lightning_dgc import algorithms
+from lightning_dgc import algorithms, shards
 from lightning_dgc.algorithms import Message, TensorSpec, WireCost, layout_of
 from lightning_dgc.algorithms.base import allgather_volume, ring_allreduce_volume
 
 __all__ = [
     "BANDWIDTHS",
     "METHODS",
+    "NODE_METHODS",
     "WORKERS",
     "BucketProfile",
     "Network",
@@ -113,6 +114,11 @@ __all__ = [
 #: Methods the prediction covers: dense DDP, every registered algorithm, and the worst-case sparse
 #: all-reduce bound of DGC's payload.
 METHODS: tuple[str, ...] = ("ddp", *algorithms.registered(), "sparse_allreduce")
+#: What a method's name ends with for its two-level exchange (``dgc_node``: dense inside the node, DGC
+#: across the nodes on each GPU's shard; :func:`lightning_dgc.hook.exchange_two_level`).
+NODE_SUFFIX = "_node"
+#: The two-level variant of every registered algorithm.
+NODE_METHODS: tuple[str, ...] = tuple(f"{m}{NODE_SUFFIX}" for m in algorithms.registered())
 #: Worker counts of the prediction: powers of two from 1 to 256.
 WORKERS: tuple[int, ...] = tuple(2**i for i in range(9))
 #: Link bandwidths of the prediction, bits/s: 100 Mbit/s, 1, 10 and 25 Gbit/s.
@@ -209,6 +215,9 @@ class Network:
         local_latency: seconds per message step on the local bus.
         algorithm: ``"ring"`` (every collective a ring) or ``"best"`` (the cheaper of ring and
             recursive doubling, per collective, as short-message algorithms do).
+        nic: for the two-level exchange (``<algorithm>_node``): ``"node"``, one network card of
+            ``bandwidth`` per node, shared by the node's ``gpus_per_node`` exchanges that run at once
+            (each sees ``bandwidth / gpus_per_node``); ``"gpu"``, one card of ``bandwidth`` per GPU.
     """
 
     bandwidth: float
@@ -217,6 +226,7 @@ class Network:
     local_bandwidth: float = 100e9
     local_latency: float = 5e-6
     algorithm: Literal["ring", "best"] = "ring"
+    nic: Literal["node", "gpu"] = "node"
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or not self.local_bandwidth > 0:
@@ -229,6 +239,8 @@ class Network:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}.")
         if self.algorithm not in ("ring", "best"):
             raise ValueError(f"algorithm must be 'ring' or 'best', got {self.algorithm!r}.")
+        if self.nic not in ("node", "gpu"):
+            raise ValueError(f"nic must be 'node' (one network card per node) or 'gpu', got {self.nic!r}.")
 
     def _allreduce(self, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
         ring = ring_allreduce_time(nbytes, n, bandwidth, latency)
@@ -268,6 +280,22 @@ class Network:
             + self._allgather(g * payload, m, self.bandwidth, self.latency)
             + broadcast_time(n * payload, g, *local)
         )
+
+    def two_level(self, cost: WireCost, dense_bytes: float, shard_bytes: float, n: int) -> tuple[float, float]:
+        """``(overlappable, blocking)`` time of one bucket's two-level exchange (``cost``: the algorithm's
+        wire cost of one shard across the nodes): a reduce-scatter inside the node, the algorithm's
+        collectives across the ``m`` nodes (on a shared network card each at ``bandwidth / g``), an
+        all-gather of ``shard_bytes`` inside the node. The hook waits for the first two before it starts
+        the last (:func:`lightning_dgc.hook.exchange_two_level`): they are blocking."""
+        g, m = self.split(n)
+        local = (self.local_bandwidth, self.local_latency)
+        bandwidth = self.bandwidth / g if self.nic == "node" else self.bandwidth
+        across = 0.0
+        for message in cost.messages:
+            collective = self._allreduce if message.collective == "all_reduce" else self._allgather
+            across += collective(message.nbytes, m, bandwidth, self.latency)
+        scatter = (g - 1) * self.local_latency + (g - 1) / g * 8 * dense_bytes / self.local_bandwidth if g > 1 else 0.0
+        return allgather_time(shard_bytes, g, *local), scatter + across
 
     def sparse_allreduce_worst(self, payload: float, dense_cap: float, n: int) -> float:
         """Worst-case sparse all-reduce; its first ``log2 g`` doubling steps stay inside the node."""
@@ -358,6 +386,15 @@ class Profile:
             return WireCost((dense,), bucket.dense_bytes, bucket.numel, 0, bucket.numel)
         cls = algorithms.get(method)
         return cls.wire_cost(self.config(method), bucket.layout(), n, bucket.dense_bytes)
+
+    def two_level_cost(self, method: str, bucket: BucketProfile, g: int, m: int) -> tuple[WireCost, int]:
+        """``(wire cost across m nodes, shard bytes)`` of one GPU's shard of ``bucket`` in a two-level
+        exchange of ``g`` GPUs per node (``method``: the algorithm's name, without ``_node``)."""
+        pieces = shards.shard_pieces(bucket.layout(), g, 0)  # local rank 0 holds the longest shard
+        numel = sum(p.numel for p in pieces)
+        shard_bytes = numel * DENSE_VALUE_BYTES
+        cls = algorithms.get(method)
+        return cls.wire_cost(self.config(method), pieces, m, shard_bytes), shard_bytes
 
     # -- totals per step and rank, as compression_stats() counts them --------------------------------
     @property
@@ -471,10 +508,20 @@ def _sparse_worst(
     return net.sparse_allreduce_worst(payload, cap, n), payload, cap
 
 
+def node_base(method: str) -> str | None:
+    """The algorithm of a two-level method's name (``"dgc_node"`` -> ``"dgc"``), else ``None``."""
+    return method[: -len(NODE_SUFFIX)] if method in NODE_METHODS else None
+
+
 def _bucket_comm(
     profile: Profile, bucket: BucketProfile, method: str, n: int, net: Network
 ) -> tuple[float, float]:
     """(overlappable, blocking) communication time of one bucket."""
+    base = node_base(method)
+    if base is not None:
+        g, m = net.split(n)
+        cost, shard_bytes = profile.two_level_cost(base, bucket, g, m)
+        return net.two_level(cost, bucket.dense_bytes, shard_bytes, n)
     if method == "sparse_allreduce":
         worst, _, _ = _sparse_worst(profile, bucket, n, net)
         return worst + net.allreduce(profile.cost("dgc", bucket, n).bytes_of("dense"), n), 0.0
@@ -489,7 +536,11 @@ def _bucket_comm(
     return overlappable, blocking
 
 
-def _selection_share(method: str, n: int) -> float:
+def _selection_share(method: str, n: int, gpus_per_node: int = 1) -> float:
+    base = node_base(method)
+    if base is not None:  # the algorithm's share across the nodes, of a 1/g shard
+        g, m = min(gpus_per_node, n), math.ceil(n / min(gpus_per_node, n))
+        return _selection_share(base, m) / g
     if method == "ddp":
         return 0.0
     if method == "sparse_allreduce":
@@ -499,8 +550,8 @@ def _selection_share(method: str, n: int) -> float:
 
 def step_time(profile: Profile, method: str, n: int, network: Network, overlap: bool = True) -> StepTime:
     """The modelled step of one worker among ``n`` (see the module docstring for the formulas)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}.")
+    if method not in METHODS + NODE_METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS + NODE_METHODS}.")
     if n < 1:
         raise ValueError(f"the number of workers must be >= 1, got {n}.")
     window = profile.compute_s if profile.backward_s is None else min(profile.backward_s, profile.compute_s)
@@ -508,7 +559,8 @@ def step_time(profile: Profile, method: str, n: int, network: Network, overlap: 
         return StepTime(method, 1, overlap, profile.compute_s, 0.0, 0.0, 0.0, 0.0, window)
     comm = [_bucket_comm(profile, b, method, n, network) for b in profile.buckets]
     return StepTime(
-        method, n, overlap, profile.compute_s, profile.selection_s * _selection_share(method, n),
+        method, n, overlap, profile.compute_s,
+        profile.selection_s * _selection_share(method, n, network.gpus_per_node),
         blocking_comm_s=sum(b for _, b in comm), comm_s=sum(c for c, _ in comm),
         last_bucket_comm_s=comm[-1][0] if comm else 0.0, window_s=window,
     )  # fmt: skip
@@ -519,10 +571,16 @@ def speedup(profile: Profile, method: str, n: int, network: Network, overlap: bo
     return n * profile.compute_s / step_time(profile, method, n, network, overlap).total_s
 
 
-def wire_bytes(profile: Profile, method: str, n: int) -> float:
-    """Bytes one worker receives per step on a flat network (ring all-reduce, ring all-gather, ...)."""
+def wire_bytes(profile: Profile, method: str, n: int, gpus_per_node: int = 1) -> float:
+    """Bytes one worker receives per step on a flat network (ring all-reduce, ring all-gather, ...); for a
+    two-level method, across the nodes only (``compression_stats()["inter_node_bytes"]``)."""
+    base = node_base(method)
+    if base is not None:
+        g = min(gpus_per_node, n)
+        m = math.ceil(n / g)
+        return sum(profile.two_level_cost(base, b, g, m)[0].link_bytes(m) for b in profile.buckets)
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}.")
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS + NODE_METHODS}.")
     total = 0.0
     for b in profile.buckets:
         if method == "sparse_allreduce":
@@ -595,7 +653,7 @@ def predict(
                             "selection_s": t.selection_s,
                             "throughput": n * profile.batch_size / t.total_s,
                             "speedup": n * profile.compute_s / t.total_s,
-                            "wire_bytes": wire_bytes(profile, method, n),
+                            "wire_bytes": wire_bytes(profile, method, n, network.gpus_per_node),
                         }
                     )
     return Prediction(profile, network, rows)

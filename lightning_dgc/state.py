@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 import zlib
@@ -11,11 +12,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dgc import algorithms, comm
+from lightning_dgc import algorithms, comm, shards
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, WireCost
+from lightning_dgc.algorithms.base import allgather_volume
 from lightning_dgc.checks import check_density
-from lightning_dgc.comm import Collectives, TorchCollectives
-from lightning_dgc.memory import ResidualMemory
+from lightning_dgc.comm import Collectives, Topology, TorchCollectives
+from lightning_dgc.memory import ResidualMemory, bucket_order_flat
 
 
 def algorithm_for(config: AlgorithmConfig) -> type[Algorithm[Any, Any, Any]]:
@@ -45,6 +47,7 @@ class StepStats:
     dense_bytes: int = 0  # what plain DDP would have sent for the same buckets
     values_sent: int = 0
     link_bytes: float = 0.0  # what each worker's link carries, every collective a ring (WireCost.link_bytes)
+    inter_node_bytes: float = 0.0  # the part of link_bytes that crosses nodes (all of it on a flat run)
     numel: int = 0
     selection_ms: float = 0.0
     buckets: int = 0
@@ -72,6 +75,11 @@ class ExchangeState:
     After every backward pass that ran the hook, call :meth:`finish_step` once (the strategy does): it
     commits the memory only if the step was finite on every rank. If it is not called, the hook
     commits the previous step itself when the next one starts, with a warning.
+
+    ``topology`` (:class:`~lightning_dgc.comm.Topology`): run the two-level exchange
+    (:func:`lightning_dgc.hook.exchange_two_level`). The algorithm then exchanges across the nodes:
+    ``world_size`` and ``rank`` (and ``collectives``) are those of the ranks that share this rank's
+    local rank, and its bucket is this rank's shard (:mod:`lightning_dgc.shards`).
     """
 
     def __init__(
@@ -81,10 +89,15 @@ class ExchangeState:
         collectives: Collectives | None = None,
         grad_scale: float = 1.0,
         measure_buildup: bool = False,
+        topology: Topology | None = None,
     ) -> None:
         # A copy: schedules change the density of this run, never the caller's configuration object.
         self.config = replace(config) if config is not None else algorithms.get("dgc").config_class()
-        self.collectives = collectives if collectives is not None else TorchCollectives(process_group)
+        #: The two levels (inside the node, across nodes) of a two-level exchange; ``None``: flat.
+        self.topology = topology
+        if collectives is None:
+            collectives = topology.across if topology is not None else TorchCollectives(process_group)
+        self.collectives = collectives
         self.world_size, self.rank = self.collectives.world_size, self.collectives.rank
         #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
         self.grad_scale = grad_scale
@@ -163,11 +176,22 @@ class ExchangeState:
         return generator
 
     def param(self, name: str) -> Tensor:
-        return self._params[name]
+        """The parameter ``name``; for a piece ``"<param>[a:b]"`` of a two-level shard, its values ``a:b``
+        (bucket order) shaped as the piece."""
+        piece = shards.parse_piece(name) if name not in self._params else None
+        if piece is None:
+            return self._params[name]
+        parent, a, b = piece
+        param = self._params[parent]
+        return bucket_order_flat(param)[a:b].view(shards.piece_shape(param.shape, a, b))
+
+    def _parent(self, name: str) -> str:
+        piece = shards.parse_piece(name) if name not in self._params else None
+        return piece[0] if piece is not None else name
 
     def is_dense(self, name: str) -> bool:
         """Whether parameter ``name`` is always averaged dense (DGC and DEFT: 1-D or small)."""
-        param = self._params[name]
+        param = self.param(name)
         averaged_dense = getattr(self.config, "averaged_dense", None)
         return averaged_dense is None or averaged_dense(param.numel(), param.dim())
 
@@ -176,7 +200,7 @@ class ExchangeState:
         default = ParamSettings(
             getattr(cfg, "momentum", 0.0), getattr(cfg, "nesterov", False), getattr(cfg, "weight_decay", 0.0)
         )
-        return self.param_settings.get(name, default)
+        return self.param_settings.get(self._parent(name), default)
 
     @property
     def density(self) -> float | None:
@@ -218,7 +242,17 @@ class ExchangeState:
         numel = sum(s.numel for s in layout)
         if numel != buffer.numel():
             raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {numel}.")
-        plan = self._plans[key] = self.algorithm.plan(layout, buffer)
+        plan = self._plans[key] = self._make_plan(layout, buffer)
+        return plan
+
+    def _make_plan(self, layout: list[algorithms.TensorSpec], buffer: Tensor) -> Any:
+        if self.topology is None:
+            return self.algorithm_plan(layout, buffer)
+        return TwoLevelPlan.make(self, layout, buffer)
+
+    def algorithm_plan(self, layout: list[algorithms.TensorSpec], buffer: Tensor) -> Any:
+        """The algorithm's plan of ``layout``, checked for what the hook and the statistics read."""
+        plan = self.algorithm.plan(layout, buffer)
         if not (hasattr(plan, "layout") and hasattr(plan, "dense_bytes")):
             raise TypeError(
                 f"{type(self.algorithm).__name__}.plan() returned a {type(plan).__name__} without `layout` and"
@@ -226,6 +260,21 @@ class ExchangeState:
                 " lightning_dgc.algorithms.BucketPlan, or give the plan both fields."
             )
         return plan
+
+    def parameter_numels(self) -> dict[str, int]:
+        """Every registered parameter's number of values, by name."""
+        return {name: p.numel() for name, p in self._params.items()}
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every registered parameter's shape, by name."""
+        return {name: tuple(p.shape) for name, p in self._params.items()}
+
+    @property
+    def global_rank(self) -> int:
+        """This rank in the whole process group (``rank`` is its rank among the ranks it exchanges with)."""
+        if self.topology is None:
+            return self.rank
+        return self.topology.node_rank * self.topology.per_node + self.topology.local_rank
 
     @property
     def plans(self) -> list[Any]:
@@ -246,8 +295,9 @@ class ExchangeState:
         """Whether this step counts the union of all ranks' selections (see :meth:`request_buildup`)."""
         return self.measure_buildup or self._buildup_step == self.step
 
-    def record(self, cost: WireCost, work: BucketWork, selection_s: float) -> None:
-        """Add one bucket's wire cost and measured figures to this step's statistics."""
+    def record(self, cost: WireCost, work: BucketWork, selection_s: float, node_link_bytes: float = 0.0) -> None:
+        """Add one bucket's wire cost and measured figures to this step's statistics (``node_link_bytes``: what
+        a two-level exchange moves inside the node besides)."""
         payload = cost.bytes_sent - cost.bytes_of("dense")
         with self._stats_lock:
             stats = self._current
@@ -257,7 +307,9 @@ class ExchangeState:
             stats.dense_exchange_bytes += cost.bytes_of("dense")
             stats.dense_bytes += cost.dense_bytes
             stats.values_sent += cost.values_sent
-            stats.link_bytes += cost.link_bytes(self.world_size)
+            across = cost.link_bytes(self.world_size)
+            stats.link_bytes += across + node_link_bytes
+            stats.inter_node_bytes += across
             stats.k_target += cost.k
             stats.numel += cost.numel
             stats.selection_ms += selection_s * 1e3
@@ -317,6 +369,9 @@ class ExchangeState:
         the dense all-reduce; ``dense_bytes`` is what plain DDP would have sent; ``compression_ratio``
         is their quotient. ``link_bytes`` is what each worker's link carries with ring collectives (an
         all-gather forwards every rank's payload: DGC's grows with the ranks, DEFT's all-reduce does not).
+        ``inter_node_bytes`` is the part of it that crosses nodes: all of it on a flat run. In a two-level
+        exchange the other figures describe this rank's shard, exchanged across the nodes (``dense_bytes``:
+        the shard's), and ``link_bytes`` adds the reduce-scatter and all-gather inside the node.
         """
         s = self._last
         if s is None:
@@ -330,6 +385,7 @@ class ExchangeState:
             "dense_bytes": s.dense_bytes,
             "compression_ratio": s.dense_bytes / s.bytes_sent if s.bytes_sent else float("inf"),
             "link_bytes": s.link_bytes,
+            "inter_node_bytes": s.inter_node_bytes,
             "values_sent": s.values_sent,
             "numel": s.numel,
             "selection_ms": s.selection_ms,
@@ -357,6 +413,13 @@ class ExchangeState:
         kind = self.algorithm.residual_kind
         return self.memory.residual_norm(kind) if kind is not None else None
 
+    @property
+    def topology_signature(self) -> dict[str, Any]:
+        """Where this run's memory lives: flat, or ``nodes`` x ``per_node`` shards (checkpoints record it)."""
+        if self.topology is not None:
+            return self.topology.signature
+        return {"hierarchical": False, "nodes": self.world_size, "per_node": 1}
+
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self, memory: bool = True) -> dict[str, Any]:
         """This rank's state: config, step, memory and generators, loadable with ``weights_only=True``.
@@ -372,6 +435,7 @@ class ExchangeState:
             "rank": self.rank,
             "generator": self.generator.get_state(),
             "extra": self.algorithm.extra_state(),
+            "topology": self.topology_signature,
         }
         return state | {"memory": self.memory.state_dict()} if memory else state
 
@@ -396,7 +460,10 @@ class ExchangeState:
         for kind, by_name in state["memory"].items():
             for name, tensor in by_name.items():
                 where = f"the checkpoint's {kind!r} buffer of parameter {name!r}"
-                param = self._params.get(name)
+                try:  # a parameter, or a piece "<param>[a:b]" of one in a two-level exchange
+                    param: Tensor | None = self.param(name)
+                except (KeyError, ValueError, RuntimeError):
+                    param = None
                 expected = None if param is None else self.algorithm.memory_shape(kind, name, tuple(param.shape))
                 if param is None:
                     problems.append(f"{where}: the model has no parameter of that name.")
@@ -417,10 +484,11 @@ class ExchangeState:
         rank (:meth:`check_state_dict`): any rank's problem is raised on every rank, before the first step.
 
         Call it on every rank of the process group at once (it is a collective). Returns whether the
-        state was redistributed to another world size.
+        state was redistributed (another world size, or another topology: :func:`state_for_topology`).
         """
-        state, redistributed = state_for_rank(entry, self.world_size, self.rank)
-        problems = [f"rank {self.rank}: {p}" for p in self.check_state_dict(state)]
+        rank = self.global_rank
+        state, redistributed = state_for_topology(entry, self.topology_signature, rank, self.parameter_shapes())
+        problems = [f"rank {rank}: {p}" for p in self.check_state_dict(state)]
         everyone = [p for rank_problems in comm.all_gather_object(problems) for p in rank_problems]  # type: ignore[union-attr]
         if everyone:
             raise ValueError(restore_error(everyone))
@@ -474,7 +542,8 @@ def check_checkpoint_entry(entry: object) -> None:
 
     The entry is ``{"algorithm": name, "world_size": N, "ranks": [state_0, ..., state_N-1]}``, every state
     with a ``"step"`` and a ``"memory"`` of ``{kind: {parameter: tensor}}``, the same kinds, parameters and
-    shapes on every rank (the strategies write it so). The check is the same on every rank.
+    shapes on every rank (in a two-level exchange: on every rank of the same local rank; the strategies write
+    it so). The check is the same on every rank.
     """
     key = f"checkpoint[{CHECKPOINT_KEY!r}]"
     fix = f" Resume from an unmodified checkpoint, or delete {key} to start the exchange with empty buffers."
@@ -490,7 +559,10 @@ def check_checkpoint_entry(entry: object) -> None:
             f"{key} says it was written by world_size={world_size} ranks but holds {len(ranks)} rank states"
             f" ({key}['ranks']).{fix}"
         )
-    layout = None
+    topology = entry.get("topology")
+    # a two-level exchange's ranks hold the pieces of their local rank: compare ranks of the same local rank
+    per_node = int(topology.get("per_node", 1)) if isinstance(topology, dict) and topology.get("hierarchical") else 1
+    layouts: dict[int, dict[tuple[str, str], tuple[int, ...]]] = {}
     for r, state in enumerate(ranks):
         where = f"{key}['ranks'][{r}]"
         if not isinstance(state, dict) or not isinstance(state.get("memory"), dict) or "step" not in state:
@@ -506,9 +578,47 @@ def check_checkpoint_entry(entry: object) -> None:
             for kind, by_name in memory.items()
             for name, t in by_name.items()
         }
-        if layout is not None and mine != layout:
-            raise ValueError(f"{where}['memory'] holds other buffers (or shapes) than rank 0's.{fix}")
-        layout = mine
+        first = layouts.setdefault(r % per_node, mine)
+        if mine != first:
+            raise ValueError(
+                f"{where}['memory'] holds other buffers (or shapes) than rank {r % per_node}'s.{fix}"
+            )
+
+
+def state_for_topology(
+    saved: dict[str, Any], topology: dict[str, Any], rank: int, shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, Any], bool]:
+    """This rank's state from a checkpoint entry, for a run whose memory lives as ``topology`` says
+    (:attr:`ExchangeState.topology_signature`). Returns ``(state, redistributed)``.
+
+    Same topology (flat at the same world size, or two-level with the same nodes and ranks per node):
+    rank r gets exactly what rank r saved. Otherwise the buffers are redistributed as a change of world
+    size redistributes them (:func:`state_for_rank`), with a node's shards put back together first: every
+    saved node (a flat run: every rank) becomes one memory of whole parameters, their mean is what every
+    new node (flat: every rank) starts from, cut into this rank's pieces in a two-level run. The update
+    still owed to the model (the mean over nodes) is kept; buffers that are not one value per gradient
+    value (PowerSGD's ``q``) restart. ``shapes``: every parameter's shape.
+    """
+    world = topology["nodes"] * topology["per_node"]
+    old = saved.get("topology") or {"hierarchical": False, "nodes": int(saved["world_size"]), "per_node": 1}
+    if not old["hierarchical"] and not topology["hierarchical"]:
+        return state_for_rank(saved, world, rank)
+    ranks = saved["ranks"]
+    if old == topology:
+        return ranks[rank], False
+    numels = {name: math.prod(shape) for name, shape in shapes.items()}
+    per_node = int(old["per_node"])
+    nodes = [
+        shards.assemble([r["memory"] for r in ranks[n * per_node : (n + 1) * per_node]], numels)
+        for n in range(int(old["nodes"]))
+    ]
+    memory = shards.mean_memory(nodes)
+    if topology["hierarchical"]:
+        memory = shards.slice_memory(memory, shapes, topology["per_node"], rank % topology["per_node"])
+    merged = {k: v for k, v in ranks[0].items() if k not in ("memory", "generator", "rank")}
+    merged["memory"] = memory
+    merged["topology"] = topology
+    return merged, True
 
 
 def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[dict[str, Any], bool]:
@@ -531,3 +641,33 @@ def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[d
     merged = {k: v for k, v in first.items() if k not in ("memory", "generator", "rank")}
     merged["memory"] = memory
     return merged, True
+
+
+class TwoLevelPlan:
+    """A bucket's plan in a two-level exchange: its :class:`~lightning_dgc.shards.ShardLayout` for this
+    rank, the algorithm's plan of this rank's shard, and the buffers the two node-level collectives use."""
+
+    def __init__(self, shard: shards.ShardLayout, inner: Any, node: Tensor, gathered: Tensor) -> None:
+        self.shard = shard
+        self.inner = inner
+        self.node = node  # parts * shard_numel: the bucket in the node layout (padding stays 0)
+        self.gathered = gathered  # parts * shard_numel: every local rank's decoded shard
+        self.decoded = torch.zeros(shard.shard_numel, dtype=torch.float32, device=node.device)  # this rank's
+        self.layout = inner.layout if inner is not None else []
+        self.dense_bytes = inner.dense_bytes if inner is not None else 0
+
+    @classmethod
+    def make(cls, state: ExchangeState, layout: list[algorithms.TensorSpec], buffer: Tensor) -> TwoLevelPlan:
+        topology = state.topology
+        assert topology is not None
+        shard = shards.shard_layout(layout, topology.per_node, topology.local_rank, buffer.device)
+        node = torch.zeros(topology.per_node * shard.shard_numel, dtype=torch.float32, device=buffer.device)
+        # a rank that owns no piece of the bucket (tensors of fewer rows than ranks) only takes part in the
+        # node's collectives: its group across the nodes owns nothing either
+        inner = state.algorithm_plan(shard.pieces, node[: shard.numel]) if shard.pieces else None
+        return cls(shard, inner, node, torch.empty_like(node))
+
+    def node_link_bytes(self) -> float:
+        """Bytes this rank's link inside the node carries per step: the reduce-scatter and the all-gather."""
+        g, block = self.shard.parts, 4 * self.shard.shard_numel
+        return allgather_volume(block, g) * 2  # a ring reduce-scatter moves what an all-gather does

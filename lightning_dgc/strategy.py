@@ -20,6 +20,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -98,6 +99,11 @@ class CompressionStrategy(DDPStrategy):
             skipped for non-finite gradients (on any rank), ``fit`` raises on every rank instead of training
             on without moving the model. ``None`` or 0 turns it off. Steps a GradScaler skips (mixed
             precision backing its scale off) are the scaler's and are not counted.
+        hierarchical: the two-level exchange across nodes of several devices (``"auto"``, ``True``,
+            ``False``): a dense reduce-scatter inside each node, the algorithm across the nodes on each
+            rank's shard, an all-gather inside the node (:func:`lightning_dgc.hook.exchange_two_level`).
+            ``"auto"`` runs it when there is more than one node (``Trainer(num_nodes=...)``) and more than
+            one device per node; ``True`` on one node is an error.
         **kwargs: every argument of ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
             ``process_group_backend``, ``timeout``, ``start_method``, ...).
     """
@@ -115,10 +121,12 @@ class CompressionStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        hierarchical: Literal["auto"] | bool = "auto",
         **kwargs: Any,
     ) -> None:
         #: Raise after this many consecutive steps skipped by the strategy (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
+        self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
         for forbidden in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
             if kwargs.get(forbidden) is not None:
                 raise ValueError(
@@ -235,10 +243,23 @@ class CompressionStrategy(DDPStrategy):
         named = list(self.model.module.named_parameters())
         state = self._state
         if state is None or list(state.param_names.values()) != [n for n, _ in named]:
-            state = self._state = ExchangeState(self._config)  # else a second fit: the memory carries on
+            # else a second fit: the memory carries on
+            state = self._state = ExchangeState(self._config, topology=self._two_level_topology())
         state.register_parameters(named)
         self.model.register_comm_hook(state, self._hook())
         log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
+
+    def _two_level_topology(self) -> comm.Topology | None:
+        """The process groups of the two-level exchange, or ``None`` for a flat one (``hierarchical``)."""
+        if not comm.resolve_hierarchical(self._hierarchical, self.num_nodes, self.world_size):
+            return None
+        ranks = comm.all_gather_object((self.global_rank, self.node_rank, self.local_rank))
+        per_node = comm.check_node_layout(ranks, self.num_nodes)  # type: ignore[arg-type]
+        rank_zero_info(
+            f"{type(self).__name__}: two-level exchange, {self.num_nodes} nodes x {per_node} devices: dense inside"
+            f" the node, {self.algorithm} across the nodes on each device's shard."
+        )
+        return comm.two_level_topology(self.num_nodes, per_node, self.global_rank)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_dgc import comm
+from lightning_dgc import comm, shards
 from lightning_dgc.checks import whole_number
 from lightning_dgc.memory import bucket_order_flat, momentum_from_sgd, momentum_to_sgd
 from lightning_dgc.state import ExchangeState, ParamSettings
@@ -166,6 +166,15 @@ class OptimizerTakeOver:
         if buffer is None or not settings.momentum or state.memory.has("momentum", name):
             return 0  # no buffer, no momentum, or the exchange has its own (checkpoint, earlier fit)
         flat = bucket_order_flat(buffer.detach()).to(device, torch.float32)
+        topology = state.topology
+        if topology is not None:  # a two-level exchange keeps this rank's pieces only
+            pieces = shards.pieces_of(name, param.shape, topology.per_node, topology.local_rank)
+            if any(state.memory.has("momentum", piece) for piece, _, _ in pieces):
+                return 0
+            for piece, a, b in pieces:
+                momentum = momentum_from_sgd(flat[a:b], settings.momentum, settings.nesterov, state.is_dense(piece))
+                state.memory.buffer("momentum", piece, b - a, flat.device).copy_(momentum)
+            return 1
         momentum = momentum_from_sgd(flat, settings.momentum, settings.nesterov, state.is_dense(name))
         state.memory.buffer("momentum", name, flat.numel(), flat.device).copy_(momentum)
         return 1
@@ -182,7 +191,8 @@ class OptimizerTakeOver:
         ``optimizer_states``: the packed ``state_dict()`` of each optimizer, by its index; ``entry``: the
         gathered exchange state (:func:`lightning_dgc.checkpoint.gather_exchange_state`).
         """
-        momenta = [r["memory"].get("momentum", {}) for r in entry["ranks"]]
+        numels = {name: p.numel() for name, p in params.items()}
+        momenta = momenta_by_unit(entry["ranks"], entry.get("topology"), numels)
         for taken in self.groups:
             packed = optimizer_states.get(taken.optimizer)
             if packed is None:
@@ -201,7 +211,14 @@ class OptimizerTakeOver:
 
     def hand_back_momentum(self, state: ExchangeState, optimizers: Sequence[Optimizer]) -> None:
         """Give SGD the mean over ranks of the exchange's momentum as its ``momentum_buffer`` (all ranks call
-        this), so that the optimizer object continues it if it is used again."""
+        this), so that the optimizer object continues it if it is used again.
+
+        In a two-level exchange every rank holds pieces of the parameters: the pieces of every rank are
+        gathered (blocking, once) and put together per node first.
+        """
+        if state.topology is not None:
+            self._hand_back_two_level_momentum(state, optimizers)
+            return
         for taken in self.groups:
             if not taken.user.momentum:
                 continue
@@ -209,6 +226,22 @@ class OptimizerTakeOver:
             for param, name in zip(opt.param_groups[taken.group]["params"], taken.names, strict=True):
                 if state.memory.has("momentum", name):
                     mean = comm.average(state.memory.committed["momentum"][name].clone())
+                    opt.state[param]["momentum_buffer"] = sgd_momentum(state, name, mean, param.detach()).to(
+                        param.dtype
+                    )
+
+    def _hand_back_two_level_momentum(self, state: ExchangeState, optimizers: Sequence[Optimizer]) -> None:
+        mine = {n: t.detach().cpu() for n, t in state.memory.committed.get("momentum", {}).items()}
+        everyone = comm.all_gather_object({"memory": {"momentum": mine}})
+        numels = state.parameter_numels()
+        momenta = momenta_by_unit(everyone, state.topology_signature, numels)  # type: ignore[arg-type]
+        for taken in self.groups:
+            if not taken.user.momentum:
+                continue
+            opt = _unwrapped(optimizers[taken.optimizer])
+            for param, name in zip(opt.param_groups[taken.group]["params"], taken.names, strict=True):
+                if name in momenta[0]:
+                    mean = torch.stack([m[name] for m in momenta]).mean(0).to(param.device)
                     opt.state[param]["momentum_buffer"] = sgd_momentum(state, name, mean, param.detach()).to(
                         param.dtype
                     )
@@ -230,6 +263,21 @@ def sgd_momentum(
     buffer = torch.empty_like(like, device=flat.device)
     bucket_order_flat(buffer).copy_(flat)
     return buffer
+
+
+def momenta_by_unit(
+    ranks: list[dict[str, Any]], topology: dict[str, Any] | None, numels: Mapping[str, int]
+) -> list[dict[str, torch.Tensor]]:
+    """The saved momentum of every rank (flat) or every node (two-level: its ranks' pieces put together),
+    by whole parameter name. ``numels``: every parameter's number of values."""
+    if not topology or not topology["hierarchical"]:
+        return [r["memory"].get("momentum", {}) for r in ranks]
+    g = int(topology["per_node"])
+    return [
+        shards.assemble([{"momentum": r["memory"].get("momentum", {})} for r in ranks[n * g : (n + 1) * g]],
+                        numels).get("momentum", {})
+        for n in range(int(topology["nodes"]))
+    ]  # fmt: skip
 
 
 def check_ranks_agree(state: ExchangeState, owner: str, max_consecutive_skips: int = 0) -> None:

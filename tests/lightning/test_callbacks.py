@@ -18,7 +18,8 @@ from lightning_dgc.callbacks import CompressionMonitor, SparsityWarmup, warmup_d
 from tests.lightning.fit_script import Regression, dataset
 from tests.lightning.run import results, run_script
 
-SCALARS = ("density", "ratio", "bytes_sent", "link_bytes", "dense_bytes", "selection_ms", "residual_norm")
+SCALARS = ("density", "ratio", "bytes_sent", "link_bytes", "inter_node_bytes", "dense_bytes", "selection_ms",
+           "residual_norm")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -68,6 +69,7 @@ def test_two_ranks_warm_up_in_lockstep_and_rank_zero_logs_to_tensorboard(tmp_pat
         assert ratio > 1 and ratio == pytest.approx(dense / sent, rel=1e-5)
     # at 2 ranks a ring all-reduce and an all-gather both carry what each rank hands them, once
     assert series["link_bytes"] == pytest.approx(series["bytes_sent"], rel=1e-6)
+    assert series["inter_node_bytes"] == series["link_bytes"]  # a flat exchange: every byte may cross nodes
     assert series["ratio"][-1] > 5 * series["ratio"][0]  # 99.9% sparsity sends far less than 75%
     assert all(ms >= 0 for ms in series["selection_ms"])
     assert all(norm > 0 for norm in series["residual_norm"])

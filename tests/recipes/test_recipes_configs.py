@@ -88,6 +88,8 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
         and "density" in (REPO_ROOT / "configs" / "algo" / f"{algorithm}.yaml").read_text()
     ):
         assert config["trainer"]["strategy"]["init_args"]["density"] == 0.001
+    if algorithm not in (None, "ddp"):
+        assert config["trainer"]["strategy"]["init_args"]["hierarchical"] == "auto"
 
 
 @pytest.mark.parametrize("algorithm", [None, *ALGORITHMS], ids=lambda a: a or "plain")
