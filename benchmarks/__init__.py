@@ -9,7 +9,7 @@ Each module is a script with a ``main(argv)`` entry (``python -m benchmarks.<nam
   compression ratio of ResNet-20 at density 0.001 counting every byte.
 * :mod:`benchmarks.parity`: accuracy parity on real data (CIFAR-10 subset, PTB, spoken digits).
 * :mod:`benchmarks.run_all`: everything above (and the selection, traffic and scaling benchmarks
-  when present), then :mod:`benchmarks.report`, which writes ``benchmarks/README.md``.
+  when present), then :mod:`benchmarks.report`, which writes ``docs/benchmarks/results.md``.
 
 Benchmarks are never part of the test run.
 """

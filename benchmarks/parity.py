@@ -2,7 +2,7 @@
 
     .venv/bin/python -m benchmarks.parity --quick          # a few minutes: small budgets, indicative only
     .venv/bin/python -m benchmarks.parity --full           # the CPU configs' own schedules (hours)
-    .venv/bin/python -m benchmarks.parity --tasks ptb --algos ddp,dgc --data-root /work/shared/data
+    .venv/bin/python -m benchmarks.parity --tasks ptb --algos ddp,dgc --data-root ./data
 
 Each run is the recipes' Lightning CLI in a subprocess, two processes on the CPU (the CPU configs'
 ``devices: 2``; ``--devices N`` runs N, with the per-process batch divided so that the global batch,

@@ -1,4 +1,4 @@
-"""Run every benchmark, then write ``benchmarks/README.md``.
+"""Run every benchmark, then write the per-run tables page ``docs/benchmarks/results.md``.
 
     sudo .venv/bin/python -m benchmarks.run_all --quick     # under 20 minutes on 2 CPU cores
     sudo .venv/bin/python -m benchmarks.run_all             # longer runs; parity's full schedules take hours
@@ -9,7 +9,7 @@ that fails or hangs does not stop the others); modules that do not exist (yet) a
 message. Order: the CPU microbenchmarks first (selection, traffic, shapes), then overhead and slow
 links, the performance model (which compares itself with ``slow_links.json``), and the parity runs,
 which get what is left of the quick mode's time budget. The run's summary goes to
-``benchmarks/results/run_all.json`` and into the README.
+``benchmarks/results/run_all.json`` and into that page.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ a ``finally``, also on Ctrl-C or SIGTERM.
 Runs: one process per namespace, launched with ``ip netns exec`` and Lightning's multi-node
 variables (``MASTER_ADDR`` = 10.77.0.1, ``NODE_RANK``, ``WORLD_SIZE=2``, ``LOCAL_RANK=0``,
 ``Trainer(num_nodes=2, devices=1)``, gloo bound to the veth with ``GLOO_SOCKET_IFNAME``), one
-compute thread each. Each process pair runs, in turn, every strategy (``ddp``, ``powersgd``: DDP
-with torch's PowerSGD hook registered on the CPU, ``dgc`` and ``deft`` at density 0.001) for a
+compute thread each. Each process pair runs, in turn, every strategy (``ddp``, ``powersgd``:
+lightning_dgc's PowerSGD, with the updates of torch's hook, ``dgc`` and ``deft`` at density 0.001) for a
 few warm-up steps and then timed steps of synthetic CIFAR / PTB batches (see
 :data:`benchmarks.common.WORKLOADS`); the step time is the median of the timed steps, each from
 batch start to batch end.

@@ -29,6 +29,7 @@ _EXPORTS = {
     "FabricCompressionStrategy": "lightning_dgc.fabric",
     "DEFTConfig": "lightning_dgc.algorithms.deft",
     "DGCConfig": "lightning_dgc.algorithms.dgc",
+    "PowerSGDConfig": "lightning_dgc.algorithms.powersgd",
     "ExchangeState": "lightning_dgc.state",
     "exchange_hook": "lightning_dgc.hook",
     "ExchangeProfiler": "lightning_dgc.profiler",

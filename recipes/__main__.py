@@ -1,10 +1,14 @@
-"""Command-line entry point: ``python -m recipes`` (or ``lightning-dgc-recipes``), a LightningCLI.
+"""Command-line entry point: ``lightning-dgc`` (or ``python -m recipes``), a LightningCLI.
 
 A run stacks a task YAML and, optionally, an algorithm YAML; later files and flags override
 earlier ones::
 
-    python -m recipes fit --config configs/cifar10_resnet20.yaml --config configs/algo/dgc.yaml \\
-        --data.root /path/to/data
+    lightning-dgc fit --config cifar10_resnet20 --config algo/dgc --data.root /path/to/data
+
+``--config`` takes a file, or the name of a built-in config that ships with the package:
+``cifar10_resnet20`` (or ``cifar10_resnet20.yaml``, ``configs/cifar10_resnet20.yaml``) and
+``algo/dgc`` (or ``configs/algo/dgc.yaml``). An existing file of that name always wins, so the
+checkout's ``configs/`` paths work from the repository root and everywhere else alike.
 
 Model and data are given by ``class_path`` in the task YAML (LightningCLI's subclass mode), so any
 LightningModule / LightningDataModule can be used. Defaults added here: a TensorBoard logger
@@ -14,6 +18,8 @@ progress bar or disables it with ``--trainer.enable_progress_bar false``).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -22,7 +28,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_dgc import destroy_process_group
 
-__all__ = ["RecipeCLI", "main"]
+__all__ = ["RecipeCLI", "builtin_configs", "cli_main", "main", "resolve_config"]
 
 DEFAULT_LOGGER = {
     "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
@@ -43,8 +49,51 @@ class RecipeCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
+def _configs_dir() -> Path:
+    """The built-in configs: ``recipes/configs`` in an installed wheel, ``configs/`` in a checkout."""
+    installed = Path(__file__).resolve().parent / "configs"
+    return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "configs"
+
+
+def builtin_configs() -> list[str]:
+    """Names of the built-in configs (``cifar10_resnet20``, ``algo/dgc``, ...), for ``--config``."""
+    root = _configs_dir()
+    return sorted(path.relative_to(root).with_suffix("").as_posix() for path in root.rglob("*.yaml"))
+
+
+def resolve_config(value: str) -> str:
+    """The file a ``--config`` value names: an existing file as given, else a built-in config's path.
+
+    Built-in names are accepted with or without ``.yaml`` and with or without a leading ``configs/``.
+    Anything else (a missing file, or a YAML string given inline) is returned unchanged, for
+    LightningCLI to parse or to report.
+    """
+    if Path(value).is_file() or "\n" in value or ":" in value:
+        return value
+    name = value.removeprefix("configs/").removesuffix(".yaml").removesuffix(".yml")
+    candidate = _configs_dir() / f"{name}.yaml"
+    return str(candidate) if candidate.is_file() else value
+
+
+def _resolve_config_args(args: list[str]) -> list[str]:
+    resolved = list(args)
+    for i, arg in enumerate(resolved):
+        if arg in ("--config", "-c") and i + 1 < len(resolved):
+            resolved[i + 1] = resolve_config(resolved[i + 1])
+        elif arg.startswith("--config="):
+            resolved[i] = "--config=" + resolve_config(arg.removeprefix("--config="))
+    return resolved
+
+
 def main(args: list[str] | None = None, run: bool = True) -> RecipeCLI:
-    """Run the recipes CLI (``args`` defaults to ``sys.argv[1:]``); returns the CLI object."""
+    """Run the recipes CLI (``args`` defaults to ``sys.argv[1:]``); returns the CLI object.
+
+    Built-in config names given to ``--config`` are resolved first (see :func:`resolve_config`).
+    """
+    if args is None:  # the command line: resolved in place, so LightningCLI reads it as usual
+        sys.argv[1:] = _resolve_config_args(sys.argv[1:])
+    else:
+        args = _resolve_config_args(args)
     cli = RecipeCLI(
         LightningModule,
         LightningDataModule,
@@ -60,5 +109,11 @@ def main(args: list[str] | None = None, run: bool = True) -> RecipeCLI:
     return cli
 
 
-if __name__ == "__main__":
+def cli_main() -> None:
+    """The ``lightning-dgc`` console script: :func:`main` without a return value (a console script
+    hands its function's return value to ``sys.exit``, which would turn the CLI object into exit code 1)."""
     main()
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -156,7 +156,8 @@ def test_ranks_that_start_different_collectives_fail_instead_of_mixing_data() ->
 
 
 def test_the_readme_example_algorithm_works(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's "add an algorithm" file, run as written: registered by name, exact on simulated ranks."""
+    """The docs' "add an algorithm" file (docs/extending.md), run as written: registered by name, exact on
+    simulated ranks."""
     import re
     import sys
     import types
@@ -165,11 +166,11 @@ def test_the_readme_example_algorithm_works(monkeypatch: pytest.MonkeyPatch) -> 
     from lightning_dgc.algorithms import base
 
     monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))  # the example's registration is undone
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
     code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "class FP16(" in block)
     module = types.ModuleType("lightning_dgc.algorithms.fp16")
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    exec(compile(code, "README.md", "exec"), module.__dict__)
+    exec(compile(code, "docs/extending.md", "exec"), module.__dict__)
     config = algorithms.get("fp16").config_class()
     ranks = _train(config, world=3)
     for step in range(4):

@@ -1,0 +1,175 @@
+"""The README, the docs site and the benchmarks README, checked against the code.
+
+Every Python block compiles (the ones marked ``<!-- docs-test: run -->``, and the README's quickstart,
+also run); every command line shown for the package's CLI is parsed with ``--print_config`` and every
+benchmark or demo command with ``--help`` (each option it shows must be one the script has); the
+README and the benchmarks README keep their size limits; no page names a path of the machine it was
+written on; the README's links point at files that exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipes.__main__ import main as cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted(
+    [ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "CONTRIBUTING.md", *(ROOT / "docs").rglob("*.md")]
+)
+# the generated per-run tables quote the commands of past runs (with placeholders), not commands to type
+GENERATED = {ROOT / "docs" / "benchmarks" / "results.md"}
+RUN_MARK = "<!-- docs-test: run -->"
+FENCE = re.compile(r"(<!-- docs-test: run -->\n)?```(\w*)\n(.*?)```", re.S)
+#: Absolute paths of a particular machine (a user's paths are written relative, e.g. ./data).
+MACHINE_PATH = re.compile(r"(?<![\w.<>~])/(?:work|root|home|tmp|mnt|scratch|opt|usr)/")
+
+
+def blocks(path: Path, language: str) -> list[tuple[bool, str]]:
+    return [(bool(mark), code) for mark, lang, code in FENCE.findall(path.read_text()) if lang == language]
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def commands(path: Path) -> list[list[str]]:
+    """The command lines of the bash blocks, continuation lines joined and comments dropped."""
+    found = []
+    for _, code in blocks(path, "bash"):
+        for line in code.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith(("#", "export ")):
+                found.append(shlex.split(line.split(" > ")[0]))
+    return found
+
+
+def test_size_limits() -> None:
+    assert len((ROOT / "README.md").read_bytes()) <= 12 * 1024
+    assert len((ROOT / "benchmarks" / "README.md").read_bytes()) <= 10 * 1024
+
+
+@pytest.mark.parametrize("path", PAGES, ids=rel)
+def test_no_machine_paths(path: Path) -> None:
+    hits = [line for line in path.read_text().splitlines() if MACHINE_PATH.search(line)]
+    assert not hits, f"{rel(path)} names paths of a particular machine: {hits[:3]}"
+
+
+def test_generated_tables_have_no_machine_paths() -> None:
+    for path in GENERATED:
+        hits = [line for line in path.read_text().splitlines() if MACHINE_PATH.search(line)]
+        assert not hits, hits[:3]
+
+
+def test_readme_links_point_at_files() -> None:
+    readme = (ROOT / "README.md").read_text()
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in t]
+    missing = [t for t in targets if t and not (ROOT / t).exists()]
+    assert targets and not missing, missing
+
+
+@pytest.mark.parametrize("path", PAGES, ids=rel)
+def test_python_blocks_compile(path: Path) -> None:
+    for i, (_, code) in enumerate(blocks(path, "python")):
+        compile(code, f"{rel(path)} (python block {i})", "exec")
+
+
+@pytest.mark.parametrize(
+    "path_and_index",
+    [(path, i) for path in PAGES for i, (run, _) in enumerate(blocks(path, "python")) if run],
+    ids=lambda pi: f"{rel(pi[0])}-{pi[1]}",
+)
+def test_marked_python_blocks_run(path_and_index: tuple[Path, int], tmp_path: Path) -> None:
+    path, index = path_and_index
+    code = blocks(path, "python")[index][1]
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**_env(), "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
+    """Two CPU processes train under DGC for two epochs, from a file, as a user would run it."""
+    code = next(code for _, code in blocks(ROOT / "README.md", "python") if "trainer.fit" in code)
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**_env(), "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "lightning_logs").is_dir()
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def _cli_commands() -> list[tuple[str, list[str]]]:
+    """(page, arguments after the program) of every command of the package's CLI shown."""
+    found = []
+    for path in PAGES:
+        for argv in commands(path):
+            if "-m" in argv and argv[argv.index("-m") + 1] == "recipes":  # python -m recipes, torchrun -m recipes
+                found.append((rel(path), argv[argv.index("-m") + 2 :]))
+            elif "lightning-dgc" in argv:
+                found.append((rel(path), argv[argv.index("lightning-dgc") + 1 :]))
+    return found
+
+
+def _module_commands() -> list[tuple[str, str, list[str]]]:
+    """(page, module, arguments) of every ``python -m benchmarks.*`` / ``recipes.demo`` command shown."""
+    found = []
+    for path in PAGES:
+        for argv in commands(path):
+            if "-m" in argv:
+                module = argv[argv.index("-m") + 1]
+                if module.startswith("benchmarks.") or module == "recipes.demo":
+                    found.append((rel(path), module, argv[argv.index("-m") + 2 :]))
+    return found
+
+
+def test_the_pages_show_commands() -> None:
+    assert len(_cli_commands()) >= 5 and len(_module_commands()) >= 5
+
+
+@pytest.mark.parametrize("page_and_args", _cli_commands(), ids=lambda c: f"{c[0]}: {' '.join(c[1])[:60]}")
+def test_cli_commands_parse(page_and_args: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    page, args = page_and_args
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["lightning-dgc"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        cli([*[a for a in args if a != "--print_config"], "--print_config"])
+    assert exit_info.value.code == 0, f"{page}: {' '.join(args)}"
+    assert "trainer:" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "page_module_args", _module_commands(), ids=lambda c: f"{c[0]}: {c[1]} {' '.join(c[2])[:50]}"
+)
+def test_module_commands_take_their_options(
+    page_module_args: tuple[str, str, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page, module, args = page_module_args
+    monkeypatch.chdir(ROOT)
+    main = importlib.import_module(module).main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+        main([*args, "--help"])
+    assert exit_info.value.code == 0
+    unknown = [a.split("=")[0] for a in args if a.startswith("--") and a.split("=")[0] not in out.getvalue()]
+    assert not unknown, f"{page}: python -m {module} has no option(s) {unknown}"

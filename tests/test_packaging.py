@@ -1,0 +1,105 @@
+"""Packaging: every package ships, the configs ship and resolve by name, one version, the declared license."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import lightning_dgc
+from recipes.__main__ import builtin_configs, resolve_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+CONFIGS = ROOT / "configs"
+
+
+def test_every_package_directory_is_listed_for_the_wheel() -> None:
+    listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("lightning_dgc", "recipes")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+    assert {"recipes.configs", "recipes.configs.algo"} <= listed
+
+
+def test_the_configs_are_package_data() -> None:
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    assert setuptools["package-dir"]["recipes.configs"] == "configs"
+    assert setuptools["package-data"]["recipes.configs"] == ["*.yaml"]
+    assert setuptools["package-data"]["recipes.configs.algo"] == ["*.yaml"]
+    assert {p.parent for p in CONFIGS.rglob("*.yaml")} == {CONFIGS, CONFIGS / "algo"}
+
+
+def test_one_version_source_and_a_release_section_for_it() -> None:
+    assert "version" not in PYPROJECT["project"] and "version" in PYPROJECT["project"]["dynamic"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lightning_dgc.__version__"}
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    releases = re.findall(r"^## \[([^\]]+)\]", changelog, re.M)
+    assert releases[:2] == ["Unreleased", lightning_dgc.__version__], releases
+
+
+def test_the_license_file_matches_the_declared_license() -> None:
+    assert PYPROJECT["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+
+
+def test_metadata_is_complete() -> None:
+    project = PYPROJECT["project"]
+    assert project["authors"] and project["keywords"] and project["urls"]
+    assert any(c.startswith("License") or c.startswith("Programming Language") for c in project["classifiers"])
+    assert {"lightning-dgc", "lightning-dgc-recipes"} <= set(project["scripts"])
+    torch = next(d for d in project["dependencies"] if d.startswith("torch"))
+    assert torch.startswith("torch>=") and "<2.12" not in torch  # not pinned to one minor release
+    assert not any(d.startswith(("torchaudio", "torchvision")) for d in project["dependencies"])
+
+
+def test_builtin_config_names_cover_every_config() -> None:
+    expected = {p.relative_to(CONFIGS).with_suffix("").as_posix() for p in CONFIGS.rglob("*.yaml")}
+    assert set(builtin_configs()) == expected
+    assert {"cifar10_resnet20_cpu", "algo/dgc", "algo/deft", "algo/powersgd"} <= expected
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("cifar10_resnet20_cpu", "cifar10_resnet20_cpu.yaml"),
+        ("cifar10_resnet20_cpu.yaml", "cifar10_resnet20_cpu.yaml"),
+        ("configs/cifar10_resnet20_cpu.yaml", "cifar10_resnet20_cpu.yaml"),
+        ("algo/dgc", "algo/dgc.yaml"),
+        ("configs/algo/dgc.yaml", "algo/dgc.yaml"),
+    ],
+)
+def test_builtin_names_resolve_from_any_folder(
+    value: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # outside the checkout: no configs/ here
+    assert Path(resolve_config(value)).resolve() == (CONFIGS / expected).resolve()
+
+
+def test_an_existing_file_wins_and_anything_else_is_left_to_the_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "algo").mkdir()
+    (tmp_path / "algo" / "dgc.yaml").write_text("trainer: {}\n")
+    assert resolve_config("algo/dgc.yaml") == "algo/dgc.yaml"  # the user's own file
+    assert resolve_config("no_such_config") == "no_such_config"  # LightningCLI reports it
+    assert resolve_config("trainer: {max_epochs: 1}") == "trainer: {max_epochs: 1}"  # inline YAML
+
+
+def test_powersgd_config_is_exported() -> None:
+    from lightning_dgc.algorithms.powersgd import PowerSGDConfig
+
+    assert lightning_dgc.PowerSGDConfig is PowerSGDConfig and "PowerSGDConfig" in lightning_dgc.__all__
