@@ -57,7 +57,7 @@ def test_the_license_file_matches_the_declared_license() -> None:
 
 def test_metadata_is_complete() -> None:
     project = PYPROJECT["project"]
-    assert project["authors"] and project["keywords"] and project["urls"]
+    assert project["authors"] and project["keywords"] and project["classifiers"]
     assert any(c.startswith("License") or c.startswith("Programming Language") for c in project["classifiers"])
     assert {"lightning-dgc", "lightning-dgc-recipes"} <= set(project["scripts"])
     torch = next(d for d in project["dependencies"] if d.startswith("torch"))
