@@ -160,7 +160,7 @@ def _check_device_futures(version: str | None = None) -> None:
             f"lightning_dgc needs torch >= {'.'.join(map(str, DEVICE_FUTURES_TORCH))} for compressed exchanges of"
             f" CUDA gradients (this is torch {version or torch.__version__}): on older releases a collective's"
             " future does not order the CUDA stream that decodes it, and ranks could decode different updates."
-            " Install the torch release lightning-dgc supports (`pip install 'torch>=2.11,<2.12'`)."
+            " Install a torch release lightning-dgc supports (`pip install 'torch>=2.11,<2.14'`)."
         )
     if version is None:
         _DEVICE_FUTURES_CHECKED = True
