@@ -410,8 +410,9 @@ class DGCStrategy(CompressionStrategy):
     """Data-parallel training with Deep Gradient Compression (Lin et al., ICLR 2018).
 
     ``CompressionStrategy(DGCConfig(...))`` with DGC's settings as arguments (each one is described
-    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector, see
-    :class:`CompressionStrategy`), plus every ``DDPStrategy`` argument.
+    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector) and
+    ``hierarchical`` (the two-level exchange across nodes), both described in :class:`CompressionStrategy`,
+    plus every ``DDPStrategy`` argument.
     """
 
     def __init__(
@@ -428,6 +429,7 @@ class DGCStrategy(CompressionStrategy):
         value_dtype: ValueDType = DGCConfig.value_dtype,
         seed: int = DGCConfig.seed,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        hierarchical: Literal["auto"] | bool = "auto",
         **kwargs: Any,
     ) -> None:
         options = {
@@ -439,7 +441,7 @@ class DGCStrategy(CompressionStrategy):
         }  # fmt: skip
         super().__init__(
             self.config_class(**options, **self._more_options()), max_consecutive_skips=max_consecutive_skips,
-            **kwargs,
+            hierarchical=hierarchical, **kwargs,
         )  # fmt: skip
 
     #: The configuration the arguments fill.
