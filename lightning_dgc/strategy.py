@@ -181,6 +181,7 @@ class CompressionStrategy(DDPStrategy):
             False  # resuming a checkpoint whose optimizer state holds the take-over's zeros
         )
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
+        self._finite: bool | None = None  # the verdict of a step finished at the end of backward()
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -263,6 +264,7 @@ class CompressionStrategy(DDPStrategy):
         if state is None or list(state.param_names.values()) != [n for n, _ in named]:
             state = self._state = ExchangeState(self._config)  # else a second fit: the memory carries on
         state.register_parameters(named)
+        state.finish_writes_grads = True  # the averaged gradients are written after the memory's commit
         self.model.register_comm_hook(state, self._hook())
         log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
 
@@ -399,12 +401,25 @@ class CompressionStrategy(DDPStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
+        """Lightning's backward, with the exchange's step finished right after the backward pass itself.
+
+        So the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it
+        was) before ``on_after_backward`` and anything after it reads them, as under DDP.
+        """
         if self._state is not None:
             scaler = getattr(self.precision_plugin, "scaler", None)
             self._state.grad_scale = (
                 float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
             )
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        if self._state is not None and self._state.step_pending:  # the hook ran in this backward pass
+            self._finite = self._state.finish_step()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def optimizer_step(
@@ -422,7 +437,12 @@ class CompressionStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     def _finish_step(self, optimizer: Optimizer) -> None:
-        if self._state is None or self._state.finish_step():
+        finite, self._finite = self._finite, None
+        if self._state is None:
+            return
+        if finite is None:  # no backward pass ran the hook since the last step (or it was finished there)
+            finite = self._state.finish_step()
+        if finite:
             return
         if getattr(self.precision_plugin, "scaler", None) is not None:
             return  # the GradScaler sees the non-finite gradients, skips the step and lowers its scale
@@ -445,23 +465,27 @@ class CompressionStrategy(DDPStrategy):
         mean over ranks of the exchange's momentum, so that plain DDP (or any strategy) resumes it with
         momentum applied once and nothing lost. Memory: every buffer is gathered tensor by tensor into
         rank 0 (``2 x world_size`` model sizes there, plus one for the SGD buffers, as DDP's own
-        checkpoint holds); the other ranks send their buffers as they are, without copies.
+        checkpoint holds); rank 0's own buffers are not copied on the CPU; the other ranks send their
+        buffers as they are, without copies.
         """
         if self._state is None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        entry = self._gather_exchange_state()
+        synchronous = (
+            type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and _is_local(filepath)
+        )
+        entry = self._gather_exchange_state(copy_own=not synchronous)
         if entry is None:  # not rank 0: its buffers went to rank 0
             return
         checkpoint[CHECKPOINT_KEY] = entry
         if "optimizer_states" in checkpoint:
             self._write_user_optimizer_state(checkpoint["optimizer_states"], entry)
-        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and _is_local(filepath):
+        if synchronous:
             _save_atomically(checkpoint, filepath)  # Lightning's buffers the whole file in memory first
         else:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def _gather_exchange_state(self) -> dict[str, Any] | None:
+    def _gather_exchange_state(self, copy_own: bool = True) -> dict[str, Any] | None:
         state = self.exchange_state
         committed = state.memory.committed
         keys = sorted((kind, name) for kind, by_name in committed.items() for name in by_name)
@@ -473,7 +497,7 @@ class CompressionStrategy(DDPStrategy):
                 " checkpoint; every rank must train the same model."
             )
         metadata = comm.gather_object(state.state_dict(memory=False))
-        gathered = comm.gather_tensors([committed[kind][name] for kind, name in keys])
+        gathered = comm.gather_tensors([committed[kind][name] for kind, name in keys], copy_own=copy_own)
         if metadata is None or gathered is None:
             return None
         ranks = []
@@ -504,7 +528,10 @@ class CompressionStrategy(DDPStrategy):
             for index, name in zip(group["params"], taken.names, strict=True):
                 if name not in momenta[0]:
                     continue
-                mean = torch.stack([m[name] for m in momenta]).mean(0)
+                mean = momenta[0][name].clone()  # summed rank by rank: one buffer, not world_size
+                for m in momenta[1:]:
+                    mean.add_(m[name])
+                mean.div_(len(momenta))
                 buffer = self._sgd_momentum(name, mean, params[name].detach().cpu()).to(params[name].dtype)
                 # A new dict: the packed state's values are the optimizer's live per-parameter dicts.
                 packed["state"][index] = {**packed["state"].get(index, {}), "momentum_buffer": buffer}

@@ -38,6 +38,7 @@ from lightning_dgc.algorithms.dgc import (
     average,
     dense_sum,
     exchange_dense,
+    release,
     split_layout,
 )
 from lightning_dgc.checks import flag
@@ -314,19 +315,10 @@ class DEFT(DGC):
             if self.config.selectors == "all":  # an index two ranks chose is sent once (decode adds slots)
                 values.masked_fill_(repeated(plan.union), 0.0)
             plan.values.copy_(values.add_(work.poison))
-            memories = [work.velocity]
-            if self.config.momentum_masking and work.momentum is not None:
-                memories.append(work.momentum)
-            for memory in memories:  # what was sent is no longer held back
-                if sent is None:
-                    memory.index_fill_(0, flat_positions, 0.0)
-                else:  # (union positions are distinct: a plain write)
-                    memory[flat_positions] = torch.where(sent, 0.0, memory[flat_positions])
+            work.selected, work.selected_mask = flat_positions, sent  # cleared from the memory at commit
             work.summed = collectives.all_reduce(plan.values, "all-reduce of DEFT's values")
         work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives, work.poison)
-        for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
-            if e.kind == "full":
-                self.state.memory.scratch("velocity", e.name).zero_()
+        release(work)
         return [p for p in (work.summed, work.dense) if p is not None]
 
     def _select_each(self, plan: DEFTPlan, work: DEFTWork, tasks: list[tuple[int, int, int]]) -> None:
@@ -370,6 +362,15 @@ class DEFT(DGC):
             return average(self, plan, work.flat, dense, None, None)
         assert plan.union is not None
         return average(self, plan, work.flat, dense, plan.union, work.summed.output)
+
+    def decoded_finite(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
+        sums = []
+        dense = dense_sum(self.state.world_size, work.dense)
+        if dense is not None:
+            sums.append(dense.sum())
+        if work.summed is not None:
+            sums.append(work.summed.output.float().sum())
+        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.ones((), dtype=torch.bool)
 
     @classmethod
     def selection_share(cls, world_size: int) -> float:

@@ -41,7 +41,12 @@ from lightning_dgc.algorithms.base import (
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.compression import codec, sampled_topk, topk_indices
 from lightning_dgc.compression.batched import SegmentLayout, batched_topk, segment_layout, to_device
-from lightning_dgc.memory import bucket_order_flat, clip_each_by_norm_, momentum_correction_each
+from lightning_dgc.memory import (
+    bucket_order_flat,
+    clip_each_by_norm_,
+    compensated_velocity_each,
+    momentum_correction_each_,
+)
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
@@ -228,8 +233,13 @@ class DGCPlan:
 class DGCWork(BucketWork):
     dense_parts: list[Tensor] = field(default_factory=list)  # entry order: dense gradients, full velocities
     sparse: list[tuple[Entry, Tensor]] = field(default_factory=list)  # compressed tensors, their v'
-    velocity: Tensor | None = None  # every compressed tensor's v', one flat buffer (views in ``sparse``)
-    momentum: Tensor | None = None  # their u', likewise (None without momentum)
+    # Every compressed tensor's v', one flat buffer (views in ``sparse``), alive from step 2 to the end of
+    # step 4 only: the memory itself is updated at commit (``DGC.replay``).
+    velocity: Tensor | None = None
+    selected: Tensor | None = None  # what was sent: positions in the compressed tensors' flat memory
+    selected_mask: Tensor | None = None  # (DEFT's ablation) which of ``selected`` this rank sent
+    local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
+    unpacked: tuple[Tensor, Tensor] | None = None  # the gathered payload decoded (indices, values)
     gathered: Pending | None = None
     dense: Pending | None = None
 
@@ -330,11 +340,15 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             if params[0].dtype != torch.float32:
                 params = [p.float() for p in params]
             torch._foreach_add_([grads[i] for i in members], params, alpha=decay)
+        sparse_views: dict[int, Tensor] = {}
         if plan.sparse_names:  # the compressed tensors' memory, contiguous: the selection reads it as one
             sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
-            work.velocity = memory.group("velocity", plan.sparse_names, sizes, device)[1]
+            memory.flat("velocity", plan.sparse_names, sizes, device)
             if plan.sparse_momentum:
-                work.momentum = memory.group("momentum", plan.sparse_names, sizes, device)[1]
+                memory.flat("momentum", plan.sparse_names, sizes, device)
+            work.velocity = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+            sparse = [i for i, e in enumerate(plan.entries) if e.kind == "sparse"]
+            sparse_views = dict(zip(sparse, work.velocity.split(sizes), strict=True))
         velocity_out: dict[int, Tensor] = {}
         for (momentum, nesterov), members in plan.memory_groups:
             names = [plan.entries[i].name for i in members]
@@ -342,20 +356,12 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             velocity = [
                 memory.buffer("velocity", n, size, device) for n, size in zip(names, sizes, strict=True)
             ]
-            v_out = [memory.scratch("velocity", n) for n in names]
+            v_out = [sparse_views.get(i, grads[i].new_empty(grads[i].shape)) for i in members]
             u: list[Tensor] = []
-            u_out: list[Tensor] = []
             if momentum:
                 u = [memory.buffer("momentum", n, size, device) for n, size in zip(names, sizes, strict=True)]
-                u_out = [memory.scratch("momentum", n) for n in names]
-            momentum_correction_each(
-                [grads[i] for i in members], velocity, v_out, momentum, nesterov, u, u_out
-            )
+            compensated_velocity_each([grads[i] for i in members], velocity, v_out, momentum, nesterov, u)
             velocity_out.update(zip(members, v_out, strict=True))
-            for name in names:
-                memory.stage("velocity", name)
-                if momentum:
-                    memory.stage("momentum", name)
         for _, members in plan.dense_momentum_groups:  # made here, on the hook's stream, not in the callback
             for i in members:
                 memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
@@ -366,7 +372,50 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 work.dense_parts.append(velocity_out[i])
             else:
                 work.sparse.append((e, velocity_out[i]))
+        if plan.memory_groups:  # the memory's update, applied in place once the step is known finite
+            if not self.state.finish_writes_grads:  # the decode overwrites the local gradient: keep it
+                work.local = flat.clone()
+            names = [e.name for e in plan.entries if e.kind != "dense"]
+            memory.note_replay(names, lambda skip: self.replay(plan, work, skip))
         return work
+
+    def replay(self, plan: DGCPlan, work: DGCWork, skip: Callable[[str], bool]) -> None:
+        """Commit this bucket's step to the memory, in place: momentum correction with the very operations
+        that made the velocity selected from (:func:`~lightning_dgc.memory.momentum_correction_each_`), then
+        what was sent cleared (and tensors sent whole emptied). ``skip``: parameters unused in the step."""
+        memory, device = self.state.memory, work.flat.device
+        grads = work.grads if work.local is None else work.local.split([s.numel for s in plan.layout])
+        committed = memory.committed
+        for (momentum, nesterov), members in plan.memory_groups:
+            used = [i for i in members if not skip(plan.entries[i].name)]
+            names = [plan.entries[i].name for i in used]
+            u = [committed["momentum"][n] for n in names] if momentum else []
+            momentum_correction_each_(
+                [grads[i] for i in used], [committed["velocity"][n] for n in names], momentum, nesterov, u
+            )
+            full = [committed["velocity"][plan.entries[i].name] for i in used if plan.entries[i].kind == "full"]
+            if full:  # sent whole: nothing held back
+                torch._foreach_zero_(full)
+        if work.selected is None:
+            return
+        positions, sent = work.selected, work.selected_mask
+        sparse = [e for e in plan.entries if e.kind == "sparse"]
+        sizes = [e.numel for e in sparse]
+        skipped = [j for j, e in enumerate(sparse) if skip(e.name)]
+        if skipped:  # (rare) leave the memory of unused parameters as it is
+            ends = torch.tensor(sizes, device=positions.device).cumsum(0)
+            segment = torch.bucketize(positions, ends, right=True)
+            keep = ~torch.isin(segment, torch.tensor(skipped, device=positions.device))
+            positions = positions[keep]
+            sent = sent[keep] if sent is not None else None
+        targets = [memory.flat("velocity", plan.sparse_names, sizes, device)]
+        if self.config.momentum_masking and plan.sparse_momentum:
+            targets.append(memory.flat("momentum", plan.sparse_names, sizes, device))
+        for target in targets:  # what was sent is no longer held back
+            if sent is None:
+                target.index_fill_(0, positions, 0.0)
+            else:  # (positions are distinct: a plain write)
+                target[positions] = torch.where(sent, 0.0, target[positions])
 
     # -- step 3 ----------------------------------------------------------------------------------------------
     def choose(self, values: Tensor, k: int) -> Tensor:
@@ -404,15 +453,14 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
 
     def _select_each(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
         """Tensor by tensor (the CPU's numpy path): bucket positions and values, cleared from memory."""
-        masking, memory = self.config.momentum_masking, self.state.memory
-        indices, values = [], []
+        indices, values, positions, start = [], [], [], 0
         for e, velocity in work.sparse:
             idx = self.choose(velocity, e.k)
             indices.append(idx + e.offset)
+            positions.append(idx + start)
             values.append(velocity.index_select(0, idx))
-            velocity.index_fill_(0, idx, 0.0)  # sent: no longer held back
-            if masking and memory.has("momentum", e.name):
-                memory.scratch("momentum", e.name).index_fill_(0, idx, 0.0)
+            start += e.numel
+        work.selected = torch.cat(positions)  # cleared from the memory at commit
         return torch.cat(indices), torch.cat(values)
 
     def _select_batched(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
@@ -431,9 +479,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             plan.out_shift = to_device(shifts, device)[plan.segments.out_segment]
         idx = batched_topk(work.velocity, plan.segments, self.state.draw_generator(device))
         values = work.velocity[idx]
-        work.velocity.index_fill_(0, idx, 0.0)  # sent: no longer held back
-        if self.config.momentum_masking and work.momentum is not None:
-            work.momentum.index_fill_(0, idx, 0.0)
+        work.selected = idx  # cleared from the memory at commit
         return idx + plan.out_shift, values
 
     # -- step 4 ----------------------------------------------------------------------------------------------
@@ -443,9 +489,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 plan.payload, plan.gathered, "all-gather of the sparse payload"
             )
         work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives, work.poison)
-        for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
-            if e.kind == "full":
-                self.state.memory.scratch("velocity", e.name).zero_()
+        release(work)
         return [p for p in (work.gathered, work.dense) if p is not None]
 
     # -- step 5 ----------------------------------------------------------------------------------------------
@@ -453,13 +497,27 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         dense = dense_sum(self.state.world_size, work.dense)
         indices = values = None
         if work.gathered is not None:
-            gathered = work.gathered.output.view(self.state.world_size, -1)
-            indices, values = codec.unpack(
-                gathered, plan.k_total, self.config.value_dtype_torch, work.flat.numel()
-            )
+            indices, values = self._unpacked(plan, work)
             if self.state.measures_buildup:  # a host sync: only when something asks for it
                 self.state.add_union_values(int(torch.unique(indices).numel()))  # gradient build-up
         return average(self, plan, work.flat, dense, indices, values)
+
+    def _unpacked(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
+        if work.unpacked is None:
+            assert work.gathered is not None
+            gathered = work.gathered.output.view(self.state.world_size, -1)
+            work.unpacked = codec.unpack(gathered, plan.k_total, self.config.value_dtype_torch, work.flat.numel())
+        return work.unpacked
+
+    def decoded_finite(self, plan: DGCPlan, work: DGCWork) -> Tensor:
+        """Whether what every rank sent is finite (0-d bool, the same on every rank), before decoding it."""
+        sums = []
+        dense = dense_sum(self.state.world_size, work.dense)
+        if dense is not None:
+            sums.append(dense.sum())
+        if work.gathered is not None:
+            sums.append(self._unpacked(plan, work)[1].float().sum())
+        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.ones((), dtype=torch.bool)
 
     # -- the cost ----------------------------------------------------------------------------------------------
     @classmethod
@@ -480,6 +538,14 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         if dense_numel:
             messages.append(Message("all_reduce", dense_numel * value_bytes, "dense"))
         return WireCost(tuple(messages), dense_bytes, numel, k_total, k_total + dense_numel, padding)
+
+
+def release(work: DGCWork) -> None:
+    """Drop the step's bucket-sized temporaries once the collectives have their inputs (the memory is
+    updated at commit from the local gradient, not from them)."""
+    work.velocity = None
+    work.sparse = []
+    work.dense_parts = []
 
 
 def exchange_dense(
