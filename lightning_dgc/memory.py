@@ -6,12 +6,17 @@ What an algorithm holds back between steps lives here, per parameter name and *k
 factor masking, from u), PowerSGD's ``error`` and ``q``, ... Names, not DDP bucket indices, are the
 keys: DDP rebuilds its buckets after the first step.
 
-One object owns the whole lifecycle of a step (:class:`ResidualMemory`): an algorithm writes the new
-values into *scratch* buffers and stages them; the decode callbacks note their buckets; one call per
-optimizer step, :meth:`ResidualMemory.finish_step`, waits for the buckets and commits the staged
-buffers if the step was finite on every rank, or discards them: a skipped step (inf/NaN anywhere,
-e.g. under a GradScaler) leaves the memory exactly as it was, so nothing is lost or poisoned.
-Buffers of a kind an algorithm never writes are never allocated (no momentum without momentum).
+One object owns the whole lifecycle of a step (:class:`ResidualMemory`). An algorithm either writes
+the new values into *scratch* buffers and stages them (small buffers), or notes a *replay*: a function
+that updates the committed buffers in place, run only at commit, from what the step kept (DGC's and
+DEFT's momentum correction replays from the local gradient, PowerSGD's error from the compensated
+gradient in the bucket), with the very operations that made what was selected and sent, so that the
+result is the same bits and no model-sized scratch buffer is needed. The decode callbacks note their
+buckets; one call per optimizer step, :meth:`ResidualMemory.finish_step`, waits for the buckets and
+commits (replays, then staged buffers) if the step was finite on every rank, or discards everything: a
+skipped step (inf/NaN anywhere, e.g. under a GradScaler) leaves the memory exactly as it was, bit for
+bit, so nothing is lost or poisoned. Buffers of a kind an algorithm never writes are never allocated
+(no momentum without momentum).
 
 Also here, the tensor math on these buffers: momentum correction, local clipping, and the
 conversion between SGD's momentum buffer and the exchange's momentum.
@@ -245,7 +250,7 @@ class ResidualMemory:
     contiguously, committed and scratch alike, so that batched work (one kernel over a bucket on the
     GPU) reads and writes one flat tensor; each parameter's buffers are views into it. A group whose
     parameters are all staged swaps its two flat buffers at commit; otherwise the staged views are
-    copied.
+    copied. :meth:`flat` is the committed flat alone, for algorithms that commit by :meth:`note_replay`.
     """
 
     def __init__(self) -> None:

@@ -239,7 +239,6 @@ class DGCWork(BucketWork):
     selected: Tensor | None = None  # what was sent: positions in the compressed tensors' flat memory
     selected_mask: Tensor | None = None  # (DEFT's ablation) which of ``selected`` this rank sent
     local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
-    unpacked: tuple[Tensor, Tensor] | None = None  # the gathered payload decoded (indices, values)
     gathered: Pending | None = None
     dense: Pending | None = None
 
@@ -503,11 +502,11 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         return average(self, plan, work.flat, dense, indices, values)
 
     def _unpacked(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
-        if work.unpacked is None:
-            assert work.gathered is not None
-            gathered = work.gathered.output.view(self.state.world_size, -1)
-            work.unpacked = codec.unpack(gathered, plan.k_total, self.config.value_dtype_torch, work.flat.numel())
-        return work.unpacked
+        """Every rank's indices and values (unpacked again where needed: the callback's tensors stay on its
+        stream, so ``finish_step()`` reads only what the collectives wrote)."""
+        assert work.gathered is not None
+        gathered = work.gathered.output.view(self.state.world_size, -1)
+        return codec.unpack(gathered, plan.k_total, self.config.value_dtype_torch, work.flat.numel())
 
     def decoded_finite(self, plan: DGCPlan, work: DGCWork) -> Tensor:
         """Whether what every rank sent is finite (0-d bool, the same on every rank), before decoding it."""
