@@ -239,6 +239,7 @@ class DGCWork(BucketWork):
     selected: Tensor | None = None  # what was sent: positions in the compressed tensors' flat memory
     selected_mask: Tensor | None = None  # (DEFT's ablation) which of ``selected`` this rank sent
     local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
+    in_bucket: bool = False  # ``velocity`` is a part of the bucket (v' made in place of the local gradient)
     gathered: Pending | None = None
     dense: Pending | None = None
 
@@ -345,8 +346,15 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             memory.flat("velocity", plan.sparse_names, sizes, device)
             if plan.sparse_momentum:
                 memory.flat("momentum", plan.sparse_names, sizes, device)
-            work.velocity = torch.empty(sum(sizes), dtype=torch.float32, device=device)
             sparse = [i for i, e in enumerate(plan.entries) if e.kind == "sparse"]
+            if not plan.sparse_momentum and sparse == list(range(sparse[0], sparse[-1] + 1)):
+                # error feedback, compressed tensors side by side in the bucket: v' = g + v is made right
+                # there (the commit copies it), with no temporary
+                first, last = plan.entries[sparse[0]], plan.entries[sparse[-1]]
+                work.velocity = flat[first.offset : last.offset + last.numel]
+                work.in_bucket = True
+            else:
+                work.velocity = torch.empty(sum(sizes), dtype=torch.float32, device=device)
             sparse_views = dict(zip(sparse, work.velocity.split(sizes), strict=True))
         velocity_out: dict[int, Tensor] = {}
         for (momentum, nesterov), members in plan.memory_groups:
@@ -355,10 +363,17 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             velocity = [
                 memory.buffer("velocity", n, size, device) for n, size in zip(names, sizes, strict=True)
             ]
+            if work.in_bucket and momentum == 0.0:  # (g + v is v + g, bit for bit)
+                here = [j for j, i in enumerate(members) if i in sparse_views]
+                torch._foreach_add_([grads[members[j]] for j in here], [velocity[j] for j in here])
+                members_left = [i for i in members if i not in sparse_views]
+                velocity = [v for j, v in enumerate(velocity) if j not in here]
+                velocity_out.update((i, grads[i]) for i in members if i in sparse_views)
+                members = members_left
             v_out = [sparse_views.get(i, grads[i].new_empty(grads[i].shape)) for i in members]
             u: list[Tensor] = []
             if momentum:
-                u = [memory.buffer("momentum", n, size, device) for n, size in zip(names, sizes, strict=True)]
+                u = [memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device) for i in members]
             compensated_velocity_each([grads[i] for i in members], velocity, v_out, momentum, nesterov, u)
             velocity_out.update(zip(members, v_out, strict=True))
         for _, members in plan.dense_momentum_groups:  # made here, on the hook's stream, not in the callback
@@ -387,6 +402,11 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         committed = memory.committed
         for (momentum, nesterov), members in plan.memory_groups:
             used = [i for i in members if not skip(plan.entries[i].name)]
+            if work.in_bucket and momentum == 0.0:  # v' is in the bucket already
+                here = [i for i in used if plan.entries[i].kind == "sparse"]
+                torch._foreach_copy_([committed["velocity"][plan.entries[i].name] for i in here],
+                                     [grads[i] for i in here])  # fmt: skip
+                used = [i for i in used if plan.entries[i].kind != "sparse"]
             names = [plan.entries[i].name for i in used]
             u = [committed["momentum"][n] for n in names] if momentum else []
             momentum_correction_each_(
