@@ -227,6 +227,7 @@ class DGCPlan:
     sparse_momentum: bool = False  # whether any compressed tensor keeps a momentum
     segments: SegmentLayout | None = None  # the batched selection's layout (made when first used)
     out_shift: Tensor | None = None  # per selected slot: bucket offset - offset in the compressed buffer
+    steps: int = 0  # steps run with this plan
 
 
 @dataclass
@@ -240,6 +241,7 @@ class DGCWork(BucketWork):
     selected_mask: Tensor | None = None  # (DEFT's ablation) which of ``selected`` this rank sent
     local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
     in_bucket: bool = False  # ``velocity`` is a part of the bucket (v' made in place of the local gradient)
+    grouped: bool = False  # the compressed tensors' memory is one flat buffer per kind
     gathered: Pending | None = None
     dense: Pending | None = None
 
@@ -341,11 +343,17 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 params = [p.float() for p in params]
             torch._foreach_add_([grads[i] for i in members], params, alpha=decay)
         sparse_views: dict[int, Tensor] = {}
-        if plan.sparse_names:  # the compressed tensors' memory, contiguous: the selection reads it as one
+        # The compressed tensors' memory is laid out contiguously (one write clears what was sent) from a
+        # layout's second step on: DDP's first buckets are rebuilt after one step, and moving the memory
+        # into groups twice would hold it twice.
+        work.grouped = plan.steps > 0
+        plan.steps += 1
+        if plan.sparse_names:
             sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
-            memory.flat("velocity", plan.sparse_names, sizes, device)
-            if plan.sparse_momentum:
-                memory.flat("momentum", plan.sparse_names, sizes, device)
+            if work.grouped:
+                memory.flat("velocity", plan.sparse_names, sizes, device)
+                if plan.sparse_momentum:
+                    memory.flat("momentum", plan.sparse_names, sizes, device)
             sparse = [i for i, e in enumerate(plan.entries) if e.kind == "sparse"]
             if not plan.sparse_momentum and sparse == list(range(sparse[0], sparse[-1] + 1)):
                 # error feedback, compressed tensors side by side in the bucket: v' = g + v is made right
@@ -420,21 +428,22 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         positions, sent = work.selected, work.selected_mask
         sparse = [e for e in plan.entries if e.kind == "sparse"]
         sizes = [e.numel for e in sparse]
-        skipped = [j for j, e in enumerate(sparse) if skip(e.name)]
-        if skipped:  # (rare) leave the memory of unused parameters as it is
-            ends = torch.tensor(sizes, device=positions.device).cumsum(0)
-            segment = torch.bucketize(positions, ends, right=True)
-            keep = ~torch.isin(segment, torch.tensor(skipped, device=positions.device))
-            positions = positions[keep]
-            sent = sent[keep] if sent is not None else None
-        targets = [memory.flat("velocity", plan.sparse_names, sizes, device)]
-        if self.config.momentum_masking and plan.sparse_momentum:
-            targets.append(memory.flat("momentum", plan.sparse_names, sizes, device))
-        for target in targets:  # what was sent is no longer held back
-            if sent is None:
-                target.index_fill_(0, positions, 0.0)
-            else:  # (positions are distinct: a plain write)
-                target[positions] = torch.where(sent, 0.0, target[positions])
+        kinds = ["velocity"] + (["momentum"] if self.config.momentum_masking and plan.sparse_momentum else [])
+        if work.grouped and not any(skip(e.name) for e in sparse):  # one write per buffer of the bucket
+            for kind in kinds:  # what was sent is no longer held back
+                clear_(memory.flat(kind, plan.sparse_names, sizes, device), positions, sent)
+            return
+        # tensor by tensor (a layout's first step, or a parameter unused in the step, whose memory stays)
+        ends = torch.tensor(sizes, device=positions.device).cumsum(0)
+        segment = torch.bucketize(positions, ends, right=True)
+        start = 0
+        for j, e in enumerate(sparse):
+            if not skip(e.name):
+                mine = segment == j
+                for kind in kinds:
+                    if memory.has(kind, e.name):
+                        clear_(committed[kind][e.name], positions[mine] - start, sent[mine] if sent is not None else None)
+            start += e.numel
 
     # -- step 3 ----------------------------------------------------------------------------------------------
     def choose(self, values: Tensor, k: int) -> Tensor:
@@ -557,6 +566,14 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         if dense_numel:
             messages.append(Message("all_reduce", dense_numel * value_bytes, "dense"))
         return WireCost(tuple(messages), dense_bytes, numel, k_total, k_total + dense_numel, padding)
+
+
+def clear_(memory: Tensor, positions: Tensor, sent: Tensor | None = None) -> None:
+    """Zero ``memory`` at ``positions`` (only where ``sent``, if given: positions are then distinct)."""
+    if sent is None:
+        memory.index_fill_(0, positions, 0.0)
+    else:
+        memory[positions] = torch.where(sent, 0.0, memory[positions])
 
 
 def release(work: DGCWork) -> None:
