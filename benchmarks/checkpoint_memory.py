@@ -11,9 +11,11 @@ SGD(momentum) steps, then every rank calls ``trainer.save_checkpoint``. Reported
 * ``save peak``: the peak resident memory of the rank during ``save_checkpoint``, above what it held
   just before (Linux's ``VmHWM``, reset through ``/proc/self/clear_refs`` before the call; where that
   is not allowed, a thread samples the resident size every millisecond);
-* ``training peak``: the peak resident memory during ``fit`` above what the process held before it
-  (model, gradients, DDP's buckets, optimizer state, the exchange's memory and its temporaries), and
-  its excess over ddp's (``peak - ddp``): what the exchange costs;
+* ``training peak``: the peak resident memory from the start of ``fit`` to the end of the last
+  training step above what the process held before it (model, gradients, DDP's buckets, optimizer
+  state, the exchange's memory and its temporaries), and its excess over ddp's (``peak - ddp``): what
+  the exchange costs; ``fit peak``: the same to the end of ``fit`` (DGC then hands its momentum back to
+  SGD's buffers while it still holds its own);
 * ``training``: the resident memory at the end of the last training step, likewise;
 * on a GPU, ``cuda peak``: ``torch.cuda.max_memory_allocated()`` during ``fit`` (and its excess over
   ddp's) and during ``save_checkpoint``;
@@ -75,6 +77,12 @@ class PeakMemory:
             self.peak = max(self.peak, _resident_bytes())
             time.sleep(0.001)
 
+    def so_far(self) -> int:
+        """The peak resident size since the block started (bytes)."""
+        if self._sampler is None:
+            return _peak_resident_bytes()
+        return max(self.peak, _resident_bytes())
+
     def __exit__(self, *exc: object) -> None:
         if self._sampler is None:
             self.peak = _peak_resident_bytes()
@@ -120,9 +128,13 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
 
     class LastStep(L.Callback):
         resident = 0
+        peak = 0
+        monitor: PeakMemory | None = None
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             self.resident = _resident_bytes()
+            if self.monitor is not None:
+                self.peak = self.monitor.so_far()
 
     last = LastStep()
     model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -135,6 +147,7 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     with PeakMemory() as training:
+        last.monitor = training
         trainer.fit(Module(), data)
     cuda_training = torch.cuda.max_memory_allocated() if cuda else None
     path = out.with_name(f"{out.stem}.ckpt")
@@ -151,7 +164,8 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
         "model_bytes": model_bytes,
         "save_peak_model_sizes": (peak.peak - before) / model_bytes,
         "training_model_sizes": (last.resident - baseline) / model_bytes,
-        "training_peak_model_sizes": (training.peak - baseline) / model_bytes,
+        "training_peak_model_sizes": (last.peak - baseline) / model_bytes,
+        "fit_peak_model_sizes": (training.peak - baseline) / model_bytes,
         "cuda_training_peak_model_sizes": cuda_training / model_bytes if cuda_training is not None else None,
         "cuda_save_peak_model_sizes": (
             (torch.cuda.max_memory_allocated() - cuda_before) / model_bytes if cuda else None
@@ -238,14 +252,16 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return r[key] - ddp[r["rank"]][key]
 
-    columns = ["strategy", "rank", "save peak", "training peak", "peak - ddp", "training", "training - ddp"]
+    columns = ["strategy", "rank", "save peak", "training peak", "peak - ddp", "fit peak", "training",
+               "training - ddp"]  # fmt: skip
     if accelerator == "cuda":
         columns += ["cuda peak", "cuda peak - ddp", "cuda save peak"]
     rows = []
     for name, ranks in runs.items():
         for r in ranks:
             row = [name, r["rank"], r["save_peak_model_sizes"], r["training_peak_model_sizes"],
-                   over(r, "training_peak_model_sizes"), r["training_model_sizes"], over(r, "training_model_sizes")]  # fmt: skip
+                   over(r, "training_peak_model_sizes"), r.get("fit_peak_model_sizes"), r["training_model_sizes"],
+                   over(r, "training_model_sizes")]  # fmt: skip
             if accelerator == "cuda":
                 row += [r["cuda_training_peak_model_sizes"], over(r, "cuda_training_peak_model_sizes"),
                         r["cuda_save_peak_model_sizes"]]  # fmt: skip

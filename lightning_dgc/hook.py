@@ -18,11 +18,12 @@ algorithm (:mod:`lightning_dgc.algorithms`: DGC, DEFT, PowerSGD, ...), in number
    (or discarded if any rank saw inf/NaN) once the whole backward pass is done.
 
 With ``state.finish_writes_grads`` (the strategies set it), an algorithm that can tell finiteness before
-decoding (:meth:`~lightning_dgc.algorithms.Algorithm.decoded_finite`: DGC, DEFT) decodes in step 6
-instead: the future hands DDP the bucket as it is (the local gradient, which DDP copies into ``.grad``),
-``finish_step()`` commits the memory from that local gradient and then writes the averaged update into
-the bucket and every parameter's ``.grad``. The local gradient then needs no copy of its own until the
-commit (one model size less). Until ``finish_step()`` returns, ``.grad`` holds this rank's gradient.
+decoding (:meth:`~lightning_dgc.algorithms.Algorithm.decoded_finite`: DGC, DEFT, PowerSGD with error
+feedback) decodes in step 6 instead: the future hands DDP the bucket as it is (the local gradient, which
+DDP copies into ``.grad``), ``finish_step()`` commits the memory from that local gradient and then writes
+the averaged update into the bucket and every parameter's ``.grad``. The local gradient then needs no
+copy of its own until the commit (one model size less). Until ``finish_step()`` returns, ``.grad`` holds
+this rank's gradient (error feedback: its compensated gradient).
 
 DDP checks the hook's annotations literally, so this module does not use postponed annotations.
 """
