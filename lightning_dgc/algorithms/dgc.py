@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -242,6 +242,7 @@ class DGCWork(BucketWork):
     local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
     in_bucket: bool = False  # ``velocity`` is a part of the bucket (v' made in place of the local gradient)
     grouped: bool = False  # the compressed tensors' memory is one flat buffer per kind
+    per_tensor: bool = False  # ``sparse`` holds no v': the selection makes it tensor by tensor
     gathered: Pending | None = None
     dense: Pending | None = None
 
@@ -265,6 +266,10 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
     memory_kinds = ("momentum", "velocity")
     residual_kind = "velocity"
     work_class: type[DGCWork] = DGCWork
+    #: Whether the selection tensor by tensor (the CPU's numpy path) makes each compressed tensor's v' when
+    #: it gets to it, so that one tensor's temporary is alive at a time, not a bucket's (DDP's first bucket
+    #: holds the whole model). DEFT reads v' of the whole bucket (norms, the union's values).
+    velocity_per_tensor: ClassVar[bool] = True
 
     @property
     def takes_over_momentum(self) -> bool:
@@ -355,15 +360,22 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 if plan.sparse_momentum:
                     memory.flat("momentum", plan.sparse_names, sizes, device)
             sparse = [i for i, e in enumerate(plan.entries) if e.kind == "sparse"]
-            if not plan.sparse_momentum and sparse == list(range(sparse[0], sparse[-1] + 1)):
-                # error feedback, compressed tensors side by side in the bucket: v' = g + v is made right
-                # there (the commit copies it), with no temporary
+            side_by_side = sparse == list(range(sparse[0], sparse[-1] + 1))
+            if not plan.sparse_momentum and (side_by_side or not self.velocity_per_tensor):
+                # error feedback: v' = g + v is made in the bucket itself (the commit copies it), with no
+                # temporary; one flat view of it when the compressed tensors lie side by side (DEFT
+                # reads the bucket otherwise)
                 first, last = plan.entries[sparse[0]], plan.entries[sparse[-1]]
-                work.velocity = flat[first.offset : last.offset + last.numel]
+                work.velocity = flat[first.offset : last.offset + last.numel] if side_by_side else None
                 work.in_bucket = True
+            elif self.velocity_per_tensor and not self.batched(device):
+                work.per_tensor = True  # v' made tensor by tensor by the selection: one tensor's temporary
             else:
                 work.velocity = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-            sparse_views = dict(zip(sparse, work.velocity.split(sizes), strict=True))
+            if work.velocity is not None:
+                sparse_views = dict(zip(sparse, work.velocity.split(sizes), strict=True))
+            elif work.in_bucket:
+                sparse_views = {i: grads[i] for i in sparse}
         velocity_out: dict[int, Tensor] = {}
         for (momentum, nesterov), members in plan.memory_groups:
             names = [plan.entries[i].name for i in members]
@@ -378,6 +390,14 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 velocity = [v for j, v in enumerate(velocity) if j not in here]
                 velocity_out.update((i, grads[i]) for i in members if i in sparse_views)
                 members = members_left
+            if work.per_tensor:  # the memory exists from here on; v' is made by the selection
+                if momentum:
+                    for i in members:
+                        memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
+                here = [j for j, i in enumerate(members) if plan.entries[i].kind == "sparse"]
+                velocity_out.update((members[j], None) for j in here)  # type: ignore[misc]
+                velocity = [v for j, v in enumerate(velocity) if j not in here]
+                members = [i for j, i in enumerate(members) if j not in here]
             v_out = [sparse_views.get(i, grads[i].new_empty(grads[i].shape)) for i in members]
             u: list[Tensor] = []
             if momentum:
@@ -453,6 +473,17 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         backend = "numpy" if self.config.selection_backend == "numpy" else "auto"
         return sampled_topk(values, k, self.config.sample_ratio, self.state.generator, backend=backend)
 
+    def velocity_of(self, e: Entry, work: DGCWork) -> Tensor:
+        """The compressed tensor ``e``'s v' (a new tensor), as ``compensate`` makes it for a whole bucket."""
+        settings, committed = self.state.settings_for(e.name), self.state.memory.committed
+        grad = work.flat[e.offset : e.offset + e.numel]
+        out = torch.empty_like(grad)
+        u = [committed["momentum"][e.name]] if settings.momentum else []
+        compensated_velocity_each(
+            [grad], [committed["velocity"][e.name]], [out], settings.momentum, settings.nesterov, u
+        )
+        return out
+
     def batched(self, device: torch.device) -> bool:
         """Whether the sampled selection runs batched per bucket (see ``DGCConfig.selection_backend``)."""
         backend = self.config.selection_backend
@@ -483,6 +514,8 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         """Tensor by tensor (the CPU's numpy path): bucket positions and values, cleared from memory."""
         indices, values, positions, start = [], [], [], 0
         for e, velocity in work.sparse:
+            if velocity is None:  # made now, freed after this tensor (see ``compensate``)
+                velocity = self.velocity_of(e, work)
             idx = self.choose(velocity, e.k)
             indices.append(idx + e.offset)
             positions.append(idx + start)
