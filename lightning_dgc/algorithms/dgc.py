@@ -348,10 +348,11 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 params = [p.float() for p in params]
             torch._foreach_add_([grads[i] for i in members], params, alpha=decay)
         sparse_views: dict[int, Tensor] = {}
-        # The compressed tensors' memory is laid out contiguously (one write clears what was sent) from a
-        # layout's second step on: DDP's first buckets are rebuilt after one step, and moving the memory
-        # into groups twice would hold it twice.
-        work.grouped = plan.steps > 0
+        # For the batched selection (on a device), the compressed tensors' memory is laid out contiguously
+        # (one write clears what was sent) from a layout's second step on: DDP's first bucket is rebuilt
+        # after one step, and moving the memory into groups twice would hold it twice. The tensor-by-tensor
+        # path clears tensor by tensor and keeps it per parameter (no move, no transient copy).
+        work.grouped = plan.steps > 0 and self.batched(device)
         plan.steps += 1
         if plan.sparse_names:
             sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
