@@ -228,6 +228,7 @@ class DGCPlan:
     segments: SegmentLayout | None = None  # the batched selection's layout (made when first used)
     out_shift: Tensor | None = None  # per selected slot: bucket offset - offset in the compressed buffer
     steps: int = 0  # steps run with this plan
+    grouped: bool = False  # its compressed tensors' memory is one flat buffer per kind (see ``DGC.replay``)
 
 
 @dataclass
@@ -348,18 +349,10 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 params = [p.float() for p in params]
             torch._foreach_add_([grads[i] for i in members], params, alpha=decay)
         sparse_views: dict[int, Tensor] = {}
-        # For the batched selection (on a device), the compressed tensors' memory is laid out contiguously
-        # (one write clears what was sent) from a layout's second step on: DDP's first bucket is rebuilt
-        # after one step, and moving the memory into groups twice would hold it twice. The tensor-by-tensor
-        # path clears tensor by tensor and keeps it per parameter (no move, no transient copy).
-        work.grouped = plan.steps > 0 and self.batched(device)
+        work.grouped = plan.grouped  # (see ``replay``)
         plan.steps += 1
         if plan.sparse_names:
             sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
-            if work.grouped:
-                memory.flat("velocity", plan.sparse_names, sizes, device)
-                if plan.sparse_momentum:
-                    memory.flat("momentum", plan.sparse_names, sizes, device)
             sparse = [i for i, e in enumerate(plan.entries) if e.kind == "sparse"]
             side_by_side = sparse == list(range(sparse[0], sparse[-1] + 1))
             if not plan.sparse_momentum and (side_by_side or not self.velocity_per_tensor):
@@ -399,7 +392,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 velocity_out.update((members[j], None) for j in here)  # type: ignore[misc]
                 velocity = [v for j, v in enumerate(velocity) if j not in here]
                 members = [i for j, i in enumerate(members) if j not in here]
-            v_out = [sparse_views.get(i, grads[i].new_empty(grads[i].shape)) for i in members]
+            v_out = [sparse_views[i] if i in sparse_views else grads[i].new_empty(grads[i].shape) for i in members]
             u: list[Tensor] = []
             if momentum:
                 u = [memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device) for i in members]
@@ -444,8 +437,23 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             full = [committed["velocity"][plan.entries[i].name] for i in used if plan.entries[i].kind == "full"]
             if full:  # sent whole: nothing held back
                 torch._foreach_zero_(full)
-        if work.selected is None:
-            return
+        if work.selected is not None:
+            self._clear_sent(plan, work, skip)
+        if not plan.grouped and plan.steps >= 2 and plan.sparse_names and self.batched(device):
+            # For the batched selection (on a device), the compressed tensors' memory is laid out
+            # contiguously (one write clears what was sent) once a layout has lasted two steps: DDP's
+            # first bucket is rebuilt after one step, and grouping it first would hold the memory twice
+            # while it moves. The tensor-by-tensor path keeps it per parameter.
+            sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
+            memory.flat("velocity", plan.sparse_names, sizes, device)
+            if plan.sparse_momentum:
+                memory.flat("momentum", plan.sparse_names, sizes, device)
+            plan.grouped = True
+
+    def _clear_sent(self, plan: DGCPlan, work: DGCWork, skip: Callable[[str], bool]) -> None:
+        """Clear what was sent from the velocity (and, with momentum masking, the momentum)."""
+        memory, device, committed = self.state.memory, work.flat.device, self.state.memory.committed
+        assert work.selected is not None
         positions, sent = work.selected, work.selected_mask
         sparse = [e for e in plan.entries if e.kind == "sparse"]
         sizes = [e.numel for e in sparse]
