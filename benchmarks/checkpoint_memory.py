@@ -3,20 +3,27 @@
     python -m benchmarks.checkpoint_memory                      # the 33.7M-parameter MLP, 2 processes
     python -m benchmarks.checkpoint_memory --params 4e6 --strategies ddp,dgc
 
-Each strategy runs in 2 fresh CPU processes (gloo, one per "node", as torchrun starts them): an MLP
-of about ``--params`` parameters trains a few SGD(momentum) steps, then every rank calls
-``trainer.save_checkpoint``. Reported, in *model sizes* (the parameters' bytes):
+Each strategy runs in 2 fresh processes (gloo, one per "node", as torchrun starts them; on the CPU,
+or with ``--accelerator cuda`` one GPU each): an MLP of about ``--params`` parameters trains a few
+SGD(momentum) steps, then every rank calls ``trainer.save_checkpoint``. Reported, in *model sizes*
+(the parameters' bytes):
 
 * ``save peak``: the peak resident memory of the rank during ``save_checkpoint``, above what it held
   just before (Linux's ``VmHWM``, reset through ``/proc/self/clear_refs`` before the call; where that
   is not allowed, a thread samples the resident size every millisecond);
-* ``training``: the resident memory at the end of the last training step above what the process
-  held before ``fit`` (model, optimizer state, DDP's buckets, and the exchange's memory), and its
-  excess over ddp's;
+* ``training peak``: the peak resident memory from the start of ``fit`` to the end of the last
+  training step above what the process held before it (model, gradients, DDP's buckets, optimizer
+  state, the exchange's memory and its temporaries), and its excess over ddp's (``peak - ddp``): what
+  the exchange costs; ``fit peak``: the same to the end of ``fit`` (DGC then hands its momentum back to
+  SGD's buffers while it still holds its own);
+* ``training``: the resident memory at the end of the last training step, likewise;
+* on a GPU, ``cuda peak``: ``torch.cuda.max_memory_allocated()`` during ``fit`` (and its excess over
+  ddp's) and during ``save_checkpoint``;
 * the checkpoint file's size.
 
-Targets: under dgc/deft, rank 0 stays within ``2 x world_size`` model sizes above ddp's save peak,
-and every other rank within 1 model size.
+Targets: dgc's training peak at most 1.5 model sizes above ddp's (with SGD momentum), deft's and
+powersgd's at most 1.0; a save peak of at most ``2 x world_size`` model sizes on rank 0 and 0.1 on
+every other rank.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from typing import Any
 
 from benchmarks import common
 
-STRATEGIES = ("ddp", "dgc", "deft")
+STRATEGIES = ("ddp", "dgc", "deft", "powersgd")
 WORLD = 2
 
 
@@ -70,6 +77,12 @@ class PeakMemory:
             self.peak = max(self.peak, _resident_bytes())
             time.sleep(0.001)
 
+    def so_far(self) -> int:
+        """The peak resident size since the block started (bytes)."""
+        if self._sampler is None:
+            return _peak_resident_bytes()
+        return max(self.peak, _resident_bytes())
+
     def __exit__(self, *exc: object) -> None:
         if self._sampler is None:
             self.peak = _peak_resident_bytes()
@@ -89,7 +102,7 @@ def _mlp(params: float) -> Any:
     )
 
 
-def worker(strategy_name: str, params: float, steps: int, out: Path) -> None:
+def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator: str = "cpu") -> None:
     """One rank: train, then save a checkpoint; write this rank's figures as JSON."""
     import lightning as L
     import torch
@@ -97,6 +110,7 @@ def worker(strategy_name: str, params: float, steps: int, out: Path) -> None:
 
     torch.set_num_threads(1)
     rank = int(os.environ.get("NODE_RANK", "0"))
+    cuda = accelerator == "cuda"
     baseline = _resident_bytes()
     net = _mlp(params)
     width = net[0].in_features
@@ -114,21 +128,33 @@ def worker(strategy_name: str, params: float, steps: int, out: Path) -> None:
 
     class LastStep(L.Callback):
         resident = 0
+        peak = 0
+        monitor: PeakMemory | None = None
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             self.resident = _resident_bytes()
+            if self.monitor is not None:
+                self.peak = self.monitor.so_far()
 
     last = LastStep()
     model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     trainer = L.Trainer(
-        strategy=common.make_strategy(strategy_name, density=0.01), accelerator="cpu", devices=1,
+        strategy=common.make_strategy(strategy_name, density=0.01), accelerator=accelerator, devices=1,
         num_nodes=WORLD, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[last],
     )  # fmt: skip
     data = DataLoader(TensorDataset(torch.randn(8 * steps, width)), batch_size=4)
-    trainer.fit(Module(), data)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with PeakMemory() as training:
+        last.monitor = training
+        trainer.fit(Module(), data)
+    cuda_training = torch.cuda.max_memory_allocated() if cuda else None
     path = out.with_name(f"{out.stem}.ckpt")
     before = _resident_bytes()
+    if cuda:
+        cuda_before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     with PeakMemory() as peak:
         trainer.save_checkpoint(path)
     result = {
@@ -138,6 +164,12 @@ def worker(strategy_name: str, params: float, steps: int, out: Path) -> None:
         "model_bytes": model_bytes,
         "save_peak_model_sizes": (peak.peak - before) / model_bytes,
         "training_model_sizes": (last.resident - baseline) / model_bytes,
+        "training_peak_model_sizes": (last.peak - baseline) / model_bytes,
+        "fit_peak_model_sizes": (training.peak - baseline) / model_bytes,
+        "cuda_training_peak_model_sizes": cuda_training / model_bytes if cuda_training is not None else None,
+        "cuda_save_peak_model_sizes": (
+            (torch.cuda.max_memory_allocated() - cuda_before) / model_bytes if cuda else None
+        ),
         "checkpoint_bytes": path.stat().st_size if rank == 0 else None,
     }
     out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps(result))
@@ -146,7 +178,7 @@ def worker(strategy_name: str, params: float, steps: int, out: Path) -> None:
 
 
 def measure(
-    strategy: str, params: float, steps: int, folder: Path, timeout_s: float = 900
+    strategy: str, params: float, steps: int, folder: Path, timeout_s: float = 900, accelerator: str = "cpu"
 ) -> list[dict[str, Any]]:
     """Run ``strategy`` on :data:`WORLD` fresh processes; every rank's figures."""
     port = common.free_port()
@@ -165,8 +197,12 @@ def measure(
                 str(steps),
                 "--out",
                 str(out),
+                "--accelerator",
+                accelerator,
             ],
-            common.distributed_env(rank, WORLD, "127.0.0.1", port),
+            common.distributed_env(
+                rank, WORLD, "127.0.0.1", port, **({"CUDA_VISIBLE_DEVICES": str(rank)} if accelerator == "cuda" else {})
+            ),
             folder / f"{strategy}.rank{rank}.log",
         )  # fmt: skip
         for rank in range(WORLD)
@@ -186,31 +222,63 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", type=float, default=33.7e6, help="parameters of the MLP")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--accelerator", choices=("auto", "cpu", "cuda"), default="cpu",
+        help="cpu (default), cuda (one GPU per rank: reports CUDA peak memory too), auto: cuda when there"
+        " is a GPU per rank",
+    )  # fmt: skip
     parser.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    accelerator = args.accelerator
+    if accelerator == "auto":
+        import torch
+
+        accelerator = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= WORLD else "cpu"
     if args.worker:
-        worker(args.worker, args.params, args.steps, args.out)
+        worker(args.worker, args.params, args.steps, args.out, accelerator)
         return 0
 
     folder = common.RESULTS / "logs" / "checkpoint_memory"
     folder.mkdir(parents=True, exist_ok=True)
-    runs = {name: measure(name, args.params, args.steps, folder) for name in args.strategies.split(",")}
+    runs = {
+        name: measure(name, args.params, args.steps, folder, accelerator=accelerator)
+        for name in args.strategies.split(",")
+    }
     ddp = runs.get("ddp")
+
+    def over(r: dict[str, Any], key: str) -> float | None:
+        if ddp is None or r.get(key) is None or ddp[r["rank"]].get(key) is None:
+            return None
+        return r[key] - ddp[r["rank"]][key]
+
+    columns = ["strategy", "rank", "save peak", "training peak", "peak - ddp", "fit peak", "training",
+               "training - ddp"]  # fmt: skip
+    if accelerator == "cuda":
+        columns += ["cuda peak", "cuda peak - ddp", "cuda save peak"]
     rows = []
     for name, ranks in runs.items():
         for r in ranks:
-            over = r["training_model_sizes"] - ddp[r["rank"]]["training_model_sizes"] if ddp else None
-            rows.append([name, r["rank"], r["save_peak_model_sizes"], r["training_model_sizes"], over,
-                         r["checkpoint_bytes"] / 1e6 if r["checkpoint_bytes"] else None])  # fmt: skip
+            row = [name, r["rank"], r["save_peak_model_sizes"], r["training_peak_model_sizes"],
+                   over(r, "training_peak_model_sizes"), r.get("fit_peak_model_sizes"), r["training_model_sizes"],
+                   over(r, "training_model_sizes")]  # fmt: skip
+            if accelerator == "cuda":
+                row += [r["cuda_training_peak_model_sizes"], over(r, "cuda_training_peak_model_sizes"),
+                        r["cuda_save_peak_model_sizes"]]  # fmt: skip
+            rows.append(row + [r["checkpoint_bytes"] / 1e6 if r["checkpoint_bytes"] else None])
     params_m = runs[next(iter(runs))][0]["params"] / 1e6
+    where = "GPU" if accelerator == "cuda" else "host"
     common.print_table(
-        f"Host memory per rank, {WORLD} processes, MLP of {params_m:.1f}M parameters (in model sizes)",
-        ["strategy", "rank", "save peak", "training", "training - ddp", "checkpoint MB"],
+        f"Memory per rank ({where}), {WORLD} processes, MLP of {params_m:.1f}M parameters (in model sizes)",
+        columns + ["checkpoint MB"],
         rows,
-        caption="save peak: resident memory during trainer.save_checkpoint above what the rank held before it",
+        caption="save peak: resident memory during trainer.save_checkpoint above what the rank held before it;"
+        " training peak: during fit, above what the process held before it",
     )
-    common.write_json("checkpoint_memory.json", {"world_size": WORLD, "params": params_m * 1e6, "runs": runs})
+    common.write_json(
+        "checkpoint_memory.json",
+        {"world_size": WORLD, "params": params_m * 1e6, "accelerator": accelerator, "runs": runs},
+    )
     return 0
 
 

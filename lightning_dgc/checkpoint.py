@@ -50,12 +50,13 @@ def save_atomically(checkpoint: dict[str, Any], filepath: Any) -> None:
 
 
 def gather_exchange_state(
-    state: ExchangeState, algorithm: str, world_size: int, owner: str
+    state: ExchangeState, algorithm: str, world_size: int, owner: str, copy_own: bool = True
 ) -> dict[str, Any] | None:
     """Every rank's exchange state, gathered into rank 0 tensor by tensor (all ranks call this).
 
     Returns the checkpoint entry on rank 0, ``None`` on the other ranks (their buffers were sent as
-    they are, without copies). ``owner`` is the strategy's class name, used in messages.
+    they are, without copies). ``owner`` is the strategy's class name, used in messages. ``copy_own=False``:
+    rank 0's own CPU buffers go into the entry as they are (for a file written before training goes on).
     """
     committed = state.memory.committed
     keys = sorted((kind, name) for kind, by_name in committed.items() for name in by_name)
@@ -69,7 +70,7 @@ def gather_exchange_state(
             " checkpoint; every rank must train the same model."
         )
     metadata = comm.gather_object(state.state_dict(memory=False))
-    gathered = comm.gather_tensors([committed[kind][name] for kind, name in keys])
+    gathered = comm.gather_tensors([committed[kind][name] for kind, name in keys], copy_own=copy_own)
     if metadata is None or gathered is None:
         return None
     ranks = []

@@ -496,29 +496,39 @@ def gather_object(obj: object, dst: int = 0, group: dist.ProcessGroup | None = N
 
 
 def gather_tensors(
-    tensors: Sequence[Tensor], dst: int = 0, group: dist.ProcessGroup | None = None
+    tensors: Sequence[Tensor], dst: int = 0, group: dist.ProcessGroup | None = None, copy_own: bool = True
 ) -> list[list[Tensor]] | None:
     """Every rank's copy of each tensor, as CPU tensors on rank ``dst`` (``None`` elsewhere); blocking.
 
-    For checkpoints: one gather per tensor, so that a rank other than ``dst`` sends its (contiguous CPU)
-    tensors as they are, without a copy, and ``dst`` holds only the result. Every rank must pass tensors
-    of the same shapes and dtypes in the same order. Gloo gathers CPU tensors only: device tensors are
-    brought to the CPU one at a time there.
+    For checkpoints, with as little memory as possible: tensor by tensor, point to point, so that a rank
+    other than ``dst`` sends its tensors as they are (a device tensor straight from the device with NCCL;
+    with gloo, brought to the CPU one at a time), and ``dst`` holds only what it received plus its own
+    tensors: copies, or with ``copy_own=False`` on the CPU the tensors themselves (for a caller that is
+    done with them before they change, e.g. one that writes them to a file synchronously).
+    Every rank must pass tensors of the same shapes and dtypes in the same order.
     """
     world, rank = world_size_and_rank(group)
     if world == 1:
         return [[t.detach().cpu().clone()] for t in tensors]
     on_cpu = dist.get_backend(group) == dist.Backend.GLOO
+    peer = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
     out: list[list[Tensor]] = []
     for tensor in tensors:
         source = tensor.detach()
         source = (source.cpu() if on_cpu else source).contiguous()
         if rank != dst:
-            dist.gather(source, None, dst=dst, group=group)
+            dist.send(source, peer(dst), group=group)
             continue
-        received = [torch.empty_like(source) for _ in range(world)]
-        dist.gather(source, received, dst=dst, group=group)
-        out.append([t.cpu() for t in received])
+        copies = []
+        for r in range(world):
+            if r == dst:
+                own = source.cpu()
+                copies.append(own.clone() if copy_own and own.data_ptr() == tensor.data_ptr() else own)
+            else:
+                received = torch.empty_like(source)
+                dist.recv(received, peer(r), group=group)
+                copies.append(received.cpu())
+        out.append(copies)
     return out if rank == dst else None
 
 

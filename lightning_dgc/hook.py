@@ -15,8 +15,16 @@ algorithm (:mod:`lightning_dgc.algorithms`: DGC, DEFT, PowerSGD, ...), in number
    :func:`lightning_dgc.comm.when_all`; every tensor the decode reads that this stream made is in
    ``work.keep`` or is a collective's output, so that its memory is not reused too early): the
    averaged update, its finiteness, the loss scale multiplied back, the bucket's dtype.
-6. **memory**: what steps 2-5 staged is committed by ``state.finish_step()`` (or discarded if any
-   rank saw inf/NaN) once the whole backward pass is done.
+6. **memory**: what steps 2-5 staged (or noted to replay in place) is committed by ``state.finish_step()``
+   (or discarded if any rank saw inf/NaN) once the whole backward pass is done.
+
+With ``state.finish_writes_grads`` (the strategies set it for a flat exchange), an algorithm that can tell
+finiteness before decoding (:meth:`~lightning_dgc.algorithms.Algorithm.decoded_finite`: DGC, DEFT,
+PowerSGD with error feedback) decodes in step 6 instead: the future hands DDP the bucket as it is (the
+local gradient, which DDP copies into ``.grad``), ``finish_step()`` commits the memory from that local
+gradient and then writes the averaged update into the bucket and every parameter's ``.grad``. The local
+gradient then needs no copy of its own until the commit (one model size less). Until ``finish_step()``
+returns, ``.grad`` holds this rank's gradient (error feedback: its compensated gradient).
 
 Across nodes of several devices (``state.topology``, the strategies' ``hierarchical`` option),
 :func:`exchange_two_level` wraps the same steps: a dense reduce-scatter inside the node, the algorithm
@@ -34,6 +42,7 @@ from torch import Tensor
 
 from lightning_dgc import comm
 from lightning_dgc.comm import GradBucket
+from lightning_dgc.memory import write_bucket_order_
 from lightning_dgc.state import ExchangeState
 
 
@@ -81,18 +90,45 @@ def exchange(
     selection_s = work.selection_s if work.selection_s is not None else selected_s
     state.record(algorithm.cost(plan), work, selection_s)
 
-    # Step 5: decode, once the collectives are done.
+    # Step 5: decode, once the collectives are done; or, when the state writes the gradients itself, only
+    # check finiteness and hand DDP the bucket as it is (the decode waits for step 6).
+    scale = state.grad_scale
+    deferred = state.finish_writes_grads
+    held: list[bool] = []  # [True] once step 5 handed the bucket over undecoded
+
     def decode() -> Tensor:
+        if deferred:
+            finite = algorithm.decoded_finite(plan, work)
+            if finite is not None:
+                state.memory.note_finite(finite)
+                held.append(True)
+                return buffer
         update = algorithm.decode(plan, work)
         state.memory.note_finite(torch.isfinite(update.sum()))
-        if state.grad_scale != 1.0:
-            update.mul_(state.grad_scale)
+        if scale != 1.0:
+            update.mul_(scale)
         return update if buffer.dtype == torch.float32 else update.to(buffer.dtype)
 
     future = comm.when_all(pending, decode, buffer.device, keep=work.keep)
 
-    # Step 6: the memory staged in steps 2-5 commits with the step (state.finish_step()).
+    # Step 6: the memory staged or replayed in steps 2-5 commits with the step (state.finish_step()); a
+    # deferred decode then writes the averaged update into the gradients.
     state.memory.note_bucket(future)
+    if deferred:
+
+        def deliver(finite: bool) -> None:
+            if not held:
+                return  # decoded in step 5 already (the algorithm could not tell finiteness before)
+            update = algorithm.decode(plan, work)
+            if scale != 1.0:
+                update.mul_(scale)
+            if update is not buffer:
+                buffer.copy_(update)
+            for param, spec in zip(params, plan.layout, strict=True):
+                if param.grad is not None:
+                    write_bucket_order_(param.grad, buffer[spec.offset : spec.offset + spec.numel])
+
+        state.memory.note_delivery(deliver)
     return future
 
 

@@ -6,12 +6,17 @@ What an algorithm holds back between steps lives here, per parameter name and *k
 factor masking, from u), PowerSGD's ``error`` and ``q``, ... Names, not DDP bucket indices, are the
 keys: DDP rebuilds its buckets after the first step.
 
-One object owns the whole lifecycle of a step (:class:`ResidualMemory`): an algorithm writes the new
-values into *scratch* buffers and stages them; the decode callbacks note their buckets; one call per
-optimizer step, :meth:`ResidualMemory.finish_step`, waits for the buckets and commits the staged
-buffers if the step was finite on every rank, or discards them: a skipped step (inf/NaN anywhere,
-e.g. under a GradScaler) leaves the memory exactly as it was, so nothing is lost or poisoned.
-Buffers of a kind an algorithm never writes are never allocated (no momentum without momentum).
+One object owns the whole lifecycle of a step (:class:`ResidualMemory`). An algorithm either writes
+the new values into *scratch* buffers and stages them (small buffers), or notes a *replay*: a function
+that updates the committed buffers in place, run only at commit, from what the step kept (DGC's and
+DEFT's momentum correction replays from the local gradient, PowerSGD's error from the compensated
+gradient in the bucket), with the very operations that made what was selected and sent, so that the
+result is the same bits and no model-sized scratch buffer is needed. The decode callbacks note their
+buckets; one call per optimizer step, :meth:`ResidualMemory.finish_step`, waits for the buckets and
+commits (replays, then staged buffers) if the step was finite on every rank, or discards everything: a
+skipped step (inf/NaN anywhere, e.g. under a GradScaler) leaves the memory exactly as it was, bit for
+bit, so nothing is lost or poisoned. Buffers of a kind an algorithm never writes are never allocated
+(no momentum without momentum).
 
 Also here, the tensor math on these buffers: momentum correction, local clipping, and the
 conversion between SGD's momentum buffer and the exchange's momentum.
@@ -157,6 +162,82 @@ def momentum_correction_each(
         torch._foreach_add_(vel_out, mom_out)
 
 
+def compensated_velocity_each(
+    grads: Sequence[Tensor],
+    velocity: Sequence[Tensor],
+    out: Sequence[Tensor],
+    momentum: float,
+    nesterov: bool,
+    momentum_buf: Sequence[Tensor] = (),
+) -> None:
+    """This step's velocity ``v'`` (:func:`momentum_correction`) into ``out``; the memory stays untouched.
+
+    What selection reads, in a buffer that lives only from the hook until the selection is done. The
+    memory itself is updated at commit by :func:`momentum_correction_each_`, with the same operations in
+    the same order, so that the velocity it commits is, bit for bit, the one the values were selected
+    from (IEEE addition is commutative: ``u' + v`` and ``v + u'`` are the same number).
+    """
+    if not grads:
+        return
+    out, grads = list(out), list(grads)
+    if momentum == 0.0:  # v' = v + g
+        torch._foreach_copy_(out, list(velocity))
+        torch._foreach_add_(out, grads)
+        return
+    torch._foreach_copy_(out, list(momentum_buf))
+    if nesterov:  # u' = m (u + g); v' = u' + v + g
+        torch._foreach_add_(out, grads)
+        torch._foreach_mul_(out, momentum)
+        torch._foreach_add_(out, list(velocity))
+        torch._foreach_add_(out, grads)
+    else:  # u' = m u + g; v' = u' + v
+        torch._foreach_mul_(out, momentum)
+        torch._foreach_add_(out, grads)
+        torch._foreach_add_(out, list(velocity))
+
+
+def momentum_correction_each_(
+    grads: Sequence[Tensor],
+    velocity: Sequence[Tensor],
+    momentum: float,
+    nesterov: bool,
+    momentum_buf: Sequence[Tensor] = (),
+) -> None:
+    """Momentum correction in place: ``u <- u'``, ``v <- v'`` (the commit of :func:`compensated_velocity_each`)."""
+    if not grads:
+        return
+    grads, velocity = list(grads), list(velocity)
+    if momentum == 0.0:
+        torch._foreach_add_(velocity, grads)
+        return
+    u = list(momentum_buf)
+    if nesterov:
+        torch._foreach_add_(u, grads)
+        torch._foreach_mul_(u, momentum)
+        torch._foreach_add_(velocity, u)
+        torch._foreach_add_(velocity, grads)
+    else:
+        torch._foreach_mul_(u, momentum)
+        torch._foreach_add_(u, grads)
+        torch._foreach_add_(velocity, u)
+
+
+def write_bucket_order_(tensor: Tensor, flat: Tensor) -> None:
+    """Write ``flat`` (bucket order, see :func:`bucket_order_flat`) into ``tensor``; nothing when it is a view of ``flat``."""
+    target = bucket_order_flat(tensor)
+    if target.data_ptr() == flat.data_ptr() and target.dtype == flat.dtype:
+        return  # DDP's gradient_as_bucket_view: the gradient is this part of the bucket
+    if target.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():  # a view
+        target.copy_(flat)
+    else:  # a copy (overlapping or strided layout): C order
+        tensor.copy_(flat.view(tensor.shape))
+
+
+#: A function that applies this step's update of some buffers in place, at commit (``skip(name)``: a
+#: parameter unused in the step, whose buffers must stay as they are).
+Replay = Callable[[Callable[[str], bool]], None]
+
+
 class ResidualMemory:
     """Per-parameter buffers by kind, and the step that commits them (see the module docstring).
 
@@ -169,7 +250,7 @@ class ResidualMemory:
     contiguously, committed and scratch alike, so that batched work (one kernel over a bucket on the
     GPU) reads and writes one flat tensor; each parameter's buffers are views into it. A group whose
     parameters are all staged swaps its two flat buffers at commit; otherwise the staged views are
-    copied.
+    copied. :meth:`flat` is the committed flat alone, for algorithms that commit by :meth:`note_replay`.
     """
 
     def __init__(self) -> None:
@@ -183,6 +264,9 @@ class ResidualMemory:
             tuple[str, tuple[str, ...]], list[Tensor]
         ] = {}  # (kind, names) -> [committed, scratch]
         self._group_of: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+        self._replays: list[tuple[tuple[str, ...], Replay]] = []  # applied in place at commit
+        self._deliveries: list[Callable[[bool], None]] = []  # run by finish_step after the verdict
+        self._skip: set[str] = set()  # names unused this step (unstaged): replays leave them alone
 
     # -- buffers ---------------------------------------------------------------------------------------
     def has(self, kind: str, name: str) -> bool:
@@ -206,13 +290,28 @@ class ResidualMemory:
         Made on first use (what the parameters already hold is copied in, zeros otherwise); from then on
         ``buffer``/``scratch`` of each name are views into these two.
         """
+        committed = self.flat(kind, names, sizes, device)
+        flats = self._groups[kind, tuple(names)]
+        if flats[1] is None:
+            flats[1] = torch.empty_like(committed)
+            offset = 0
+            for name, size in zip(names, sizes, strict=True):
+                self._scratch[kind, name] = flats[1][offset : offset + size]
+                offset += size
+        return committed, flats[1]
+
+    def flat(self, kind: str, names: Sequence[str], sizes: Sequence[int], device: torch.device) -> Tensor:
+        """The committed ``kind`` buffers of ``names`` as one flat tensor (:meth:`group` without its scratch).
+
+        What an algorithm that updates its memory in place at commit (:meth:`note_replay`) uses: no
+        buffer of the same size is kept beside it.
+        """
         key = (kind, tuple(names))
         flats = self._groups.get(key)
         if flats is not None and flats[0].device == device:
-            return flats[0], flats[1]
+            return flats[0]
         total = sum(sizes)
         committed = torch.zeros(total, dtype=torch.float32, device=device)
-        scratch = torch.empty_like(committed)
         by_name = self.committed.setdefault(kind, {})
         offset = 0
         for name, size in zip(names, sizes, strict=True):
@@ -221,14 +320,14 @@ class ResidualMemory:
             if old is not None and old.numel() == size:
                 view.copy_(old.reshape(-1))
             by_name[name] = view
-            self._scratch[kind, name] = scratch[offset : offset + size]
+            self._scratch.pop((kind, name), None)
             previous = self._group_of.pop((kind, name), None)
             if previous is not None:  # the name leaves an older group (DDP rebuilt its buckets)
                 self._dissolve(previous)
             self._group_of[kind, name] = key
             offset += size
-        self._groups[key] = [committed, scratch]
-        return committed, scratch
+        self._groups[key] = [committed, None]  # the scratch flat: made by group() when asked for
+        return committed
 
     def _dissolve(self, key: tuple[str, tuple[str, ...]]) -> None:
         """Forget a group: its names keep their views, as separate buffers from now on."""
@@ -254,18 +353,37 @@ class ResidualMemory:
         """Forget every buffer of ``name`` staged this step (its committed state stays as it is)."""
         with self._lock:
             self._staged = {key for key in self._staged if key[1] != name}
+            self._skip.add(name)
+
+    def note_replay(self, names: Sequence[str], replay: Replay) -> None:
+        """``replay(skip)`` writes this step's update of the buffers of ``names`` in place at :meth:`commit`.
+
+        The alternative to scratch buffers: nothing of the memory is written before the step is known to
+        be finite on every rank, and a skipped step does not run it. ``skip(name)`` is true for a
+        parameter unused in the step (its buffers must stay as they are).
+        """
+        with self._lock:
+            self._replays.append((tuple(names), replay))
+
+    def note_delivery(self, deliver: Callable[[bool], None]) -> None:
+        """``deliver(finite)`` runs in :meth:`finish_step` once the verdict is known, after the replays and
+        before the staged buffers are committed (it may stage more)."""
+        with self._lock:
+            self._deliveries.append(deliver)
 
     @property
     def staged_names(self) -> set[str]:
-        return {name for _, name in self._staged}
+        return {name for _, name in self._staged} | {name for names, _ in self._replays for name in names}
 
     def commit(self) -> None:
         """Make every staged scratch buffer the committed one (the old committed one becomes scratch)."""
+        self._run_replays()
         with self._lock:
             staged, self._staged = self._staged, set()
+            self._skip = set()
         for key, flats in list(self._groups.items()):
             kind, names = key
-            if all((kind, name) in staged for name in names):  # the whole group: swap the flat buffers
+            if flats[1] is not None and all((kind, name) in staged for name in names):  # the whole group: swap the flat buffers
                 flats.reverse()
                 committed = self.committed[kind]
                 for name in names:
@@ -278,10 +396,19 @@ class ResidualMemory:
             else:
                 committed[name], self._scratch[kind, name] = self._scratch[kind, name], committed[name]
 
+    def _run_replays(self) -> None:
+        with self._lock:
+            replays, self._replays = self._replays, []
+            skip = set(self._skip)
+        for _, replay in replays:
+            replay(skip.__contains__)
+
     def discard(self) -> None:
         """Forget everything staged: the committed state stays as it was before the step."""
         with self._lock:
             self._staged = set()
+            self._replays = []
+            self._skip = set()
 
     # -- the step ---------------------------------------------------------------------------------------
     def note_bucket(self, future: torch.futures.Future) -> None:
@@ -312,6 +439,12 @@ class ResidualMemory:
         if finite and unused is not None:
             for name in [n for n in self.staged_names if unused(n)]:
                 self.unstage(name)
+        if finite:  # the in-place updates first: they read what the deliveries overwrite
+            self._run_replays()
+        with self._lock:
+            deliveries, self._deliveries = self._deliveries, []
+        for deliver in deliveries:
+            deliver(finite)
         if finite:
             self.commit()
         else:
@@ -347,4 +480,5 @@ class ResidualMemory:
         self._scratch.clear()
         self._groups.clear()
         self._group_of.clear()
+        self._deliveries = []
         self.discard()

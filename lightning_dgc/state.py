@@ -90,6 +90,7 @@ class ExchangeState:
         grad_scale: float = 1.0,
         measure_buildup: bool = False,
         topology: Topology | None = None,
+        finish_writes_grads: bool = False,
     ) -> None:
         # A copy: schedules change the density of this run, never the caller's configuration object.
         self.config = replace(config) if config is not None else algorithms.get("dgc").config_class()
@@ -101,6 +102,11 @@ class ExchangeState:
         self.world_size, self.rank = self.collectives.world_size, self.collectives.rank
         #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
         self.grad_scale = grad_scale
+        #: The future the hook returns holds the bucket as it is, and :meth:`finish_step` writes the averaged
+        #: update into the parameters' ``.grad`` (DGC, DEFT; see :mod:`lightning_dgc.hook`): the memory's
+        #: commit reads the local gradient where DDP holds it, which saves a model-sized copy. For DDP
+        #: models whose ``.grad`` the caller reads only after ``finish_step()`` (the strategies set it).
+        self.finish_writes_grads = finish_writes_grads
         #: Count the distinct indices of all ranks' selections (the build-up factor) in every step; it costs a
         #: host synchronisation per bucket, so otherwise only in steps :meth:`request_buildup` asks for.
         self.measure_buildup = measure_buildup
@@ -332,6 +338,11 @@ class ExchangeState:
             self._current.buildup_measured = True
 
     # -- step boundary -----------------------------------------------------------------------------
+    @property
+    def step_pending(self) -> bool:
+        """Whether the hook ran since the last :meth:`finish_step` (a step is waiting to be finished)."""
+        return bool(self._planned_this_step)
+
     def finish_step(self, check_unused: bool = True) -> bool:
         """Close the step (:meth:`ResidualMemory.finish_step`): commit or discard; returns finiteness.
 

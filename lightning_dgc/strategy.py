@@ -160,6 +160,7 @@ class CompressionStrategy(DDPStrategy):
             False  # resuming a checkpoint whose optimizer state holds the take-over's zeros
         )
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
+        self._finite: bool | None = None  # the verdict of a step finished at the end of backward()
 
     # -- public API ------------------------------------------------------------------------------
     @property
@@ -246,6 +247,9 @@ class CompressionStrategy(DDPStrategy):
             # else a second fit: the memory carries on
             state = self._state = ExchangeState(self._config, topology=self._two_level_topology())
         state.register_parameters(named)
+        # The averaged gradients are written after the memory's commit (the local gradient needs no copy). Not
+        # in a two-level exchange, whose decode (of this rank's shard) runs before the all-gather inside the node.
+        state.finish_writes_grads = state.topology is None
         self.model.register_comm_hook(state, self._hook())
         log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
 
@@ -290,12 +294,25 @@ class CompressionStrategy(DDPStrategy):
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
+        """Lightning's backward, with the exchange's step finished right after the backward pass itself.
+
+        So the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it
+        was) before ``on_after_backward`` and anything after it reads them, as under DDP.
+        """
         if self._state is not None:
             scaler = getattr(self.precision_plugin, "scaler", None)
             self._state.grad_scale = (
                 float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
             )
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.pre_backward(closure_loss)
+        assert self.lightning_module is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        if self._state is not None and self._state.step_pending:  # the hook ran in this backward pass
+            self._finite = self._state.finish_step()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def optimizer_step(
@@ -313,7 +330,12 @@ class CompressionStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
 
     def _finish_step(self, optimizer: Optimizer) -> None:
-        if self._state is None or self._state.finish_step():
+        finite, self._finite = self._finite, None
+        if self._state is None:
+            return
+        if finite is None:  # no backward pass ran the hook since the last step (or it was finished there)
+            finite = self._state.finish_step()
+        if finite:
             return
         skip_non_finite_step(
             self._state, optimizer, type(self).__name__, self.max_consecutive_skips,
@@ -331,12 +353,18 @@ class CompressionStrategy(DDPStrategy):
         mean over ranks of the exchange's momentum, so that plain DDP (or any strategy) resumes it with
         momentum applied once and nothing lost. Memory: every buffer is gathered tensor by tensor into
         rank 0 (``2 x world_size`` model sizes there, plus one for the SGD buffers, as DDP's own
-        checkpoint holds); the other ranks send their buffers as they are, without copies.
+        checkpoint holds); rank 0's own buffers are not copied on the CPU; the other ranks send their
+        buffers as they are, without copies.
         """
         if self._state is None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        entry = gather_exchange_state(self.exchange_state, self.algorithm, self.world_size, type(self).__name__)
+        synchronous = (
+            type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local(filepath)
+        )
+        entry = gather_exchange_state(
+            self.exchange_state, self.algorithm, self.world_size, type(self).__name__, copy_own=not synchronous
+        )
         if entry is None:  # not rank 0: its buffers went to rank 0
             return
         checkpoint[CHECKPOINT_KEY] = entry
@@ -347,7 +375,7 @@ class CompressionStrategy(DDPStrategy):
                 entry,
                 dict(self.lightning_module.named_parameters()),
             )
-        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local(filepath):
+        if synchronous:
             save_atomically(checkpoint, filepath)  # Lightning's buffers the whole file in memory first
         else:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -204,7 +204,10 @@ class OptimizerTakeOver:
             for index, name in zip(group["params"], taken.names, strict=True):
                 if name not in momenta[0]:
                     continue
-                mean = torch.stack([m[name] for m in momenta]).mean(0)
+                mean = momenta[0][name].clone()  # summed rank by rank: one buffer, not world_size
+                for m in momenta[1:]:
+                    mean.add_(m[name])
+                mean.div_(len(momenta))
                 buffer = sgd_momentum(state, name, mean, params[name].detach().cpu()).to(params[name].dtype)
                 # A new dict: the packed state's values are the optimizer's live per-parameter dicts.
                 packed["state"][index] = {**packed["state"].get(index, {}), "momentum_buffer": buffer}

@@ -285,6 +285,17 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
     def decode(self, plan: PlanT, work: WorkT) -> Tensor:
         """Step 5: the averaged update of the bucket, fp32, flat in bucket order (runs in a callback)."""
 
+    def decoded_finite(self, plan: PlanT, work: WorkT) -> Tensor | None:
+        """Whether what every rank sent for the bucket is finite (a 0-d bool tensor, identical on every rank),
+        known before :meth:`decode` runs; ``None`` when the algorithm cannot tell before decoding.
+
+        An algorithm that answers lets the decode wait until :meth:`ExchangeState.finish_step` when
+        ``state.finish_writes_grads`` is set: the hook then hands DDP the bucket as it is and the averaged
+        update is written into the parameters' gradients after the memory was committed, so that the local
+        gradient the commit replays from needs no copy (see :mod:`lightning_dgc.hook`).
+        """
+        return None
+
     # -- the cost ----------------------------------------------------------------------------------------
     @classmethod
     @abstractmethod

@@ -38,6 +38,7 @@ from lightning_dgc.algorithms.dgc import (
     average,
     dense_sum,
     exchange_dense,
+    release,
     split_layout,
 )
 from lightning_dgc.checks import flag
@@ -173,6 +174,7 @@ class DEFTPlan(DGCPlan):
     union: Tensor | None = None  # the k selected indices of all ranks, int32, one slot range per fragment
     values: Tensor | None = None  # this rank's velocity at the union, in the value dtype
     fragment_shift: Tensor | None = None  # per fragment: bucket offset - offset in the compressed buffer
+    bucket_fragments: list[Fragment] = field(default_factory=list)  # the fragments at their bucket offsets
 
 
 @dataclass
@@ -192,6 +194,7 @@ class DEFT(DGC):
     name = "deft"
     config_class = DEFTConfig
     work_class = DEFTWork
+    velocity_per_tensor = False
     config: DEFTConfig
 
     @property
@@ -231,6 +234,10 @@ class DEFT(DGC):
             start += e.numel
         shifts = [by_name[f.name].offset - flat_start[f.name] for f in plan.fragments]
         plan.fragment_shift = to_device(shifts, device)
+        plan.bucket_fragments = [
+            Fragment(f.name, f.offset + shift, f.numel, f.layer_offset)
+            for f, shift in zip(plan.fragments, shifts, strict=True)
+        ]
         plan.control = torch.zeros(
             len(plan.fragments) + self.state.world_size, dtype=torch.float64, device=device
         )
@@ -249,11 +256,9 @@ class DEFT(DGC):
         plan.control.zero_()
         count = len(plan.fragments)
         if count:
-            assert work.velocity is not None
-            backend = "torch" if self.batched(work.velocity.device) else "auto"
-            plan.control[:count] = (
-                fragment_norms(work.velocity, plan.fragments, backend=backend).double().square()
-            )
+            source, fragments = self._source(plan, work)
+            backend = "torch" if self.batched(work.flat.device) else "auto"
+            plan.control[:count] = fragment_norms(source, fragments, backend=backend).double().square()
         plan.control[count + self.state.rank] = self.state.last_selection_ms
 
     def exchange(self, plan: DEFTPlan, work: DEFTWork, collectives: Collectives) -> list[Pending]:  # type: ignore[override]
@@ -272,7 +277,6 @@ class DEFT(DGC):
             weights = [float(n) for n in sizes]
         work.selection_s = 0.0
         if plan.k_total:
-            assert work.velocity is not None
             ks = allocate_k_list(weights, sizes, plan.k_total)
             slot_starts = [0]
             for k in ks:
@@ -289,7 +293,7 @@ class DEFT(DGC):
             start = time.perf_counter()
             plan.union.zero_()
             tasks = [t for t in tasks if t[1] > 0]
-            if tasks and self.batched(work.velocity.device):
+            if tasks and self.batched(work.flat.device):
                 self._select_batched(plan, work, tasks)
             elif tasks:
                 self._select_each(plan, work, tasks)
@@ -300,33 +304,27 @@ class DEFT(DGC):
             if self.state.measures_buildup:
                 work.stats["union_values"] = int(torch.unique(plan.union).numel())  # k: no build-up
             # 4c. this rank's values at the union, which it no longer holds back
-            ks_device = to_device(ks, work.velocity.device)
+            ks_device = to_device(ks, work.flat.device)
             slot_shift = torch.repeat_interleave(plan.fragment_shift, ks_device, output_size=plan.k_total)
             flat_positions = plan.union.long() - slot_shift
-            values = work.velocity[flat_positions]
+            if work.velocity is not None:
+                values = work.velocity[flat_positions]
+            else:  # v' lies in the bucket, at the union's (bucket) positions
+                values = work.flat[plan.union.long()]
             sent = None  # which union slots this rank sends (None: all of them)
             if self.config.union_values == "owner":  # (an ablation) the other ranks send 0 and keep theirs
                 sent = torch.repeat_interleave(
-                    to_device([int(o == self.state.rank) for o in owners], work.velocity.device), ks_device,
+                    to_device([int(o == self.state.rank) for o in owners], work.flat.device), ks_device,
                     output_size=plan.k_total,
                 ).bool()  # fmt: skip
                 values.masked_fill_(~sent, 0.0)
             if self.config.selectors == "all":  # an index two ranks chose is sent once (decode adds slots)
                 values.masked_fill_(repeated(plan.union), 0.0)
             plan.values.copy_(values.add_(work.poison))
-            memories = [work.velocity]
-            if self.config.momentum_masking and work.momentum is not None:
-                memories.append(work.momentum)
-            for memory in memories:  # what was sent is no longer held back
-                if sent is None:
-                    memory.index_fill_(0, flat_positions, 0.0)
-                else:  # (union positions are distinct: a plain write)
-                    memory[flat_positions] = torch.where(sent, 0.0, memory[flat_positions])
+            work.selected, work.selected_mask = flat_positions, sent  # cleared from the memory at commit
             work.summed = collectives.all_reduce(plan.values, "all-reduce of DEFT's values")
         work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives, work.poison)
-        for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
-            if e.kind == "full":
-                self.state.memory.scratch("velocity", e.name).zero_()
+        release(work)
         return [p for p in (work.summed, work.dense) if p is not None]
 
     def _select_each(self, plan: DEFTPlan, work: DEFTWork, tasks: list[tuple[int, int, int]]) -> None:
@@ -353,16 +351,25 @@ class DEFT(DGC):
         """This rank's selections at once: its fragments gathered into one buffer (a 1/N share of the
         bucket when owners select), a batched selection (:func:`~lightning_dgc.compression.batched.batched_topk`),
         one write into the union."""
-        assert plan.union is not None and plan.fragment_shift is not None and work.velocity is not None
-        device = work.velocity.device
+        assert plan.union is not None and plan.fragment_shift is not None
+        device = work.flat.device
         mine, mine_ks, slots = zip(*tasks, strict=True)
+        source, fragments = self._source(plan, work)
         chosen, layout = topk_in_ranges(
-            work.velocity, [plan.fragments[i].offset for i in mine], [plan.fragments[i].numel for i in mine],
+            source, [fragments[i].offset for i in mine], [fragments[i].numel for i in mine],
             list(mine_ks), self.config.sample_ratio, self.state.draw_generator(device),
         )  # fmt: skip
-        shift = plan.fragment_shift[to_device(list(mine), device)]
         positions = concatenated_ranges(list(slots), list(mine_ks), device)
-        plan.union[positions] = (chosen + shift[layout.out_segment]).to(torch.int32)
+        if work.velocity is not None:  # positions in the compressed buffer: to the bucket's
+            chosen = chosen + plan.fragment_shift[to_device(list(mine), device)][layout.out_segment]
+        plan.union[positions] = chosen.to(torch.int32)
+
+    def _source(self, plan: DEFTPlan, work: DEFTWork) -> tuple[Tensor, list[Fragment]]:
+        """Where v' lies: the compressed tensors' buffer and the fragments in it, or (error feedback made in
+        place) the bucket and the fragments at their bucket offsets."""
+        if work.velocity is not None:
+            return work.velocity, plan.fragments
+        return work.flat, plan.bucket_fragments
 
     def decode(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
         dense = dense_sum(self.state.world_size, work.dense)
@@ -370,6 +377,15 @@ class DEFT(DGC):
             return average(self, plan, work.flat, dense, None, None)
         assert plan.union is not None
         return average(self, plan, work.flat, dense, plan.union, work.summed.output)
+
+    def decoded_finite(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
+        sums = []
+        dense = dense_sum(self.state.world_size, work.dense)
+        if dense is not None:
+            sums.append(dense.sum())
+        if work.summed is not None:
+            sums.append(work.summed.output.float().sum())
+        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.ones((), dtype=torch.bool)
 
     @classmethod
     def selection_share(cls, world_size: int) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -41,7 +41,12 @@ from lightning_dgc.algorithms.base import (
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.compression import codec, sampled_topk, topk_indices
 from lightning_dgc.compression.batched import SegmentLayout, batched_topk, segment_layout, to_device
-from lightning_dgc.memory import bucket_order_flat, clip_each_by_norm_, momentum_correction_each
+from lightning_dgc.memory import (
+    bucket_order_flat,
+    clip_each_by_norm_,
+    compensated_velocity_each,
+    momentum_correction_each_,
+)
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
@@ -222,14 +227,23 @@ class DGCPlan:
     sparse_momentum: bool = False  # whether any compressed tensor keeps a momentum
     segments: SegmentLayout | None = None  # the batched selection's layout (made when first used)
     out_shift: Tensor | None = None  # per selected slot: bucket offset - offset in the compressed buffer
+    steps: int = 0  # steps run with this plan
+    grouped: bool = False  # its compressed tensors' memory is one flat buffer per kind (see ``DGC.replay``)
 
 
 @dataclass
 class DGCWork(BucketWork):
     dense_parts: list[Tensor] = field(default_factory=list)  # entry order: dense gradients, full velocities
     sparse: list[tuple[Entry, Tensor]] = field(default_factory=list)  # compressed tensors, their v'
-    velocity: Tensor | None = None  # every compressed tensor's v', one flat buffer (views in ``sparse``)
-    momentum: Tensor | None = None  # their u', likewise (None without momentum)
+    # Every compressed tensor's v', one flat buffer (views in ``sparse``), alive from step 2 to the end of
+    # step 4 only: the memory itself is updated at commit (``DGC.replay``).
+    velocity: Tensor | None = None
+    selected: Tensor | None = None  # what was sent: positions in the compressed tensors' flat memory
+    selected_mask: Tensor | None = None  # (DEFT's ablation) which of ``selected`` this rank sent
+    local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
+    in_bucket: bool = False  # ``velocity`` is a part of the bucket (v' made in place of the local gradient)
+    grouped: bool = False  # the compressed tensors' memory is one flat buffer per kind
+    per_tensor: bool = False  # ``sparse`` holds no v': the selection makes it tensor by tensor
     gathered: Pending | None = None
     dense: Pending | None = None
 
@@ -253,6 +267,10 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
     memory_kinds = ("momentum", "velocity")
     residual_kind = "velocity"
     work_class: type[DGCWork] = DGCWork
+    #: Whether the selection tensor by tensor (the CPU's numpy path) makes each compressed tensor's v' when
+    #: it gets to it, so that one tensor's temporary is alive at a time, not a bucket's (DDP's first bucket
+    #: holds the whole model). DEFT reads v' of the whole bucket (norms, the union's values).
+    velocity_per_tensor: ClassVar[bool] = True
 
     @property
     def takes_over_momentum(self) -> bool:
@@ -330,11 +348,28 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             if params[0].dtype != torch.float32:
                 params = [p.float() for p in params]
             torch._foreach_add_([grads[i] for i in members], params, alpha=decay)
-        if plan.sparse_names:  # the compressed tensors' memory, contiguous: the selection reads it as one
+        sparse_views: dict[int, Tensor] = {}
+        work.grouped = plan.grouped  # (see ``replay``)
+        plan.steps += 1
+        if plan.sparse_names:
             sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
-            work.velocity = memory.group("velocity", plan.sparse_names, sizes, device)[1]
-            if plan.sparse_momentum:
-                work.momentum = memory.group("momentum", plan.sparse_names, sizes, device)[1]
+            sparse = [i for i, e in enumerate(plan.entries) if e.kind == "sparse"]
+            side_by_side = sparse == list(range(sparse[0], sparse[-1] + 1))
+            if not plan.sparse_momentum and (side_by_side or not self.velocity_per_tensor):
+                # error feedback: v' = g + v is made in the bucket itself (the commit copies it), with no
+                # temporary; one flat view of it when the compressed tensors lie side by side (DEFT
+                # reads the bucket otherwise)
+                first, last = plan.entries[sparse[0]], plan.entries[sparse[-1]]
+                work.velocity = flat[first.offset : last.offset + last.numel] if side_by_side else None
+                work.in_bucket = True
+            elif self.velocity_per_tensor and not self.batched(device):
+                work.per_tensor = True  # v' made tensor by tensor by the selection: one tensor's temporary
+            else:
+                work.velocity = torch.empty(sum(sizes), dtype=torch.float32, device=device)
+            if work.velocity is not None:
+                sparse_views = dict(zip(sparse, work.velocity.split(sizes), strict=True))
+            elif work.in_bucket:
+                sparse_views = {i: grads[i] for i in sparse}
         velocity_out: dict[int, Tensor] = {}
         for (momentum, nesterov), members in plan.memory_groups:
             names = [plan.entries[i].name for i in members]
@@ -342,20 +377,27 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             velocity = [
                 memory.buffer("velocity", n, size, device) for n, size in zip(names, sizes, strict=True)
             ]
-            v_out = [memory.scratch("velocity", n) for n in names]
-            u: list[Tensor] = []
-            u_out: list[Tensor] = []
-            if momentum:
-                u = [memory.buffer("momentum", n, size, device) for n, size in zip(names, sizes, strict=True)]
-                u_out = [memory.scratch("momentum", n) for n in names]
-            momentum_correction_each(
-                [grads[i] for i in members], velocity, v_out, momentum, nesterov, u, u_out
-            )
-            velocity_out.update(zip(members, v_out, strict=True))
-            for name in names:
-                memory.stage("velocity", name)
+            if work.in_bucket and momentum == 0.0:  # (g + v is v + g, bit for bit)
+                here = [j for j, i in enumerate(members) if i in sparse_views]
+                torch._foreach_add_([grads[members[j]] for j in here], [velocity[j] for j in here])
+                members_left = [i for i in members if i not in sparse_views]
+                velocity = [v for j, v in enumerate(velocity) if j not in here]
+                velocity_out.update((i, grads[i]) for i in members if i in sparse_views)
+                members = members_left
+            if work.per_tensor:  # the memory exists from here on; v' is made by the selection
                 if momentum:
-                    memory.stage("momentum", name)
+                    for i in members:
+                        memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
+                here = [j for j, i in enumerate(members) if plan.entries[i].kind == "sparse"]
+                velocity_out.update((members[j], None) for j in here)  # type: ignore[misc]
+                velocity = [v for j, v in enumerate(velocity) if j not in here]
+                members = [i for j, i in enumerate(members) if j not in here]
+            v_out = [sparse_views[i] if i in sparse_views else grads[i].new_empty(grads[i].shape) for i in members]
+            u: list[Tensor] = []
+            if momentum:
+                u = [memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device) for i in members]
+            compensated_velocity_each([grads[i] for i in members], velocity, v_out, momentum, nesterov, u)
+            velocity_out.update(zip(members, v_out, strict=True))
         for _, members in plan.dense_momentum_groups:  # made here, on the hook's stream, not in the callback
             for i in members:
                 memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
@@ -367,7 +409,71 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 work.dense_parts.append(velocity_out[i])
             else:
                 work.sparse.append((e, velocity_out[i]))
+        if plan.memory_groups:  # the memory's update, applied in place once the step is known finite
+            if not self.state.finish_writes_grads:  # the decode overwrites the local gradient: keep it
+                work.local = flat.clone()
+            names = [e.name for e in plan.entries if e.kind != "dense"]
+            memory.note_replay(names, lambda skip: self.replay(plan, work, skip))
         return work
+
+    def replay(self, plan: DGCPlan, work: DGCWork, skip: Callable[[str], bool]) -> None:
+        """Commit this bucket's step to the memory, in place: momentum correction with the very operations
+        that made the velocity selected from (:func:`~lightning_dgc.memory.momentum_correction_each_`), then
+        what was sent cleared (and tensors sent whole emptied). ``skip``: parameters unused in the step."""
+        memory, device = self.state.memory, work.flat.device
+        grads = work.grads if work.local is None else work.local.split([s.numel for s in plan.layout])
+        committed = memory.committed
+        for (momentum, nesterov), members in plan.memory_groups:
+            used = [i for i in members if not skip(plan.entries[i].name)]
+            if work.in_bucket and momentum == 0.0:  # v' is in the bucket already
+                here = [i for i in used if plan.entries[i].kind == "sparse"]
+                torch._foreach_copy_([committed["velocity"][plan.entries[i].name] for i in here],
+                                     [grads[i] for i in here])  # fmt: skip
+                used = [i for i in used if plan.entries[i].kind != "sparse"]
+            names = [plan.entries[i].name for i in used]
+            u = [committed["momentum"][n] for n in names] if momentum else []
+            momentum_correction_each_(
+                [grads[i] for i in used], [committed["velocity"][n] for n in names], momentum, nesterov, u
+            )
+            full = [committed["velocity"][plan.entries[i].name] for i in used if plan.entries[i].kind == "full"]
+            if full:  # sent whole: nothing held back
+                torch._foreach_zero_(full)
+        if work.selected is not None:
+            self._clear_sent(plan, work, skip)
+        if not plan.grouped and plan.steps >= 2 and plan.sparse_names and self.batched(device):
+            # For the batched selection (on a device), the compressed tensors' memory is laid out
+            # contiguously (one write clears what was sent) once a layout has lasted two steps: DDP's
+            # first bucket is rebuilt after one step, and grouping it first would hold the memory twice
+            # while it moves. The tensor-by-tensor path keeps it per parameter.
+            sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
+            memory.flat("velocity", plan.sparse_names, sizes, device)
+            if plan.sparse_momentum:
+                memory.flat("momentum", plan.sparse_names, sizes, device)
+            plan.grouped = True
+
+    def _clear_sent(self, plan: DGCPlan, work: DGCWork, skip: Callable[[str], bool]) -> None:
+        """Clear what was sent from the velocity (and, with momentum masking, the momentum)."""
+        memory, device, committed = self.state.memory, work.flat.device, self.state.memory.committed
+        assert work.selected is not None
+        positions, sent = work.selected, work.selected_mask
+        sparse = [e for e in plan.entries if e.kind == "sparse"]
+        sizes = [e.numel for e in sparse]
+        kinds = ["velocity"] + (["momentum"] if self.config.momentum_masking and plan.sparse_momentum else [])
+        if work.grouped and not any(skip(e.name) for e in sparse):  # one write per buffer of the bucket
+            for kind in kinds:  # what was sent is no longer held back
+                clear_(memory.flat(kind, plan.sparse_names, sizes, device), positions, sent)
+            return
+        # tensor by tensor (a layout's first step, or a parameter unused in the step, whose memory stays)
+        ends = torch.tensor(sizes, device=positions.device).cumsum(0)
+        segment = torch.bucketize(positions, ends, right=True)
+        start = 0
+        for j, e in enumerate(sparse):
+            if not skip(e.name):
+                mine = segment == j
+                for kind in kinds:
+                    if memory.has(kind, e.name):
+                        clear_(committed[kind][e.name], positions[mine] - start, sent[mine] if sent is not None else None)
+            start += e.numel
 
     # -- step 3 ----------------------------------------------------------------------------------------------
     def choose(self, values: Tensor, k: int) -> Tensor:
@@ -376,6 +482,17 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             return topk_indices(values, k)
         backend = "numpy" if self.config.selection_backend == "numpy" else "auto"
         return sampled_topk(values, k, self.config.sample_ratio, self.state.generator, backend=backend)
+
+    def velocity_of(self, e: Entry, work: DGCWork) -> Tensor:
+        """The compressed tensor ``e``'s v' (a new tensor), as ``compensate`` makes it for a whole bucket."""
+        settings, committed = self.state.settings_for(e.name), self.state.memory.committed
+        grad = work.flat[e.offset : e.offset + e.numel]
+        out = torch.empty_like(grad)
+        u = [committed["momentum"][e.name]] if settings.momentum else []
+        compensated_velocity_each(
+            [grad], [committed["velocity"][e.name]], [out], settings.momentum, settings.nesterov, u
+        )
+        return out
 
     def batched(self, device: torch.device) -> bool:
         """Whether the sampled selection runs batched per bucket (see ``DGCConfig.selection_backend``)."""
@@ -405,15 +522,16 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
 
     def _select_each(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
         """Tensor by tensor (the CPU's numpy path): bucket positions and values, cleared from memory."""
-        masking, memory = self.config.momentum_masking, self.state.memory
-        indices, values = [], []
+        indices, values, positions, start = [], [], [], 0
         for e, velocity in work.sparse:
+            if velocity is None:  # made now, freed after this tensor (see ``compensate``)
+                velocity = self.velocity_of(e, work)
             idx = self.choose(velocity, e.k)
             indices.append(idx + e.offset)
+            positions.append(idx + start)
             values.append(velocity.index_select(0, idx))
-            velocity.index_fill_(0, idx, 0.0)  # sent: no longer held back
-            if masking and memory.has("momentum", e.name):
-                memory.scratch("momentum", e.name).index_fill_(0, idx, 0.0)
+            start += e.numel
+        work.selected = torch.cat(positions)  # cleared from the memory at commit
         return torch.cat(indices), torch.cat(values)
 
     def _select_batched(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
@@ -432,9 +550,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             plan.out_shift = to_device(shifts, device)[plan.segments.out_segment]
         idx = batched_topk(work.velocity, plan.segments, self.state.draw_generator(device))
         values = work.velocity[idx]
-        work.velocity.index_fill_(0, idx, 0.0)  # sent: no longer held back
-        if self.config.momentum_masking and work.momentum is not None:
-            work.momentum.index_fill_(0, idx, 0.0)
+        work.selected = idx  # cleared from the memory at commit
         return idx + plan.out_shift, values
 
     # -- step 4 ----------------------------------------------------------------------------------------------
@@ -444,9 +560,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
                 plan.payload, plan.gathered, "all-gather of the sparse payload"
             )
         work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives, work.poison)
-        for e in plan.entries:  # tensors sent whole: their residual is sent (copied for the wire above)
-            if e.kind == "full":
-                self.state.memory.scratch("velocity", e.name).zero_()
+        release(work)
         return [p for p in (work.gathered, work.dense) if p is not None]
 
     # -- step 5 ----------------------------------------------------------------------------------------------
@@ -454,13 +568,27 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         dense = dense_sum(self.state.world_size, work.dense)
         indices = values = None
         if work.gathered is not None:
-            gathered = work.gathered.output.view(self.state.world_size, -1)
-            indices, values = codec.unpack(
-                gathered, plan.k_total, self.config.value_dtype_torch, work.flat.numel()
-            )
+            indices, values = self._unpacked(plan, work)
             if self.state.measures_buildup:  # a host sync: only when something asks for it
                 self.state.add_union_values(int(torch.unique(indices).numel()))  # gradient build-up
         return average(self, plan, work.flat, dense, indices, values)
+
+    def _unpacked(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
+        """Every rank's indices and values (unpacked again where needed: the callback's tensors stay on its
+        stream, so ``finish_step()`` reads only what the collectives wrote)."""
+        assert work.gathered is not None
+        gathered = work.gathered.output.view(self.state.world_size, -1)
+        return codec.unpack(gathered, plan.k_total, self.config.value_dtype_torch, work.flat.numel())
+
+    def decoded_finite(self, plan: DGCPlan, work: DGCWork) -> Tensor:
+        """Whether what every rank sent is finite (0-d bool, the same on every rank), before decoding it."""
+        sums = []
+        dense = dense_sum(self.state.world_size, work.dense)
+        if dense is not None:
+            sums.append(dense.sum())
+        if work.gathered is not None:
+            sums.append(self._unpacked(plan, work)[1].float().sum())
+        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.ones((), dtype=torch.bool)
 
     # -- the cost ----------------------------------------------------------------------------------------------
     @classmethod
@@ -481,6 +609,22 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         if dense_numel:
             messages.append(Message("all_reduce", dense_numel * value_bytes, "dense"))
         return WireCost(tuple(messages), dense_bytes, numel, k_total, k_total + dense_numel, padding)
+
+
+def clear_(memory: Tensor, positions: Tensor, sent: Tensor | None = None) -> None:
+    """Zero ``memory`` at ``positions`` (only where ``sent``, if given: positions are then distinct)."""
+    if sent is None:
+        memory.index_fill_(0, positions, 0.0)
+    else:
+        memory[positions] = torch.where(sent, 0.0, memory[positions])
+
+
+def release(work: DGCWork) -> None:
+    """Drop the step's bucket-sized temporaries once the collectives have their inputs (the memory is
+    updated at commit from the local gradient, not from them)."""
+    work.velocity = None
+    work.sparse = []
+    work.dense_parts = []
 
 
 def exchange_dense(

@@ -171,6 +171,7 @@ class PowerSGDWork(BucketWork):
     compressing: bool = True
     warm: bool = False  # Q starts from the previous step's (every compressed tensor has one)
     input_copy: Tensor | None = None  # the error-compensated gradient (for the next error)
+    averaged: bool = False  # Q and the uncompressed tensors' sum divided by the world size already
     uncompressed: Pending | None = None
     q: Pending | None = None
     plain: Pending | None = None
@@ -277,11 +278,14 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
         if not self.config.use_error_feedback:
             return work
         errors = [memory.buffer("error", s.name, s.numel, flat.device) for s in plan.layout]
-        for s in plan.layout:
-            memory.scratch("error", s.name)
         torch._foreach_add_(grads, errors)
-        work.input_copy = flat.clone()
-        work.keep.append(work.input_copy)
+        if self.state.finish_writes_grads:  # the bucket keeps M until the commit (replay) reads it
+            memory.note_replay([s.name for s in plan.layout], lambda skip: self.replay(plan, work, skip))
+        else:  # the decode overwrites M: a copy, and the new error into scratch made here (not in the decode)
+            work.input_copy = flat.clone()
+            work.keep.append(work.input_copy)
+            for s in plan.layout:
+                memory.scratch("error", s.name)
         return work
 
     def _has_q(self, name: str) -> bool:
@@ -296,6 +300,40 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
             del self._q_made[name]
             return True
         return False
+
+    def replay(self, plan: PowerSGDPlan, work: PowerSGDWork, skip: Any) -> None:
+        """The new error ``M - P Q^T / N`` (uncompressed tensors: ``M`` minus their average), written in place
+        at commit from ``M`` in the bucket, with the decode's own operations (the same bits)."""
+        self._average(plan, work)
+        errors = self.state.memory.committed["error"]
+        averages = {}
+        if work.uncompressed is not None:
+            parts = work.uncompressed.output.split([s.numel for s in plan.uncompressed])
+            averages = {s.name: part for s, part in zip(plan.uncompressed, parts, strict=True)}
+        for f in plan.factors if work.q is not None else ():
+            if not skip(f.spec.name):
+                torch.bmm(f.p, f.q.transpose(1, 2), out=errors[f.spec.name].view(1, f.n, f.m))
+        for spec in plan.layout:
+            if skip(spec.name):
+                continue
+            error, local = errors[spec.name], work.flat[spec.offset : spec.offset + spec.numel]
+            torch.sub(local, averages.get(spec.name, error), out=error)
+
+    def _average(self, plan: PowerSGDPlan, work: PowerSGDWork) -> None:
+        """Divide what was summed by the world size, once (the replay and the decode both read it)."""
+        if work.averaged:
+            return
+        work.averaged = True
+        if work.uncompressed is not None:
+            work.uncompressed.output.div_(self.state.world_size)
+        if work.q is not None:
+            plan.q_flat.div_(self.state.world_size)
+
+    def decoded_finite(self, plan: PowerSGDPlan, work: PowerSGDWork) -> Tensor | None:
+        if not work.compressing or work.input_copy is not None or not self.config.use_error_feedback:
+            return None  # nothing to gain: decode in the callback
+        sums = [p.output.sum() for p in (work.uncompressed, work.q) if p is not None]
+        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.ones((), dtype=torch.bool)
 
     # -- step 3 ----------------------------------------------------------------------------------------------
     def select(self, plan: PowerSGDPlan, work: PowerSGDWork) -> None:
@@ -348,10 +386,10 @@ class PowerSGD(Algorithm[PowerSGDConfig, PowerSGDPlan, PowerSGDWork]):
         world, memory, result = self.state.world_size, self.state.memory, work.flat
         if work.plain is not None:
             return result.div_(world)
+        self._average(plan, work)
         if work.uncompressed is not None:
-            result.index_copy_(0, plan.uncompressed_index, work.uncompressed.output.div_(world))
+            result.index_copy_(0, plan.uncompressed_index, work.uncompressed.output)
         if work.q is not None:
-            plan.q_flat.div_(world)
             q_at = 0
             for f in plan.factors:
                 torch.bmm(f.p, f.q.transpose(1, 2), out=self._matrix(work, f))
