@@ -44,3 +44,18 @@ def check_density(density: object, name: str = "density") -> float:
             " Use 0.001 for DGC's 99.9% sparsity, or 1.0 to send everything."
         )
     return value
+
+
+#: DDP arguments that install another communication hook: a compression strategy installs its own.
+FOREIGN_HOOK_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def drop_foreign_hook_arguments(kwargs: dict[str, object], owner: str, alternative: str) -> None:
+    """Refuse (a ``ValueError``) any of :data:`FOREIGN_HOOK_ARGUMENTS` set in ``kwargs``; drop the unset ones."""
+    for name in FOREIGN_HOOK_ARGUMENTS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{owner} installs its own DDP communication hook; `{name}` cannot be combined with it."
+                f" Use {alternative} for other hooks."
+            )
+        kwargs.pop(name, None)

@@ -45,7 +45,7 @@ from lightning_dgc.checkpoint import (
     restore_exchange_state,
     save_atomically,
 )
-from lightning_dgc.checks import check_density
+from lightning_dgc.checks import check_density, drop_foreign_hook_arguments
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.state import ExchangeState, algorithm_for, sparse_gradient_message
 from lightning_dgc.takeover import (
@@ -57,9 +57,6 @@ from lightning_dgc.takeover import (
 )
 
 log = logging.getLogger(__name__)
-
-_FORBIDDEN = ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period")
-
 
 class FabricCompressionStrategy(DDPStrategy):
     """Fabric's data-parallel strategy with a compressed gradient exchange (any registered algorithm).
@@ -99,19 +96,8 @@ class FabricCompressionStrategy(DDPStrategy):
     ) -> None:
         #: Raise after this many consecutive steps skipped for non-finite gradients (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
-        for forbidden in _FORBIDDEN:
-            if kwargs.get(forbidden) is not None:
-                raise ValueError(
-                    f"{type(self).__name__} installs its own DDP communication hook; `{forbidden}` cannot be"
-                    " combined with it. Use Fabric's `DDPStrategy` for other hooks."
-                )
-            kwargs.pop(forbidden, None)
-        if isinstance(algorithm, AlgorithmConfig):
-            if options:
-                raise ValueError("pass either a configuration object or `options`, not both")
-            self._config = algorithm
-        else:
-            self._config = algorithms.get(algorithm).config_class(**(options or {}))
+        drop_foreign_hook_arguments(kwargs, type(self).__name__, "Fabric's `DDPStrategy`")
+        self._config = algorithms.config_of(algorithm, options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -38,7 +38,7 @@ from lightning_dgc.checkpoint import (
     restore_exchange_state,
     save_atomically,
 )
-from lightning_dgc.checks import check_density
+from lightning_dgc.checks import check_density, drop_foreign_hook_arguments
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.state import ExchangeState, sparse_gradient_message
 from lightning_dgc.takeover import (
@@ -127,20 +127,9 @@ class CompressionStrategy(DDPStrategy):
         #: Raise after this many consecutive steps skipped by the strategy (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
-        for forbidden in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper", "model_averaging_period"):
-            if kwargs.get(forbidden) is not None:
-                raise ValueError(
-                    f"{type(self).__name__} installs its own DDP communication hook; `{forbidden}` cannot be"
-                    " combined with it. Use `DDPStrategy` for other hooks."
-                )
-            kwargs.pop(forbidden, None)
+        drop_foreign_hook_arguments(kwargs, type(self).__name__, "`DDPStrategy`")
         # Validate before anything else, so a bad value fails at construction, on the launching process.
-        if isinstance(algorithm, AlgorithmConfig):
-            if options:
-                raise ValueError("pass either a configuration object or `options`, not both")
-            self._config = algorithm
-        else:
-            self._config = algorithms.get(algorithm).config_class(**(options or {}))
+        self._config = algorithms.config_of(algorithm, options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

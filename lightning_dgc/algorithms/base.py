@@ -364,6 +364,16 @@ def registered() -> dict[str, type[Algorithm[Any, Any, Any]]]:
     return dict(_REGISTRY)
 
 
+def config_of(algorithm: str | AlgorithmConfig, options: dict[str, Any] | None = None) -> AlgorithmConfig:
+    """A strategy's configuration: ``algorithm`` itself if it is one, else the registered algorithm's
+    configuration class filled with ``options`` (validated there)."""
+    if isinstance(algorithm, AlgorithmConfig):
+        if options:
+            raise ValueError("pass either a configuration object or `options`, not both")
+        return algorithm
+    return get(algorithm).config_class(**(options or {}))
+
+
 def get(name: str) -> type[Algorithm[Any, Any, Any]]:
     """The algorithm registered as ``name``; a ``ValueError`` lists the names there are."""
     known = registered()
