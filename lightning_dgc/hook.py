@@ -8,7 +8,8 @@ algorithm (:mod:`lightning_dgc.algorithms`: DGC, DEFT, PowerSGD, ...), in number
    when this rank's gradient is not finite, which the algorithm adds to what it sends (every rank
    still takes part in every collective), so that every rank decodes a non-finite bucket and skips
    the step alike. No host synchronisation.
-2. **compensate**: error feedback / momentum correction into scratch memory.
+2. **compensate**: error feedback / momentum correction: what to select from (a temporary, or scratch
+   memory for small buffers), the memory itself updated only when the step commits (step 6).
 3. **select**: what to send (timed: ``compression_stats()["selection_ms"]``).
 4. **exchange**: the collectives, through ``state.collectives``, in the same order on every rank.
 5. **decode**: once they are done, in their future's callback (ordered on CUDA with events,

@@ -4,7 +4,7 @@ The generic hook (:mod:`lightning_dgc.hook`) drives one :class:`Algorithm` per r
 
 1. :meth:`Algorithm.plan` once per bucket layout (and whatever :meth:`Algorithm.plan_key` says changes it);
 2. :meth:`Algorithm.compensate`: the local gradient plus what the memory holds back (error feedback,
-   momentum correction), written to scratch memory;
+   momentum correction), into a temporary or scratch memory (the memory itself is updated at commit);
 3. :meth:`Algorithm.select`: what to send (timed as the selection);
 4. :meth:`Algorithm.exchange`: the collectives, through the injected :class:`~lightning_dgc.comm.Collectives`,
    all started from the hook's thread in the same order on every rank;

@@ -2,14 +2,16 @@
 
 Per bucket and step:
 
-2. **compensate**: local clipping (optional), weight decay, momentum correction into scratch memory
+2. **compensate**: local clipping (optional), weight decay, momentum correction into a temporary ``v'``
    (``u' = m u + g``, ``v' = v + u'``; Nesterov ``u' = m (u + g)``, ``v' = v + u' + g``);
 3. **select** exactly ``k = ceil(density * numel)`` values of every compressed tensor from ``v'``
    (sampled threshold or exact top-k), clear them from ``v'`` (and, with momentum factor masking,
    from ``u'``), and pack them into the bucket's fixed-size payload (:mod:`lightning_dgc.compression.codec`);
 4. **exchange**: one all-gather of the payloads; one all-reduce of the tensors averaged dense;
 5. **decode**: scatter-add every rank's values, divide by the world size; SGD momentum of the tensors
-   averaged dense.
+   averaged dense;
+6. **commit** (``finish_step``, a finite step only): ``u``, ``v`` updated in place by the same operations
+   (:meth:`DGC.replay`), the sent values cleared.
 
 A tensor is handled in one of three ways, decided once per bucket layout and density (the *plan*):
 ``sparse`` (compressed), ``full`` (density so high that sending everything dense is cheaper: the
@@ -338,7 +340,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
 
     # -- step 2 ----------------------------------------------------------------------------------------------
     def compensate(self, plan: DGCPlan, grads: list[Tensor], flat: Tensor) -> DGCWork:
-        """Local clipping, weight decay, momentum correction into scratch memory."""
+        """Local clipping, weight decay, momentum correction into the temporary velocity selected from."""
         work = self.work_class(grads, flat)
         cfg, memory, device = self.config, self.state.memory, flat.device
         if cfg.local_clip_norm is not None:
@@ -507,7 +509,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         )
 
     def select(self, plan: DGCPlan, work: DGCWork) -> None:
-        """Top-k per compressed tensor into the payload; what is sent is cleared from the scratch memory."""
+        """Top-k per compressed tensor into the payload (what is sent is cleared from the memory at commit)."""
         if not plan.k_total:
             return
         if self.batched(work.flat.device):
