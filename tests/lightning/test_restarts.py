@@ -92,8 +92,9 @@ def test_a_worker_killed_mid_epoch_of_a_two_level_run_is_restarted_and_it_ends_a
     got = torch.load(tmp_path / "restarted" / "params.pt", weights_only=True)
     assert expected["two_level"] and got["two_level"]
     assert expected["restarts"] == [0, 0, 0, 0]
-    # the agent of ranks 2 and 3 restarted after a failure; the other one restarted its workers too, counting
-    # it (its workers failed first: the collective with rank 2 broke) or not (they were waiting in it)
+    # the rendezvous ranks the agents by (host, pid), so each keeps its node across the restart: the agent of
+    # ranks 2 and 3 restarted after a failure; the other one restarted its workers too, counting it (its
+    # workers failed first: the collective with rank 2 broke) or not (a node waiting at the rendezvous)
     assert got["restarts"][2:] == [1, 1] and got["restarts"][0] == got["restarts"][1] in (0, 1), got["restarts"]
     assert got["global_step"] == expected["global_step"] == 12
     assert torch.equal(got["params"], expected["params"])
