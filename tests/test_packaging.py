@@ -65,6 +65,16 @@ def test_metadata_is_complete() -> None:
     assert not any(d.startswith(("torchaudio", "torchvision")) for d in project["dependencies"])
 
 
+@pytest.mark.parametrize("extra", ["speech", "dev"])
+def test_torchaudio_comes_with_the_torch_release_it_is_built_for(extra: str) -> None:
+    """torchaudio does not pin its torch, so an extra that installs it pins torch to the same releases:
+    pip would otherwise pair torchaudio 2.11 with a newer torch, whose library it cannot load."""
+    pins = {d.split(">")[0].split("<")[0]: d[len(d.split(">")[0].split("<")[0]):]
+            for d in PYPROJECT["project"]["optional-dependencies"][extra]}  # fmt: skip
+    assert "torchaudio" in pins and "torch" in pins
+    assert pins["torch"] == pins["torchaudio"]
+
+
 def test_builtin_config_names_cover_every_config() -> None:
     expected = {p.relative_to(CONFIGS).with_suffix("").as_posix() for p in CONFIGS.rglob("*.yaml")}
     assert set(builtin_configs()) == expected
