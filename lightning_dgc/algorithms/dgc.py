@@ -42,10 +42,12 @@ from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.compression import codec, sampled_topk, topk_indices
 from lightning_dgc.compression.batched import SegmentLayout, batched_topk, segment_layout, to_device
 from lightning_dgc.memory import (
+    TRIM_BEFORE_BYTES,
     bucket_order_flat,
     clip_each_by_norm_,
     compensated_velocity_each,
     momentum_correction_each_,
+    return_free_host_memory,
 )
 
 if TYPE_CHECKING:
@@ -487,6 +489,8 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         """The compressed tensor ``e``'s v' (a new tensor), as ``compensate`` makes it for a whole bucket."""
         settings, committed = self.state.settings_for(e.name), self.state.memory.committed
         grad = work.flat[e.offset : e.offset + e.numel]
+        if grad.is_cpu and grad.numel() * grad.element_size() >= TRIM_BEFORE_BYTES:
+            return_free_host_memory()  # the heap's free pages go back before this (mmapped) temporary
         out = torch.empty_like(grad)
         u = [committed["momentum"][e.name]] if settings.momentum else []
         compensated_velocity_each(
@@ -531,6 +535,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             positions.append(idx + start)
             values.append(velocity.index_select(0, idx))
             start += e.numel
+            velocity = idx = None  # a v' made here is freed now, not after the last tensor's concatenation
         work.selected = torch.cat(positions)  # cleared from the memory at commit
         return torch.cat(indices), torch.cat(values)
 
