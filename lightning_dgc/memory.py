@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
 #: A host temporary this large or larger is always a fresh ``mmap`` under glibc (32 MiB is as high as its
 #: dynamic mmap threshold goes), so the heap's free pages cannot serve it: they are handed back first
 #: (:func:`return_free_host_memory`) where the exchange is about to make one.
