@@ -87,3 +87,26 @@ def test_dgc_trims_the_heap_before_a_large_temporary_only(monkeypatch: pytest.Mo
     plain, calls = _updates(monkeypatch, 256 * 64 * 4 + 1)
     assert calls == 0
     assert torch.equal(trimmed, plain)
+
+
+def test_a_bucket_layout_gone_from_a_step_takes_its_plan_with_it() -> None:
+    """DDP's first bucket (the whole model) is rebuilt after one step: its plan, with its payload buffers, is
+    dropped once a step has run on the new buckets, whose plans are kept and reused."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256, 64)) for _ in range(2)]
+    state = ExchangeState(algorithms.get("dgc").config_class(density=0.01, momentum=0.9))
+    state.register_parameters([(f"p{i}", p) for i, p in enumerate(params)])
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    n = params[0].numel()
+    hook.exchange(state, params, torch.randn(2 * n)).wait()
+    state.finish_step()
+    (whole,) = state.plans
+    kept = None
+    for _ in range(2):
+        hook.exchange(state, [params[0]], torch.randn(n)).wait()
+        hook.exchange(state, [params[1]], torch.randn(n)).wait()
+        state.finish_step()
+        assert len(state.plans) == 2 and all(plan is not whole for plan in state.plans)
+        assert kept is None or [id(p) for p in state.plans] == [id(p) for p in kept]
+        kept = state.plans
