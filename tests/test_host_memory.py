@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_dgc import algorithms, hook
-from lightning_dgc.algorithms import dgc as dgc_module
+from lightning_dgc import memory as memory_module
 from lightning_dgc.memory import ResidualMemory, return_free_host_memory
 from lightning_dgc.state import ExchangeState
 
@@ -60,10 +60,10 @@ def test_memory_knows_whether_it_lives_on_the_host() -> None:
 
 def _updates(monkeypatch: pytest.MonkeyPatch, trim_before_bytes: int) -> tuple[torch.Tensor, int]:
     """Three steps of DGC (momentum, CPU tensor-by-tensor selection); the updates and how often the heap
-    was trimmed before a compressed tensor's v' was made."""
+    was trimmed (before a compressed tensor's v' was made, and at the end of every step)."""
     calls = []
-    monkeypatch.setattr(dgc_module, "TRIM_BEFORE_BYTES", trim_before_bytes)
-    monkeypatch.setattr(dgc_module, "return_free_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(memory_module, "TRIM_BEFORE_BYTES", trim_before_bytes)
+    monkeypatch.setattr(memory_module, "return_free_host_memory", lambda: calls.append(1) or True)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(256, 64)) for _ in range(4)]
     state = ExchangeState(algorithms.get("dgc").config_class(density=0.01, momentum=0.9))
@@ -81,11 +81,11 @@ def _updates(monkeypatch: pytest.MonkeyPatch, trim_before_bytes: int) -> tuple[t
 
 def test_dgc_trims_the_heap_before_a_large_temporary_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """A v' of at least TRIM_BEFORE_BYTES (every one here, with the bound at 0) is preceded by a trim,
-    smaller ones are not; the updates are the same bits either way."""
+    smaller ones are not; every step ends with one; the updates are the same bits either way."""
     trimmed, calls = _updates(monkeypatch, 0)
-    assert calls == 3 * 4
+    assert calls == 3 * 4 + 3
     plain, calls = _updates(monkeypatch, 256 * 64 * 4 + 1)
-    assert calls == 0
+    assert calls == 3
     assert torch.equal(trimmed, plain)
 
 

@@ -42,12 +42,11 @@ from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.compression import codec, sampled_topk, topk_indices
 from lightning_dgc.compression.batched import SegmentLayout, batched_topk, segment_layout, to_device
 from lightning_dgc.memory import (
-    TRIM_BEFORE_BYTES,
     bucket_order_flat,
     clip_each_by_norm_,
     compensated_velocity_each,
     momentum_correction_each_,
-    return_free_host_memory,
+    trim_before,
 )
 
 if TYPE_CHECKING:
@@ -489,8 +488,8 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         """The compressed tensor ``e``'s v' (a new tensor), as ``compensate`` makes it for a whole bucket."""
         settings, committed = self.state.settings_for(e.name), self.state.memory.committed
         grad = work.flat[e.offset : e.offset + e.numel]
-        if grad.is_cpu and grad.numel() * grad.element_size() >= TRIM_BEFORE_BYTES:
-            return_free_host_memory()  # the heap's free pages go back before this (mmapped) temporary
+        if grad.is_cpu:
+            trim_before(grad.numel() * grad.element_size())  # the heap's free pages go back first
         out = torch.empty_like(grad)
         u = [committed["momentum"][e.name]] if settings.momentum else []
         compensated_velocity_each(
