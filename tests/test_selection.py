@@ -146,8 +146,8 @@ def test_one_workspace_serves_tensors_of_any_size_in_any_order(backend: str) -> 
 
 
 def test_chunked_pass_keeps_one_block_of_mask_not_one_byte_per_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above DIRECT_NUMEL the mask covers one block: the workspace does not grow with the tensor, and the
-    candidates (in increasing order, across blocks and a ragged last word) are those of a whole-tensor mask."""
+    """Above DIRECT_NUMEL the mask covers one block: the workspace does not grow with the tensor, and
+    the candidates (in increasing order, across blocks and a ragged last word) are a whole-tensor mask's."""
     monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 10_000)
     monkeypatch.setattr(dgc_selection, "CHUNK", 4_096)
     workspace = dgc_selection.SelectionWorkspace()

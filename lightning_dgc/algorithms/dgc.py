@@ -591,8 +591,9 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         if dense is not None:
             sums.append(dense.sum())
         if work.gathered is not None:
-            gathered = work.gathered.output.view(self.state.world_size, -1)  # the values only: no index decode
-            sums.append(codec.gathered_values(gathered, plan.k_total, self.config.value_dtype_torch).float().sum())
+            gathered = work.gathered.output.view(self.state.world_size, -1)
+            values = codec.gathered_values(gathered, plan.k_total, self.config.value_dtype_torch)  # no index decode
+            sums.append(values.float().sum())
         return torch.isfinite(torch.stack(sums).sum()) if sums else torch.ones((), dtype=torch.bool)
 
     # -- the cost ----------------------------------------------------------------------------------------------

@@ -106,8 +106,9 @@ class SelectionWorkspace:
     the pass that fills it (page faults), which is what this object saves.
 
     Holds, for the CPU (numpy) pass, a candidate mask of one byte per value (of a whole tensor up to
-    ``DIRECT_NUMEL`` values, else of one block of about as many), one flag byte per 8 values, magnitudes (of a whole tensor up to ``DIRECT_NUMEL`` values, else of one chunk) and the
-    sample positions; for the torch pass, one magnitude tensor per device and dtype.
+    ``DIRECT_NUMEL`` values, else of one block of about as many), one flag byte per 8 values,
+    magnitudes (of a whole tensor up to ``DIRECT_NUMEL`` values, else of one chunk) and the sample
+    positions; for the torch pass, one magnitude tensor per device and dtype.
     """
 
     #: Most tensor sizes whose views :meth:`layout` keeps (a model has a few dozen distinct sizes).
