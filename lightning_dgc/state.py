@@ -351,7 +351,11 @@ class ExchangeState:
         optimizer; their staged memory is dropped, so that their momentum does not advance either (as
         with DDP and SGD).
         """
-        self._planned_this_step.clear()
+        planned, self._planned_this_step = self._planned_this_step, set()
+        if planned:  # a layout no bucket had this step is gone (DDP rebuilds its buckets after the first
+            # step, and its first holds the whole model): its plan and the plan's buffers go with it
+            for key in [key for key in self._plans if key not in planned]:
+                del self._plans[key]
         unused = None
         if check_unused:
             staged = self.memory.staged_names

@@ -145,6 +145,24 @@ def test_one_workspace_serves_tensors_of_any_size_in_any_order(backend: str) -> 
         assert torch.equal(before, idx)
 
 
+def test_chunked_pass_keeps_one_block_of_mask_not_one_byte_per_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above DIRECT_NUMEL the mask covers one block: the workspace does not grow with the tensor, and
+    the candidates (in increasing order, across blocks and a ragged last word) are a whole-tensor mask's."""
+    monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 10_000)
+    monkeypatch.setattr(dgc_selection, "CHUNK", 4_096)
+    workspace = dgc_selection.SelectionWorkspace()
+    for n in (200_003, 8_192 * 3):
+        x = torch.randn(n, generator=_gen(n))
+        threshold = np.float32(2.5)
+        got = dgc_selection._candidates_chunked(x.numpy(), threshold, workspace)
+        assert got.tolist() == np.flatnonzero(np.abs(x.numpy()) >= threshold).tolist()
+        k = n // 1000
+        idx = sampled_topk(x, k, 0.01, _gen(1), workspace=workspace)
+        assert set(idx.tolist()) == set(topk_indices(x, k).tolist())
+    assert workspace._mask is not None and workspace._mask.size == 8_192
+    assert workspace.nbytes() < 200_003  # it held more than a byte per value before
+
+
 def test_workspace_buffers_are_reused_not_reallocated() -> None:
     workspace = dgc_selection.SelectionWorkspace()
     mask, flags = workspace.mask(1000)

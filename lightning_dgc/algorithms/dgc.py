@@ -48,6 +48,7 @@ from lightning_dgc.memory import (
     clip_each_by_norm_,
     compensated_velocity_each,
     momentum_correction_each_,
+    trim_before,
 )
 
 if TYPE_CHECKING:
@@ -489,6 +490,8 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         """The compressed tensor ``e``'s v' (a new tensor), as ``compensate`` makes it for a whole bucket."""
         settings, committed = self.state.settings_for(e.name), self.state.memory.committed
         grad = work.flat[e.offset : e.offset + e.numel]
+        if grad.is_cpu:
+            trim_before(grad.numel() * grad.element_size())  # the heap's free pages go back first
         out = torch.empty_like(grad)
         u = [committed["momentum"][e.name]] if settings.momentum else []
         compensated_velocity_each(
@@ -533,6 +536,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             positions.append(idx + start)
             values.append(velocity.index_select(0, idx))
             start += e.numel
+            velocity = idx = None  # a v' made here is freed now, not after the last tensor's concatenation
         work.selected = torch.cat(positions)  # cleared from the memory at commit
         return torch.cat(indices), torch.cat(values)
 
@@ -589,7 +593,9 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         if dense is not None:
             sums.append(dense.sum())
         if work.gathered is not None:
-            sums.append(self._unpacked(plan, work)[1].float().sum())
+            gathered = work.gathered.output.view(self.state.world_size, -1)
+            values = codec.gathered_values(gathered, plan.k_total, self.config.value_dtype_torch)  # no index decode
+            sums.append(values.float().sum())
         return torch.isfinite(torch.stack(sums).sum()) if sums else torch.ones((), dtype=torch.bool)
 
     # -- the cost ----------------------------------------------------------------------------------------------

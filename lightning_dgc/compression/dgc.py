@@ -92,7 +92,7 @@ class _Layout(NamedTuple):
     positions: Tensor  # int64 CPU tensor of the sample's size, drawn into on every call
     sample_positions: np.ndarray  # numpy view of ``positions``
     magnitudes: np.ndarray | None  # ``n`` values for the direct pass; None above ``DIRECT_NUMEL``
-    mask: np.ndarray  # ``8 * ceil(n / 8)`` bytes
+    mask: np.ndarray  # ``8 * ceil(n / 8)`` bytes (direct pass; the chunked pass's are one block's)
     mask_head: np.ndarray  # its first ``n`` bytes
     flags: np.ndarray  # ``ceil(n / 8)`` bytes
 
@@ -105,9 +105,10 @@ class SelectionWorkspace:
     to the largest tensor seen and are then reused: a fresh multi-megabyte buffer can cost more than
     the pass that fills it (page faults), which is what this object saves.
 
-    Holds, for the CPU (numpy) pass, a candidate mask of one byte per value, one flag byte per 8
-    values, magnitudes (of a whole tensor up to ``DIRECT_NUMEL`` values, else of one chunk) and the
-    sample positions; for the torch pass, one magnitude tensor per device and dtype.
+    Holds, for the CPU (numpy) pass, a candidate mask of one byte per value (of a whole tensor up to
+    ``DIRECT_NUMEL`` values, else of one block of about as many), one flag byte per 8 values,
+    magnitudes (of a whole tensor up to ``DIRECT_NUMEL`` values, else of one chunk) and the sample
+    positions; for the torch pass, one magnitude tensor per device and dtype.
     """
 
     #: Most tensor sizes whose views :meth:`layout` keeps (a model has a few dozen distinct sizes).
@@ -156,7 +157,7 @@ class SelectionWorkspace:
         layout = self._layouts.get(key)
         if layout is None:
             # Grow every buffer first: growing clears the kept layouts.
-            mask, flags = self.mask(numel)
+            mask, flags = self.mask(numel if direct else _block(numel))  # (the chunked pass: one block)
             magnitudes = self.floats(numel, dtype) if direct else None
             positions = self.positions(num_samples)
             if len(self._layouts) >= self.MAX_LAYOUTS:
@@ -195,8 +196,9 @@ def default_workspace() -> SelectionWorkspace:
 
     Fresh scratch on every call would cost about as much as the pass itself (page faults on new
     memory), so callers that pass nothing still reuse buffers. It holds about ``1.1 * n`` bytes
-    for the largest CPU tensor ``n`` selected from on this thread, plus up to ``DIRECT_NUMEL``
-    magnitudes; pass an explicit workspace to control that memory instead.
+    for the largest CPU tensor ``n`` selected from on this thread, at most ``1.1 * DIRECT_NUMEL``
+    (larger tensors are scanned block by block), plus up to ``DIRECT_NUMEL`` magnitudes; pass an
+    explicit workspace to control that memory instead.
     """
     workspace = getattr(_thread_local, "workspace", None)
     if workspace is None:
@@ -383,16 +385,33 @@ def _candidates_chunked(x: np.ndarray, threshold: np.floating, workspace: Select
 
     Chunk by chunk, ``|x|`` goes into a cache-sized scratch and its comparison with the threshold
     into the reused byte mask, so the only traffic to memory is reading ``x`` and writing one byte
-    per value; :func:`_scan_mask` then finds the few candidates.
+    per value; :func:`_scan_mask` then finds the few candidates of each block of about
+    ``DIRECT_NUMEL`` values. The mask covers one block, not the tensor: the workspace stays about
+    ``1.1 * DIRECT_NUMEL`` bytes whatever the largest tensor (a byte per value of the largest tensor
+    would be a tenth of its size, held for the whole run).
     """
     n = x.size
-    mask, flags = workspace.mask(n)  # 8 * ceil(n / 8) bytes, and ceil(n / 8)
+    block = _block(n)
+    mask, flags = workspace.mask(block)  # 8 * ceil(block / 8) bytes, and ceil(block / 8)
     scratch = workspace.floats(CHUNK, x.dtype)
-    for start in range(0, n, CHUNK):
-        stop = min(n, start + CHUNK)
-        magnitude = np.abs(x[start:stop], out=scratch[: stop - start])
-        np.greater_equal(magnitude, threshold, out=mask[start:stop])
-    return _scan_mask(mask, flags, n)
+    found = []
+    for first in range(0, n, block):
+        last = min(n, first + block)
+        for start in range(first, last, CHUNK):
+            stop = min(last, start + CHUNK)
+            magnitude = np.abs(x[start:stop], out=scratch[: stop - start])
+            np.greater_equal(magnitude, threshold, out=mask[start - first : stop - first])
+        words = -(-(last - first) // 8)
+        positions = _scan_mask(mask[: 8 * words], flags[:words], last - first)
+        if first:
+            positions += first
+        found.append(positions)
+    return found[0] if len(found) == 1 else np.concatenate(found)
+
+
+def _block(n: int) -> int:
+    """Values per block of the chunked pass's mask: a whole number of chunks, about ``DIRECT_NUMEL``."""
+    return min(n, max(CHUNK, DIRECT_NUMEL - DIRECT_NUMEL % CHUNK))
 
 
 def _scan_mask(mask: np.ndarray, flags: np.ndarray, n: int) -> np.ndarray:

@@ -1,0 +1,112 @@
+"""Host memory the exchange frees goes back to the operating system (glibc's heap keeps freed pages)."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import pytest
+import torch
+
+from lightning_dgc import algorithms, hook
+from lightning_dgc import memory as memory_module
+from lightning_dgc.memory import ResidualMemory, return_free_host_memory
+from lightning_dgc.state import ExchangeState
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+def test_freed_heap_pages_go_back_to_the_system() -> None:
+    """Blocks below the mmap threshold come from the heap; once freed behind a live block, glibc keeps
+    their pages resident until they are handed back."""
+    if not return_free_host_memory():
+        pytest.skip("no glibc malloc_trim (musl?)")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+    size, count = 100_000, 400  # 40 MB in blocks under glibc's smallest mmap threshold (128 KiB)
+    blocks = [libc.malloc(size) for _ in range(count)]
+    assert all(blocks)
+    for block in blocks:
+        ctypes.memset(block, 1, size)
+    try:
+        for block in blocks[:-1]:  # the last block stays: the freed ones are not at the heap's top
+            libc.free(block)
+        kept = _resident_bytes()
+        assert return_free_host_memory()
+        assert kept - _resident_bytes() >= 0.75 * size * (count - 1)
+    finally:
+        libc.free(blocks[-1])
+
+
+def test_memory_knows_whether_it_lives_on_the_host() -> None:
+    elsewhere = ResidualMemory()
+    elsewhere.buffer("velocity", "w", 4, torch.device("meta"))
+    assert not elsewhere.on_host
+    memory = ResidualMemory()
+    memory.buffer("velocity", "w", 4, torch.device("cpu"))
+    assert memory.on_host
+    restored = ResidualMemory()
+    restored.load_state_dict(memory.state_dict())
+    assert restored.on_host
+
+
+def _updates(monkeypatch: pytest.MonkeyPatch, trim_before_bytes: int) -> tuple[torch.Tensor, int]:
+    """Three steps of DGC (momentum, CPU tensor-by-tensor selection); the updates and how often the heap
+    was trimmed (before a compressed tensor's v' was made, and at the end of every step)."""
+    calls = []
+    monkeypatch.setattr(memory_module, "TRIM_BEFORE_BYTES", trim_before_bytes)
+    monkeypatch.setattr(memory_module, "return_free_host_memory", lambda: calls.append(1) or True)
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256, 64)) for _ in range(4)]
+    state = ExchangeState(algorithms.get("dgc").config_class(density=0.01, momentum=0.9))
+    state.register_parameters([(f"p{i}", p) for i, p in enumerate(params)])
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    numel = sum(p.numel() for p in params)
+    generator = torch.Generator().manual_seed(1)
+    updates = []
+    for _ in range(3):
+        updates.append(hook.exchange(state, params, torch.randn(numel, generator=generator)).wait().clone())
+        state.finish_step()
+    return torch.stack(updates), len(calls)
+
+
+def test_dgc_trims_the_heap_before_a_large_temporary_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A v' of at least TRIM_BEFORE_BYTES (every one here, with the bound at 0) is preceded by a trim,
+    smaller ones are not; every step ends with one; the updates are the same bits either way."""
+    trimmed, calls = _updates(monkeypatch, 0)
+    assert calls == 3 * 4 + 3
+    plain, calls = _updates(monkeypatch, 256 * 64 * 4 + 1)
+    assert calls == 3
+    assert torch.equal(trimmed, plain)
+
+
+def test_a_bucket_layout_gone_from_a_step_takes_its_plan_with_it() -> None:
+    """DDP's first bucket (the whole model) is rebuilt after one step: its plan, with its payload buffers, is
+    dropped once a step has run on the new buckets, whose plans are kept and reused."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256, 64)) for _ in range(2)]
+    state = ExchangeState(algorithms.get("dgc").config_class(density=0.01, momentum=0.9))
+    state.register_parameters([(f"p{i}", p) for i, p in enumerate(params)])
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    n = params[0].numel()
+    hook.exchange(state, params, torch.randn(2 * n)).wait()
+    state.finish_step()
+    (whole,) = state.plans
+    kept = None
+    for _ in range(2):
+        hook.exchange(state, [params[0]], torch.randn(n)).wait()
+        hook.exchange(state, [params[1]], torch.randn(n)).wait()
+        state.finish_step()
+        assert len(state.plans) == 2 and all(plan is not whole for plan in state.plans)
+        assert kept is None or [id(p) for p in state.plans] == [id(p) for p in kept]
+        kept = state.plans
