@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dgc import algorithms, comm
+from lightning_dgc import algorithms
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checkpoint import (
     CHECKPOINT_KEY,
@@ -45,9 +45,9 @@ from lightning_dgc.checkpoint import (
     restore_exchange_state,
     save_atomically,
 )
-from lightning_dgc.checks import check_density, drop_foreign_hook_arguments
-from lightning_dgc.hook import exchange_hook
-from lightning_dgc.state import ExchangeState, algorithm_for, sparse_gradient_message
+from lightning_dgc.checks import drop_foreign_hook_arguments
+from lightning_dgc.front import ExchangeAccess
+from lightning_dgc.state import ExchangeState, sparse_gradient_message
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     OptimizerTakeOver,
@@ -58,7 +58,7 @@ from lightning_dgc.takeover import (
 
 log = logging.getLogger(__name__)
 
-class FabricCompressionStrategy(DDPStrategy):
+class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
     """Fabric's data-parallel strategy with a compressed gradient exchange (any registered algorithm).
 
     The optimizer contract is the Trainer strategy's (:class:`~lightning_dgc.CompressionStrategy`): for
@@ -78,6 +78,8 @@ class FabricCompressionStrategy(DDPStrategy):
         **kwargs: every argument of Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
             ``start_method``, and DDP's own: ``find_unused_parameters``, ``static_graph``, ...).
     """
+
+    set_up_by = "`fabric.setup(model, ...)`"
 
     def __init__(
         self,
@@ -117,63 +119,6 @@ class FabricCompressionStrategy(DDPStrategy):
         )
         self._hook_calls_at_commit = 0
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
-
-    # -- public API ------------------------------------------------------------------------------
-    @property
-    def algorithm(self) -> str:
-        """The algorithm's registered name (stored with the exchange state in checkpoints)."""
-        return algorithm_for(self._config).name
-
-    @property
-    def config(self) -> AlgorithmConfig:
-        """The algorithm's settings in force (``density`` may change during training)."""
-        return self._state.config if self._state is not None else self._config
-
-    @property
-    def exchange_state(self) -> ExchangeState:
-        if self._state is None:
-            raise RuntimeError(
-                f"{type(self).__name__} has no exchange state before `fabric.setup(model, ...)` has set up the model."
-            )
-        return self._state
-
-    @property
-    def density(self) -> float | None:
-        """The density in force, ``None`` for an algorithm without one (set it to change the sparsity
-        during training, identically on all ranks)."""
-        return getattr(self.config, "density", None)
-
-    @density.setter
-    def density(self, value: float) -> None:
-        if getattr(self._config, "density", None) is None:
-            raise AttributeError(f"the {self.algorithm} algorithm has no density")
-        if self._state is not None:
-            self._state.density = value
-        else:
-            self._config.density = check_density(value)  # type: ignore[attr-defined]
-
-    def compression_stats(self) -> dict[str, float | int | bool]:
-        """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`)."""
-        return self._state.compression_stats() if self._state is not None else {}
-
-    def residual_norm(self) -> float | None:
-        """L2 norm of what this rank's memory holds back (``None`` before the model was set up)."""
-        return self._state.residual_norm() if self._state is not None else None
-
-    # -- setup -----------------------------------------------------------------------------------
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
-
-    def _hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
-        strategy = self
-
-        def counted_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
-            strategy.hook_calls += 1
-            return exchange_hook(state, bucket)
-
-        return counted_hook
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:

@@ -38,8 +38,8 @@ from lightning_dgc.checkpoint import (
     restore_exchange_state,
     save_atomically,
 )
-from lightning_dgc.checks import check_density, drop_foreign_hook_arguments
-from lightning_dgc.hook import exchange_hook
+from lightning_dgc.checks import drop_foreign_hook_arguments
+from lightning_dgc.front import ExchangeAccess
 from lightning_dgc.state import ExchangeState, sparse_gradient_message
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
@@ -68,7 +68,7 @@ def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
     ]
 
 
-class CompressionStrategy(DDPStrategy):
+class CompressionStrategy(ExchangeAccess, DDPStrategy):
     """Data-parallel training with a compressed gradient exchange (any registered algorithm).
 
     Subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` and keeps the DDP
@@ -107,6 +107,8 @@ class CompressionStrategy(DDPStrategy):
         **kwargs: every argument of ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
             ``process_group_backend``, ``timeout``, ``start_method``, ...).
     """
+
+    set_up_by = "`trainer.fit`"
 
     def __init__(
         self,
@@ -150,77 +152,6 @@ class CompressionStrategy(DDPStrategy):
         )
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
         self._finite: bool | None = None  # the verdict of a step finished at the end of backward()
-
-    # -- public API ------------------------------------------------------------------------------
-    @property
-    def algorithm(self) -> str:
-        """The algorithm's registered name (stored with the exchange state in checkpoints)."""
-        return self.algorithm_class.name
-
-    @property
-    def algorithm_class(self) -> type[algorithms.Algorithm[Any, Any, Any]]:
-        from lightning_dgc.state import algorithm_for
-
-        return algorithm_for(self._config)
-
-    @property
-    def config(self) -> AlgorithmConfig:
-        """The algorithm's settings in force (``density`` may change during training)."""
-        return self._state.config if self._state is not None else self._config
-
-    @property
-    def exchange_state(self) -> ExchangeState:
-        if self._state is None:
-            raise RuntimeError(
-                f"{type(self).__name__} has no exchange state before `trainer.fit` has set up the model."
-            )
-        return self._state
-
-    @property
-    def density(self) -> float | None:
-        """The density in force, ``None`` for an algorithm without one (set it to change the sparsity
-        during training, identically on all ranks: ``SparsityWarmup`` does)."""
-        return self.config.density
-
-    @density.setter
-    def density(self, value: float) -> None:
-        if self._config.density is None:
-            raise AttributeError(
-                f"the {self.algorithm} algorithm has no density: its configuration declares no `density` field;"
-                " do not set one (e.g. drop SparsityWarmup)."
-            )
-        if self._state is not None:
-            self._state.density = value
-        else:
-            self._config.density = check_density(value)  # type: ignore[attr-defined]
-
-    def compression_stats(self) -> dict[str, float | int | bool]:
-        """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`)."""
-        return self._state.compression_stats() if self._state is not None else {}
-
-    def request_buildup(self) -> None:
-        """Measure the build-up factor (``compression_stats()["buildup_factor"]``) in the coming step."""
-        if self._state is not None:
-            self._state.request_buildup()
-
-    def residual_norm(self) -> float | None:
-        """L2 norm of what this rank's memory holds back (``None`` before ``fit`` set the exchange up)."""
-        return self._state.residual_norm() if self._state is not None else None
-
-    # -- setup -----------------------------------------------------------------------------------
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
-
-    def _hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
-        strategy = self
-
-        def counted_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
-            strategy.hook_calls += 1
-            return exchange_hook(state, bucket)
-
-        return counted_hook
 
     @override
     def _register_ddp_hooks(self) -> None:
