@@ -19,7 +19,7 @@ algorithm (:mod:`lightning_dgc.algorithms`: DGC, DEFT, PowerSGD, ...), in number
 6. **memory**: what steps 2-5 staged (or noted to replay in place) is committed by ``state.finish_step()``
    (or discarded if any rank saw inf/NaN) once the whole backward pass is done.
 
-With ``state.finish_writes_grads`` (the strategies set it for a flat exchange), an algorithm that can tell
+With ``state.finish_writes_grads`` (the strategies ask for it; a flat exchange only), an algorithm that can tell
 finiteness before decoding (:meth:`~lightning_dgc.algorithms.Algorithm.decoded_finite`: DGC, DEFT,
 PowerSGD with error feedback) decodes in step 6 instead: the future hands DDP the bucket as it is (the
 local gradient, which DDP copies into ``.grad``), ``finish_step()`` commits the memory from that local

@@ -102,11 +102,7 @@ class ExchangeState:
         self.world_size, self.rank = self.collectives.world_size, self.collectives.rank
         #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
         self.grad_scale = grad_scale
-        #: The future the hook returns holds the bucket as it is, and :meth:`finish_step` writes the averaged
-        #: update into the parameters' ``.grad`` (DGC, DEFT; see :mod:`lightning_dgc.hook`): the memory's
-        #: commit reads the local gradient where DDP holds it, which saves a model-sized copy. For DDP
-        #: models whose ``.grad`` the caller reads only after ``finish_step()`` (the strategies set it).
-        self.finish_writes_grads = finish_writes_grads
+        self._finish_writes_grads = finish_writes_grads
         #: Count the distinct indices of all ranks' selections (the build-up factor) in every step; it costs a
         #: host synchronisation per bucket, so otherwise only in steps :meth:`request_buildup` asks for.
         self.measure_buildup = measure_buildup
@@ -207,6 +203,20 @@ class ExchangeState:
             getattr(cfg, "momentum", 0.0), getattr(cfg, "nesterov", False), getattr(cfg, "weight_decay", 0.0)
         )
         return self.param_settings.get(self._parent(name), default)
+
+    @property
+    def finish_writes_grads(self) -> bool:
+        """Whether the future the hook returns holds the bucket as it is, :meth:`finish_step` then writing the
+        averaged update into the parameters' ``.grad`` (see :mod:`lightning_dgc.hook`): the memory's commit
+        reads the local gradient where DDP holds it, which saves a model-sized copy. For DDP models whose
+        ``.grad`` the caller reads only after ``finish_step()`` (the strategies ask for it). Never in a
+        two-level exchange, whatever was asked: there the algorithm's local gradient is this rank's shard of
+        the node's sum, not the bucket, and its decode runs before the all-gather inside the node."""
+        return self._finish_writes_grads and self.topology is None
+
+    @finish_writes_grads.setter
+    def finish_writes_grads(self, value: bool) -> None:
+        self._finish_writes_grads = bool(value)
 
     @property
     def density(self) -> float | None:

@@ -167,9 +167,7 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             # else a second fit: the memory carries on
             state = self._state = ExchangeState(self._config, topology=self._two_level_topology())
         state.register_parameters(named)
-        # The averaged gradients are written after the memory's commit (the local gradient needs no copy). Not
-        # in a two-level exchange, whose decode (of this rank's shard) runs before the all-gather inside the node.
-        state.finish_writes_grads = state.topology is None
+        state.finish_writes_grads = True  # the averaged gradients are written after the memory's commit
         self.model.register_comm_hook(state, self._hook())
         log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
 

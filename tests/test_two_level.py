@@ -35,13 +35,13 @@ def _model() -> nn.Module:
 
 
 def _train(config: algorithms.AlgorithmConfig, nodes: int = 2, per_node: int = 2, steps: int = 3,
-           buckets: list[list[int]] | None = None, **faults: int) -> list[dict]:  # fmt: skip
+           buckets: list[list[int]] | None = None, deferred: bool = False, **faults: int) -> list[dict]:  # fmt: skip
     """Each simulated rank exchanges ``steps`` random gradients (``buckets``: parameter indices per bucket,
     a list per step or one for all steps; default one bucket)."""
 
     def rank_run(topology: comm.Topology) -> dict:
         model = _model()
-        state = ExchangeState(config, topology=topology)
+        state = ExchangeState(config, topology=topology, finish_writes_grads=deferred)
         state.register_parameters(model.named_parameters())
         params = list(model.parameters())
         numel = sum(p.numel() for p in params)
@@ -80,6 +80,22 @@ def test_every_rank_decodes_the_same_update_in_two_levels(name: str) -> None:
     stats = ranks[0]["stats"]
     assert ranks[0]["state"].world_size == 2 and stats["numel"] < sum(p.numel() for p in _model().parameters()) / 2
     assert 0 < stats["inter_node_bytes"] < stats["link_bytes"]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_two_level_exchange_never_defers_its_decode_even_when_asked(name: str) -> None:
+    """The strategies ask every state to write the gradients at finish_step (the commit then reads the local
+    gradient in the bucket); a two-level state declines, since its algorithm's local gradient is the node's
+    shard, which its decode overwrites: memory and updates are those of the plain two-level exchange."""
+    config = algorithms.get(name).config_class(**CONFIGS[name])
+    asked, plain = _train(config, deferred=True), _train(config)
+    for a, p in zip(asked, plain, strict=True):
+        assert a["state"].finish_writes_grads is False
+        for got, want in zip(a["updates"], p["updates"], strict=True):
+            assert torch.equal(got, want)
+        for kind, by_name in p["state"].memory.committed.items():
+            for n, t in by_name.items():
+                assert torch.equal(a["state"].memory.committed[kind][n], t), (kind, n)
 
 
 @pytest.mark.parametrize("name", ["dgc", "deft"])
