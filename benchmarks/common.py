@@ -491,6 +491,10 @@ class RunRecorder(L.Callback):
     ``compression_stats()`` (when the strategy has them) is summed, so the reported compression
     ratio is the run's total dense bytes / total bytes sent, warm-up included.
 
+    The training loss is averaged over every batch of an epoch and over the ranks (one all-reduce of a
+    scalar at the end of each training epoch, on every rank): ``train_loss_epochs`` holds one value per
+    epoch, far less noisy than a small test set's accuracy.
+
     Args:
         path: JSON file to write (rewritten after every validation, so a stopped run keeps its last state).
     """
@@ -499,6 +503,10 @@ class RunRecorder(L.Callback):
         super().__init__()
         self.path = path
         self.history: list[dict[str, float]] = []
+        self.train_loss_epochs: list[dict[str, float]] = []
+        self._loss_sum: Any = 0.0  # a tensor on the loss's device once a batch ran (no host sync per step)
+        self._loss_batches = 0
+        self._params = 0
         self.totals = {"steps": 0, "bytes_sent": 0, "dense_bytes": 0, "link_bytes": 0.0, "selection_ms": 0.0}
         self.densities: list[float] = []
         self._last_step: Any = None
@@ -506,10 +514,28 @@ class RunRecorder(L.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._t0 = time.perf_counter()
+        self._params = sum(p.numel() for p in pl_module.parameters())
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._loss_sum, self._loss_batches = 0.0, 0
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        import torch
+
+        local = float(self._loss_sum) / self._loss_batches if self._loss_batches else float("nan")
+        mean = trainer.strategy.reduce(
+            torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="mean"
+        )
+        self.train_loss_epochs.append({"epoch": trainer.current_epoch, "train_loss": float(mean)})
+        self._write(trainer)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._loss_sum = self._loss_sum + loss.detach().double()
+            self._loss_batches += 1
         stats_fn = getattr(trainer.strategy, "compression_stats", None)
         if not callable(stats_fn):
             return
@@ -554,6 +580,8 @@ class RunRecorder(L.Callback):
             "train_wall_s": time.perf_counter() - self._t0,
             "final": self.history[-1] if self.history else {},
             "history": self.history,
+            "train_loss_epochs": self.train_loss_epochs,
+            "params": self._params,
             "compression": totals if totals["steps"] else None,
             "densities": self.densities,
         }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks import parity
 
 
@@ -20,3 +22,33 @@ def test_run_key_follows_the_command_and_the_config_texts_not_the_scratch_folder
     assert parity.run_key(argv("/tmp/a", "--trainer.max_epochs", "2"), Path("/tmp/a")) != key
     config.write_text("trainer:\n  strategy: deft\n")  # the YAML edited, the command unchanged
     assert parity.run_key(argv("/tmp/a"), Path("/tmp/a")) != key
+
+
+def _run(algo: str, seed: int, evals: list[float], loss: float) -> dict:
+    run = {"task": "cifar10", "algo": algo, "seed": seed, "history": [{"val_acc": v} for v in evals],
+           "train_loss_epochs": [{"epoch": 0, "train_loss": 9.0}, {"epoch": 1, "train_loss": loss}]}  # fmt: skip
+    run.update(parity.protocol_values(parity.TASKS["cifar10"], run))
+    return run
+
+
+def test_the_seed_protocol_averages_the_last_two_evaluations_and_pairs_differences_by_seed() -> None:
+    runs = [
+        _run("ddp", 42, [0.1, 0.60, 0.62], 1.0), _run("dgc", 42, [0.1, 0.58, 0.60], 1.1),
+        _run("ddp", 43, [0.1, 0.50, 0.50], 1.2), _run("dgc", 43, [0.1, 0.50, 0.49], 1.3),
+    ]  # fmt: skip
+    assert runs[0]["metric_last2"] == pytest.approx(0.61)
+    assert runs[0]["last2_spread"] == pytest.approx(0.02)
+    assert runs[0]["train_loss_last_epoch"] == 1.0  # the last epoch's, not the first
+    ddp, dgc = parity.summarize(parity.TASKS["cifar10"], runs, devices=8)
+    assert ddp["metric"] == pytest.approx(0.555) and ddp["metric_std"] == pytest.approx(0.0777817, rel=1e-5)
+    # paired by seed: -0.02 and -0.005, whatever the spread between the seeds themselves
+    assert dgc["difference"] == pytest.approx(-0.0125) and dgc["difference_std"] == pytest.approx(0.0106066)
+    assert dgc["met"] is False  # 1.25 pp worse than ddp, the tolerance is 0.5 pp
+    assert dgc["train_loss"] == pytest.approx(1.2)
+
+
+def test_a_run_of_another_length_gets_the_configs_milestones_at_the_same_fractions() -> None:
+    task = parity.TASKS["cifar10"]  # the config: 10 epochs, milestones 6 and 8
+    assert parity.milestones(task, 10) == [6, 8]
+    assert parity.milestones(task, 12) == [7, 10]
+    assert parity.milestones(task, 2) == [1]
