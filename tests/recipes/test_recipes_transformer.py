@@ -146,6 +146,31 @@ def test_checkpoint_rebuilds_the_vocabulary_layers(ptb_root: Path, tmp_path: Pat
     trainer.save_checkpoint(tmp_path / "lm.ckpt")
     restored = TransformerLanguageModel.load_from_checkpoint(tmp_path / "lm.ckpt")
     assert torch.equal(restored.embedding.weight, model.embedding.weight)
+    rates = LearningRates()
+    resumed = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=5, limit_val_batches=1, logger=False, enable_progress_bar=False,
+        default_root_dir=tmp_path, callbacks=[rates],
+    )  # fmt: skip
+    resumed.fit(
+        tiny_model(vocab_size=None),
+        datamodule=PTBDataModule(str(ptb_root), batch_size=4, bptt=8, download=False),
+        ckpt_path=tmp_path / "lm.ckpt",
+    )
+    assert resumed.global_step == 5 and len(rates.rates) == 2
+    # the schedule resumes where it stopped (step 3 of the first run's 3-step schedule: its floor)
+    assert rates.rates == pytest.approx([model.hparams.lr * model.hparams.min_lr_ratio] * 2)
+
+
+def test_bf16_autocast_gives_the_fp32_loss_closely() -> None:
+    """Under bf16 autocast (trainer.precision bf16-mixed) the logits come back in fp32 for the loss."""
+    torch.manual_seed(0)
+    model = tiny_model().eval()
+    batch = (torch.randint(0, 50, (2, 10)), torch.randint(0, 50, (2, 10)))
+    _, loss32 = model._step(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss16 = model._step(batch)
+    assert logits.dtype == torch.float32 and loss16.dtype == torch.float32
+    assert loss16.item() == pytest.approx(loss32.item(), rel=1e-2)
 
 
 @pytest.mark.slow
