@@ -48,5 +48,6 @@ def fake_data_roots(cifar_root: Path, ptb_root: Path, librispeech_root: Path) ->
     return {
         "cifar10_resnet20_cpu": cifar_root,
         "ptb_lstm_cpu": ptb_root,
+        "ptb_transformer_cpu": ptb_root,
         "librispeech_deepspeech_cpu": librispeech_root,
     }

@@ -146,6 +146,9 @@ TINY_OVERRIDES: dict[str, list[str]] = {
     "ptb_lstm_cpu": [
         "--model.embedding_dim=16", "--model.hidden_size=16", "--model.dropout=0.0", "--data.batch_size=4", "--data.bptt=8",
     ],
+    "ptb_transformer_cpu": [
+        "--model.d_model=16", "--model.num_heads=2", "--model.dropout=0.0", "--data.batch_size=4", "--data.bptt=8",
+    ],
     "librispeech_deepspeech_cpu": [
         "--model.n_mels=16", "--data.n_mels=16", "--model.conv_channels=4", "--model.rnn_hidden=16",
         "--data.batch_size=4", "--data.num_workers=0",
@@ -162,5 +165,6 @@ def write_all(root: Path) -> dict[str, Path]:
     return {
         "cifar10_resnet20_cpu": write_cifar10(root / "cifar"),
         "ptb_lstm_cpu": write_ptb(root / "ptb"),
+        "ptb_transformer_cpu": root / "ptb",
         "librispeech_deepspeech_cpu": root / "librispeech",
     }
