@@ -225,3 +225,36 @@ def test_codes_round_trip_with_fillers_counts_and_a_corrupt_row() -> None:
 def test_wire_must_be_known() -> None:
     with pytest.raises(ValueError, match="`wire` must be 'allreduce'"):
         DEFTConfig(wire="gather")  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_of_the_allreduce_wire_resumes_on_the_compact_wire() -> None:
+    """The wire shapes no memory: a state saved with wire="allreduce" (or before the option existed) loads
+    into a compact-wire run, which keeps that memory and the ranks identical."""
+    published = DEFTConfig(density=0.05)
+
+    def rank_run(collectives: comm.Collectives) -> tuple[Tensor, dict, dict]:
+        model = _model()
+        params = list(model.parameters())
+        numel = sum(p.numel() for p in params)
+        states = []
+        for config in (published, dataclasses.replace(published, wire="compact")):
+            state = ExchangeState(config, collectives=collectives)
+            state.register_parameters(model.named_parameters())
+            states.append(state)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        local = torch.randn(numel, generator=torch.Generator().manual_seed(collectives.rank))
+        hook.exchange(states[0], params, local).wait()
+        states[0].finish_step()
+        saved = states[0].state_dict()
+        del saved["config"]["wire"]  # as saved before the option existed
+        states[1].load_state_dict(saved)
+        loaded = {n: t.clone() for n, t in states[1].memory.committed["velocity"].items()}
+        update = hook.exchange(states[1], params, local.clone()).wait().clone()
+        states[1].finish_step()
+        return update, loaded, states[0].memory.committed["velocity"]
+
+    ranks = comm.simulate(2, rank_run)
+    for update, loaded, memory in ranks:
+        assert torch.equal(update, ranks[0][0]) and update.abs().sum() > 0
+        assert all(torch.equal(loaded[n], memory[n]) for n in memory)
