@@ -419,11 +419,13 @@ class DEFTStrategy(DGCStrategy):
         union_values: Literal["all", "owner"] = DEFTConfig.union_values,
         selectors: Literal["owner", "all"] = DEFTConfig.selectors,
         budget: Literal["k", "dgc_link"] = DEFTConfig.budget,
+        wire: Literal["allreduce", "compact"] = DEFTConfig.wire,
         **kwargs: Any,
     ) -> None:
         self._deft_options = {
             "momentum_correction": momentum_correction, "k_allocation": k_allocation, "fragmenting": fragmenting,
             "rotation": rotation, "union_values": union_values, "selectors": selectors, "budget": budget,
+            "wire": wire,
         }  # fmt: skip
         super().__init__(density=density, **kwargs)
 

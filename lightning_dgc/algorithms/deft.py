@@ -13,9 +13,11 @@ correction with ``momentum_correction=True``; then, per bucket:
       rotated by the step counter;
    b. each rank selects top-k only inside its own fragments, and writes its indices into the slot
       range each fragment owns in the union; one int32 all-reduce (sum) merges the disjoint
-      selections;
+      selections (``wire="compact"``: every rank's sorted indices travel as 2-byte delta codes, one
+      all-gather of a row per rank, and every rank decodes the same union);
    c. every rank all-reduces its own velocity at the union (and clears the union from its memory: its
-      values there were sent). The volume is about k whatever the number of ranks.
+      values there were sent); ``wire="compact"``: in fp16, divided by the number of ranks first. The
+      volume is about k whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ if TYPE_CHECKING:
 
 #: DEFT's norms (and selection times) travel as float64.
 NORM_BYTES = 8
+#: The compact wire's values travel as fp16.
+COMPACT_VALUE_DTYPE = torch.float16
 
 
 @dataclass
@@ -87,16 +91,33 @@ class DEFTConfig(DGCConfig):
         selection is no longer shared out (each rank reads the whole bucket, as with DGC; the
         performance model still charges DEFT's published 1/N share of it).
 
+    The wire (not a part of the method: how the union travels; the union and the update are the same):
+
+    wire: ``"allreduce"`` (as published): the union's indices merged by an int32 all-reduce (sum) of the
+        disjoint selections, the values all-reduced in ``value_dtype``: about ``2 (N-1)/N (4 + b)``
+        bytes per union value on each link (``b``: the value's bytes). ``"compact"``: every rank's own
+        selections as 2-byte delta codes (DGC's, :mod:`lightning_dgc.compression.codec`), one
+        all-gather of a row per rank padded to the largest rank's count (every rank knows every count
+        from the shared plan), then the values all-reduced in fp16 whatever ``value_dtype`` (which
+        still sets the tensors averaged dense, and the DGC that ``budget="dgc_link"`` matches),
+        divided by the number of ranks first as the dense fp16 all-reduce is: about ``6 (N-1)/N``
+        bytes per union value when the ranks select equal counts, 2.7 times fewer than ``"allreduce"``
+        in fp32. A value whose average overflows fp16 makes the step non-finite, and it is skipped on
+        every rank with the memory intact; values below fp16's range are sent as 0 (and cleared from
+        the memory, as DGC's fp16 values' rounding is).
+
     And the budget (not a part of the method: how many values its union holds):
 
     budget: ``"k"`` (as published): the union holds ``k = ceil(density * numel)`` values per compressed
         tensor, what one DGC rank sends. ``"dgc_link"``: as many values as DGC's exchange at the same
         density carries on each worker's link (``WireCost.link_bytes``), never fewer than k. DGC's ring
-        all-gather forwards ``(N-1)`` payloads of k values with 2-byte index codes; DEFT's ring
-        all-reduce carries ``2 (N-1)/N`` times its union of values with int32 indices: so the union
-        holds ``N (2 + b) / (2 (4 + b))`` times k (``b`` bytes per value: 3 k at 8 ranks in fp32), capped
-        at every value, and k at 2 ranks (where DEFT's k already costs 4/3 of DGC's bytes). The density
-        a schedule sets keeps its meaning (DGC's), so one warm-up YAML serves both strategies.
+        all-gather forwards ``(N-1)`` payloads of k values with 2-byte index codes (``(N-1) (2 + b) k``
+        bytes); with ``wire="allreduce"`` DEFT's ring all-reduce carries ``2 (N-1)/N`` times its union of
+        values with int32 indices: so the union holds ``N (2 + b) / (2 (4 + b))`` times k (``b`` bytes per
+        value: 3 k at 8 ranks in fp32), capped at every value, and k at 2 ranks (where DEFT's k already
+        costs 4/3 of DGC's bytes). With ``wire="compact"`` (``6 (N-1)/N`` bytes per union value) it holds
+        ``N (2 + b) / 6`` times k: N k against DGC in fp32 (2 k at 2 ranks, 8 k at 8). The density a
+        schedule sets keeps its meaning (DGC's), so one warm-up YAML serves both strategies.
     """
 
     momentum_correction: bool = False
@@ -106,6 +127,7 @@ class DEFTConfig(DGCConfig):
     union_values: Literal["all", "owner"] = "all"
     budget: Literal["k", "dgc_link"] = "k"
     selectors: Literal["owner", "all"] = "owner"
+    wire: Literal["allreduce", "compact"] = "allreduce"
 
     def validate(self) -> None:
         super().validate()
@@ -127,6 +149,11 @@ class DEFTConfig(DGCConfig):
             raise ValueError(
                 f"`budget` must be 'k' (k values per step, as published) or 'dgc_link' (the values that fill"
                 f" what DGC's exchange carries on each link), got {self.budget!r}."
+            )
+        if self.wire not in ("allreduce", "compact"):
+            raise ValueError(
+                f"`wire` must be 'allreduce' (int32 indices merged by an all-reduce, as published) or 'compact'"
+                f" (2-byte index codes all-gathered, fp16 values), got {self.wire!r}."
             )
         if self.momentum and not self.momentum_correction:
             raise ValueError(
@@ -172,7 +199,8 @@ class DEFTPlan(DGCPlan):
     layers: list[tuple[Entry, list[tuple[int, Fragment]]]] = field(default_factory=list)
     control: Tensor | None = None  # fragment norms (squared) and every rank's selection time, float64
     union: Tensor | None = None  # the k selected indices of all ranks, int32, one slot range per fragment
-    values: Tensor | None = None  # this rank's velocity at the union, in the value dtype
+    values: Tensor | None = None  # this rank's velocity at the union, in the value dtype (compact wire: fp16)
+    code_rows: int | None = None  # compact wire: the largest rank's count this step (its code row's entries)
     fragment_shift: Tensor | None = None  # per fragment: bucket offset - offset in the compressed buffer
     bucket_fragments: list[Fragment] = field(default_factory=list)  # the fragments at their bucket offsets
 
@@ -205,7 +233,11 @@ class DEFT(DGC):
     def selected_density(cls, config: DGCConfig, world_size: int) -> float:
         if getattr(config, "budget", "k") == "dgc_link":  # see DEFTConfig.budget
             value_bytes = config.value_dtype_torch.itemsize
-            scale = world_size * (codec.CODE_BYTES + value_bytes) / (2 * (codec.INDEX_BYTES + value_bytes))
+            if getattr(config, "wire", "allreduce") == "compact":  # codes all-gathered, fp16 values all-reduced
+                per_value = codec.CODE_BYTES + 2 * COMPACT_VALUE_DTYPE.itemsize
+            else:  # int32 indices and the values, both all-reduced
+                per_value = 2 * (codec.INDEX_BYTES + value_bytes)
+            scale = world_size * (codec.CODE_BYTES + value_bytes) / per_value
             return min(1.0, config.density * max(1.0, scale))
         return config.density
 
@@ -242,7 +274,8 @@ class DEFT(DGC):
             len(plan.fragments) + self.state.world_size, dtype=torch.float64, device=device
         )
         plan.union = torch.zeros(plan.k_total, dtype=torch.int32, device=device)
-        plan.values = torch.zeros(plan.k_total, dtype=self.config.value_dtype_torch, device=device)
+        value_dtype = COMPACT_VALUE_DTYPE if self.config.wire == "compact" else self.config.value_dtype_torch
+        plan.values = torch.zeros(plan.k_total, dtype=value_dtype, device=device)
         return plan
 
     def select(self, plan: DEFTPlan, work: DEFTWork) -> None:  # type: ignore[override]
@@ -299,8 +332,15 @@ class DEFT(DGC):
                 self._select_each(plan, work, tasks)
             work.selection_s = time.perf_counter() - start
             work.stats["rank_selected"] = sum(t[1] for t in tasks)
-            # the union of indices (disjoint slots: the sum is a merge)
-            collectives.all_reduce(plan.union, "all-reduce of DEFT's selected indices").wait()
+            if self.config.wire == "compact":  # every rank's sorted indices as codes, decoded into the union
+                tasks_of = [
+                    [(i, ks[i], slot_starts[i]) for i, o in enumerate(owners) if o == r]
+                    if self.config.selectors == "owner" else shares(ks, slot_starts, world, r, rotation)
+                    for r in range(world)
+                ]  # fmt: skip
+                self._merge_codes(plan, work, collectives, tasks_of)
+            else:  # the union of indices (disjoint slots: the sum is a merge)
+                collectives.all_reduce(plan.union, "all-reduce of DEFT's selected indices").wait()
             if self.state.measures_buildup:
                 work.stats["union_values"] = int(torch.unique(plan.union).numel())  # k: no build-up
             # 4c. this rank's values at the union, which it no longer holds back
@@ -320,12 +360,48 @@ class DEFT(DGC):
                 values.masked_fill_(~sent, 0.0)
             if self.config.selectors == "all":  # an index two ranks chose is sent once (decode adds slots)
                 values.masked_fill_(repeated(plan.union), 0.0)
-            plan.values.copy_(values.add_(work.poison))
+            values.add_(work.poison)
+            if self.config.wire == "compact":  # fp16: the average overflows only where the mean would
+                values.div_(world)
+            plan.values.copy_(values)
             work.selected, work.selected_mask = flat_positions, sent  # cleared from the memory at commit
             work.summed = collectives.all_reduce(plan.values, "all-reduce of DEFT's values")
         work.dense = exchange_dense(work.dense_parts, self.config.value_dtype_torch, collectives, work.poison)
         release(work)
         return [p for p in (work.summed, work.dense) if p is not None]
+
+    def _merge_codes(
+        self, plan: DEFTPlan, work: DEFTWork, collectives: Collectives, tasks_of: list[list[tuple[int, int, int]]]
+    ) -> None:
+        """``wire="compact"``: the union from every rank's selections, all-gathered as delta codes.
+
+        Every rank's ``(fragment, k, first union slot)`` tasks are known to all (the plan is shared), so
+        every rank knows every count: each rank sends its own indices sorted (its fragments lie in bucket
+        order, so they are each fragment's in turn), in a row of codes sized for the largest count, and
+        every rank decodes every row into that rank's slots, the same union on every rank (a fragment's
+        slots then hold its indices in ascending order)."""
+        assert plan.union is not None
+        device, span, world, rank = work.flat.device, work.flat.numel(), self.state.world_size, self.state.rank
+        tasks_of = [[t for t in tasks if t[1] > 0] for tasks in tasks_of]
+        counts = [sum(t[1] for t in tasks) for tasks in tasks_of]
+        width = plan.code_rows = max(counts)
+        # each rank's row of `width`: its slots, then (its padding) distinct slots past the union's end
+        starts, lengths = [], []
+        for r, tasks in enumerate(tasks_of):
+            starts += [t[2] for t in tasks] + [plan.k_total + r * width]
+            lengths += [t[1] for t in tasks] + [width - counts[r]]
+        wire_slots = concatenated_ranges(starts, lengths, device)
+        own = torch.sort(plan.union[wire_slots[rank * width : rank * width + counts[rank]]].long()).values
+        slots = codec.code_slots(width, span)
+        codes = torch.empty(slots, dtype=torch.int16, device=device)
+        codec.pack_codes(codes, own)
+        gathered = torch.empty(world * slots * codec.CODE_BYTES, dtype=torch.uint8, device=device)
+        collectives.all_gather(codes.view(torch.uint8), gathered, "all-gather of DEFT's index codes").wait()
+        rows = gathered.view(torch.int16).view(world, slots)
+        indices = codec.unpack_codes(rows, to_device(counts, device), width, span)
+        union = torch.zeros(plan.k_total + world * width, dtype=torch.int32, device=device)
+        union.index_copy_(0, wire_slots, indices.to(torch.int32))
+        plan.union.copy_(union[: plan.k_total])
 
     def _select_each(self, plan: DEFTPlan, work: DEFTWork, tasks: list[tuple[int, int, int]]) -> None:
         """This rank's selections ``(fragment, k, first union slot)``, layer by layer (the CPU's numpy path)."""
@@ -376,7 +452,10 @@ class DEFT(DGC):
         if work.summed is None:
             return average(self, plan, work.flat, dense, None, None)
         assert plan.union is not None
-        return average(self, plan, work.flat, dense, plan.union, work.summed.output)
+        values = work.summed.output
+        if self.config.wire == "compact":  # sums of values divided by the ranks (fp16): back to fp32 sums
+            values = values.float().mul_(self.state.world_size)
+        return average(self, plan, work.flat, dense, plan.union, values)
 
     def decoded_finite(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
         sums = []
@@ -391,10 +470,24 @@ class DEFT(DGC):
     def selection_share(cls, world_size: int) -> float:
         return 1.0 / world_size  # the fragments are shared among the ranks (balanced by LPT)
 
+    def cost(self, plan: DEFTPlan) -> WireCost:  # type: ignore[override]
+        """This step's wire cost: with ``wire="compact"`` the code rows as wide as this step's largest count."""
+        return self._wire_cost(self.config, plan.layout, self.state.world_size, plan.dense_bytes, plan.code_rows)
+
     @classmethod
     def wire_cost(
         cls, config: DGCConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int
     ) -> WireCost:
+        """The bytes per step; with ``wire="compact"``, for ranks that select equal counts (``ceil(union / N)``
+        each: ``selectors="all"`` within one value per fragment; owners as LPT balances them, which
+        :meth:`cost` reports step by step)."""
+        return cls._wire_cost(config, layout, world_size, dense_bytes)
+
+    @classmethod
+    def _wire_cost(
+        cls, config: DGCConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int,
+        code_rows: int | None = None,
+    ) -> WireCost:  # fmt: skip
         value_bytes = config.value_dtype_torch.itemsize
         numel = sum(s.numel for s in layout)
         sparse_numels, k_total, dense_numel = split_layout(
@@ -407,7 +500,12 @@ class DEFT(DGC):
             messages.append(
                 Message("all_reduce", NORM_BYTES * (fragments + world_size), "control", blocking=True)
             )
-        if k_total:
+        if k_total and getattr(config, "wire", "allreduce") == "compact":
+            rows = code_rows if code_rows is not None else -(-k_total // world_size)
+            codes = codec.code_slots(rows, numel) * codec.CODE_BYTES
+            messages.append(Message("all_gather", codes, "payload", blocking=True))
+            messages.append(Message("all_reduce", k_total * COMPACT_VALUE_DTYPE.itemsize, "payload"))
+        elif k_total:
             messages.append(Message("all_reduce", k_total * codec.INDEX_BYTES, "payload", blocking=True))
             messages.append(Message("all_reduce", k_total * value_bytes, "payload"))
         if dense_numel:

@@ -185,3 +185,43 @@ def unpack(gathered: Tensor, k: int, value_dtype: torch.dtype, span: int) -> tup
     out = torch.zeros(world * k + 1, dtype=torch.int64, device=device)  # missing entries stay at 0
     out.scatter_(0, target.reshape(-1), positions.reshape(-1))
     return out[: world * k].clamp_(0, span - 1), values
+
+
+# -- index codes on their own (DEFT's compact wire) ----------------------------------------------------------
+def code_slots(count: int, span: int) -> int:
+    """Delta codes that always hold ``count`` sorted distinct indices out of ``span``: ``count + F``
+    (the module docstring's bound, which holds for any subset of the span)."""
+    return count + _fillers(span)
+
+
+def pack_codes(codes: Tensor, indices: Tensor) -> None:
+    """Write sorted, distinct, non-negative ``indices`` as delta codes into ``codes`` (int16, at least
+    ``code_slots(len(indices), span)`` slots, the same format as a payload's codes: see the module
+    docstring); the slots after the last entry are fillers (0). Vectorised, no host synchronisation."""
+    codes.zero_()
+    if indices.numel() == 0:
+        return
+    idx = indices.reshape(-1).to(torch.int64)
+    gaps = torch.diff(idx, prepend=idx.new_full((1,), -1))
+    fill = torch.div(gaps - 1, FILLER_SPAN, rounding_mode="floor")  # fillers before each entry
+    where = torch.cumsum(fill + 1, 0).sub_(1)  # the slot of each entry's code
+    codes.index_put_((where,), _as_int16(gaps - FILLER_SPAN * fill))
+
+
+def unpack_codes(rows: Tensor, counts: Tensor, width: int, span: int) -> Tensor:
+    """Decode ``(world, slots)`` int16 code rows written by :func:`pack_codes`, row ``r`` holding
+    ``counts[r]`` entries, into ``(world * width,)`` int64 indices: row ``r``'s entries at
+    ``r * width, ...`` in order, the rest of its ``width`` slots 0. Entries beyond a row's count (a
+    corrupt row) are dropped and every index is clamped into ``[0, span)``, so no row can index out of
+    the bucket. Vectorised, no host synchronisation."""
+    world = rows.shape[0]
+    codes = rows.to(torch.int32).bitwise_and_(0xFFFF)  # uint16 semantics
+    filler = codes == 0
+    positions = codes.masked_fill_(filler, FILLER_SPAN).cumsum(1, dtype=torch.int64).sub_(1)
+    number = (~filler).cumsum(1)  # at an entry: its number in the row, from 1
+    keep = ~filler & (number <= counts.reshape(-1, 1))
+    target = number.sub_(1).add_(torch.arange(0, world * width, width, device=rows.device).unsqueeze(1))
+    target.masked_fill_(~keep, world * width)  # fillers and extra entries go to the discard slot
+    out = torch.zeros(world * width + 1, dtype=torch.int64, device=rows.device)
+    out.scatter_(0, target.reshape(-1), positions.reshape(-1))
+    return out[: world * width].clamp_(0, span - 1)

@@ -69,3 +69,15 @@ def test_learns_with_optimizer_momentum_and_skips_non_finite_steps() -> None:
                 assert torch.equal(t, r["memory"][30][kind][name])
     losses = results[0]["losses"]
     assert sum(losses[-10:]) < 0.7 * sum(losses[:10])
+
+
+def test_compact_wire_over_gloo_decodes_a_disjoint_union_on_identical_ranks() -> None:
+    """wire="compact" on real gloo collectives (an all-gather of int16 codes as bytes, an fp16 all-reduce)."""
+    config = {"density": 0.01, "wire": "compact", "budget": "dgc_link", "k_allocation": "size"}
+    runs = [{"steps": 4, "use_hook": True, "hook": "deft", "model_kind": "wide", "config": config}]
+    deft = [r[0] for r in run_ranks(workers.train_many, world_size=2, runs=runs)]
+    for step in range(4):
+        per_rank = [r["stats"][step] for r in deft]
+        assert per_rank[0]["k"] > 0 and sum(s["rank_selected"] for s in per_rank) == per_rank[0]["k"]
+        assert all(s["union_values"] == s["k"] for s in per_rank), "selections of different ranks intersect"
+    assert all(all(r["plans_agree"]) for r in deft) and _ranks_identical(deft)
