@@ -16,6 +16,9 @@ SGD(momentum) steps, then every rank calls ``trainer.save_checkpoint``. Reported
   state, the exchange's memory and its temporaries), and its excess over ddp's (``peak - ddp``): what
   the exchange costs; ``fit peak``: the same to the end of ``fit`` (DGC then hands its momentum back to
   SGD's buffers while it still holds its own);
+* ``step peak``: the peak of the last training step alone (after DDP's one-off rebuild of its buckets at
+  the start of the second step, which with ``gradient_as_bucket_view=True`` holds the first iteration's
+  whole-model bucket and the new buckets at once: +1 model size in that forward, DDP's own);
 * ``training``: the resident memory at the end of the last training step, likewise;
 * two baselines: ``ddp`` is DDP as users run it (``strategy="ddp"``: ``.grad`` and DDP's buckets are two
   model-sized copies), ``ddp_bucket_view`` is DDP with ``gradient_as_bucket_view=True`` (one), as the
@@ -75,38 +78,55 @@ def _peak_resident_bytes() -> int:
 
 
 class PeakMemory:
-    """The peak resident size while the ``with`` block runs (``peak``, bytes)."""
+    """The peak resident size while the ``with`` block runs (``peak``, bytes); :meth:`restart` opens a
+    window inside it (:meth:`since_restart`) without losing the block's peak."""
 
     def __enter__(self) -> PeakMemory:
         self.peak = 0
+        self._window = 0  # the sampler's peak since the last (re)start
+        self._earlier = 0  # the peak before the last restart
         self._stop = threading.Event()
         try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current resident size
+            self._clear()
             self._sampler = None
         except OSError:
             self._sampler = threading.Thread(target=self._sample, daemon=True)
             self._sampler.start()
         return self
 
+    @staticmethod
+    def _clear() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _resident_bytes())
+            self._window = max(self._window, _resident_bytes())
             time.sleep(0.001)
+
+    def since_restart(self) -> int:
+        """The peak resident size since the block started or was last restarted (bytes)."""
+        if self._sampler is None:
+            return _peak_resident_bytes()
+        return max(self._window, _resident_bytes())
 
     def so_far(self) -> int:
         """The peak resident size since the block started (bytes)."""
+        return max(self._earlier, self.since_restart())
+
+    def restart(self) -> None:
+        """Start a new window for :meth:`since_restart`; :meth:`so_far` and ``peak`` still cover the block."""
+        self._earlier = self.so_far()
         if self._sampler is None:
-            return _peak_resident_bytes()
-        return max(self.peak, _resident_bytes())
+            self._clear()
+        else:
+            self._window = 0
 
     def __exit__(self, *exc: object) -> None:
-        if self._sampler is None:
-            self.peak = _peak_resident_bytes()
-        else:
+        if self._sampler is not None:
             self._stop.set()
             self._sampler.join()
-            self.peak = max(self.peak, _resident_bytes())
+        self.peak = self.so_far()
 
 
 def _mlp(params: float) -> Any:
@@ -146,12 +166,18 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
     class LastStep(L.Callback):
         resident = 0
         peak = 0
+        step_peak = 0  # the last step's own peak (DDP rebuilds its buckets in the second step's forward)
         monitor: PeakMemory | None = None
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            if self.monitor is not None and trainer.global_step == steps - 1:
+                self.monitor.restart()
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             self.resident = _resident_bytes()
             if self.monitor is not None:
                 self.peak = self.monitor.so_far()
+                self.step_peak = self.monitor.since_restart()
 
     last = LastStep()
     model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -182,6 +208,7 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
         "save_peak_model_sizes": (peak.peak - before) / model_bytes,
         "training_model_sizes": (last.resident - baseline) / model_bytes,
         "training_peak_model_sizes": (last.peak - baseline) / model_bytes,
+        "last_step_peak_model_sizes": (last.step_peak - baseline) / model_bytes,
         "fit_peak_model_sizes": (training.peak - baseline) / model_bytes,
         "cuda_training_peak_model_sizes": cuda_training / model_bytes if cuda_training is not None else None,
         "cuda_save_peak_model_sizes": (
@@ -269,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return r[key] - base[r["rank"]][key]
 
-    figures = {"training_peak_model_sizes": "peak", "training_model_sizes": "training"}
+    figures = {"training_peak_model_sizes": "peak", "last_step_peak_model_sizes": "step peak",
+               "training_model_sizes": "training"}  # fmt: skip
     if accelerator == "cuda":
         figures["cuda_training_peak_model_sizes"] = "cuda peak"
     for ranks in runs.values():  # the excess over each baseline, in the JSON too
@@ -279,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 for key, label in figures.items()
                 for short, baseline in BASELINES.items()
             }
-    columns = ["strategy", "rank", "save peak", "training peak", "peak - ddp", "peak - ddp view", "fit peak",
-               "training", "training - ddp", "training - ddp view"]  # fmt: skip
+    columns = ["strategy", "rank", "save peak", "training peak", "peak - ddp", "peak - ddp view", "step peak",
+               "step peak - ddp view", "fit peak", "training", "training - ddp", "training - ddp view"]  # fmt: skip
     if accelerator == "cuda":
         columns += ["cuda peak", "cuda peak - ddp", "cuda peak - ddp view", "cuda save peak"]
     rows = []
@@ -288,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in ranks:
             excess = r["over"]
             row = [name, r["rank"], r["save_peak_model_sizes"], r["training_peak_model_sizes"],
-                   excess["peak - ddp"], excess["peak - ddp view"], r.get("fit_peak_model_sizes"),
+                   excess["peak - ddp"], excess["peak - ddp view"], r["last_step_peak_model_sizes"],
+                   excess["step peak - ddp view"], r.get("fit_peak_model_sizes"),
                    r["training_model_sizes"], excess["training - ddp"], excess["training - ddp view"]]  # fmt: skip
             if accelerator == "cuda":
                 row += [r["cuda_training_peak_model_sizes"], excess["cuda peak - ddp"],
@@ -301,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
         columns + ["checkpoint MB"],
         rows,
         caption="save peak: resident memory during trainer.save_checkpoint above what the rank held before it;"
-        " training peak: during fit, above what the process held before it; - ddp: above strategy='ddp'"
+        " training peak: during fit, above what the process held before it (with bucket views it holds DDP's"
+        " one-off bucket rebuild in the second step's forward: +1); step peak: during the last step only;"
+        " - ddp: above strategy='ddp'"
         " (Lightning's default, .grad apart from DDP's buckets); - ddp view: above DDP with"
         " gradient_as_bucket_view=True (like for like: the compression strategies' default)",
     )
