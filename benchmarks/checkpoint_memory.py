@@ -1,7 +1,7 @@
-"""Host memory of ``trainer.save_checkpoint`` and of training, per rank, under ddp, dgc and deft.
+"""Host memory of ``trainer.save_checkpoint`` and of training, per rank, under ddp, dgc, deft and powersgd.
 
     python -m benchmarks.checkpoint_memory                      # the 33.7M-parameter MLP, 2 processes
-    python -m benchmarks.checkpoint_memory --params 4e6 --strategies ddp,dgc
+    python -m benchmarks.checkpoint_memory --params 4e6 --strategies ddp,ddp_bucket_view,dgc
 
 Each strategy runs in 2 fresh processes (gloo, one per "node", as torchrun starts them; on the CPU,
 or with ``--accelerator cuda`` one GPU each): an MLP of about ``--params`` parameters trains a few
@@ -16,13 +16,20 @@ SGD(momentum) steps, then every rank calls ``trainer.save_checkpoint``. Reported
   state, the exchange's memory and its temporaries), and its excess over ddp's (``peak - ddp``): what
   the exchange costs; ``fit peak``: the same to the end of ``fit`` (DGC then hands its momentum back to
   SGD's buffers while it still holds its own);
+* ``step peak``: the peak of the last training step alone (after DDP's one-off rebuild of its buckets at
+  the start of the second step, which with ``gradient_as_bucket_view=True`` holds the first iteration's
+  whole-model bucket and the new buckets at once: +1 model size in that forward, DDP's own);
 * ``training``: the resident memory at the end of the last training step, likewise;
+* two baselines: ``ddp`` is DDP as users run it (``strategy="ddp"``: ``.grad`` and DDP's buckets are two
+  model-sized copies), ``ddp_bucket_view`` is DDP with ``gradient_as_bucket_view=True`` (one), as the
+  compression strategies run DDP by default: ``- ddp`` is what a user switching from ``strategy="ddp"``
+  sees, ``- ddp view`` what the exchange itself costs (like for like);
 * on a GPU, ``cuda peak``: ``torch.cuda.max_memory_allocated()`` during ``fit`` (and its excess over
   ddp's) and during ``save_checkpoint``;
 * the checkpoint file's size.
 
 Targets: dgc's training peak at most 1.5 model sizes above ddp's (with SGD momentum), deft's and
-powersgd's at most 1.0; a save peak of at most ``2 x world_size`` model sizes on rank 0 and 0.1 on
+powersgd's at most 1.0 (met against either baseline: against ``ddp_bucket_view`` is the strict reading); a save peak of at most ``2 x world_size`` model sizes on rank 0 and 0.1 on
 every other rank.
 """
 
@@ -40,8 +47,21 @@ from typing import Any
 
 from benchmarks import common
 
-STRATEGIES = ("ddp", "dgc", "deft", "powersgd")
+STRATEGIES = ("ddp", "ddp_bucket_view", "dgc", "deft", "powersgd")
+#: The baselines: DDP as ``strategy="ddp"`` runs it, and with ``gradient_as_bucket_view=True``.
+BASELINES = {"ddp": "ddp", "ddp view": "ddp_bucket_view"}
 WORLD = 2
+
+
+def _make_strategy(name: str) -> Any:
+    """The benchmark's strategies: :func:`benchmarks.common.make_strategy`'s, plus ``ddp_bucket_view``."""
+    if name == "ddp_bucket_view":
+        from datetime import timedelta
+
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=180), gradient_as_bucket_view=True)
+    return common.make_strategy(name, density=0.01)
 
 
 def _resident_bytes() -> int:
@@ -58,38 +78,55 @@ def _peak_resident_bytes() -> int:
 
 
 class PeakMemory:
-    """The peak resident size while the ``with`` block runs (``peak``, bytes)."""
+    """The peak resident size while the ``with`` block runs (``peak``, bytes); :meth:`restart` opens a
+    window inside it (:meth:`since_restart`) without losing the block's peak."""
 
     def __enter__(self) -> PeakMemory:
         self.peak = 0
+        self._window = 0  # the sampler's peak since the last (re)start
+        self._earlier = 0  # the peak before the last restart
         self._stop = threading.Event()
         try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current resident size
+            self._clear()
             self._sampler = None
         except OSError:
             self._sampler = threading.Thread(target=self._sample, daemon=True)
             self._sampler.start()
         return self
 
+    @staticmethod
+    def _clear() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size
+
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _resident_bytes())
+            self._window = max(self._window, _resident_bytes())
             time.sleep(0.001)
+
+    def since_restart(self) -> int:
+        """The peak resident size since the block started or was last restarted (bytes)."""
+        if self._sampler is None:
+            return _peak_resident_bytes()
+        return max(self._window, _resident_bytes())
 
     def so_far(self) -> int:
         """The peak resident size since the block started (bytes)."""
+        return max(self._earlier, self.since_restart())
+
+    def restart(self) -> None:
+        """Start a new window for :meth:`since_restart`; :meth:`so_far` and ``peak`` still cover the block."""
+        self._earlier = self.so_far()
         if self._sampler is None:
-            return _peak_resident_bytes()
-        return max(self.peak, _resident_bytes())
+            self._clear()
+        else:
+            self._window = 0
 
     def __exit__(self, *exc: object) -> None:
-        if self._sampler is None:
-            self.peak = _peak_resident_bytes()
-        else:
+        if self._sampler is not None:
             self._stop.set()
             self._sampler.join()
-            self.peak = max(self.peak, _resident_bytes())
+        self.peak = self.so_far()
 
 
 def _mlp(params: float) -> Any:
@@ -129,17 +166,23 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
     class LastStep(L.Callback):
         resident = 0
         peak = 0
+        step_peak = 0  # the last step's own peak (DDP rebuilds its buckets in the second step's forward)
         monitor: PeakMemory | None = None
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            if self.monitor is not None and trainer.global_step == steps - 1:
+                self.monitor.restart()
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             self.resident = _resident_bytes()
             if self.monitor is not None:
                 self.peak = self.monitor.so_far()
+                self.step_peak = self.monitor.since_restart()
 
     last = LastStep()
     model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     trainer = L.Trainer(
-        strategy=common.make_strategy(strategy_name, density=0.01), accelerator=accelerator, devices=1,
+        strategy=_make_strategy(strategy_name), accelerator=accelerator, devices=1,
         num_nodes=WORLD, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[last],
     )  # fmt: skip
@@ -165,6 +208,7 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
         "save_peak_model_sizes": (peak.peak - before) / model_bytes,
         "training_model_sizes": (last.resident - baseline) / model_bytes,
         "training_peak_model_sizes": (last.peak - baseline) / model_bytes,
+        "last_step_peak_model_sizes": (last.step_peak - baseline) / model_bytes,
         "fit_peak_model_sizes": (training.peak - baseline) / model_bytes,
         "cuda_training_peak_model_sizes": cuda_training / model_bytes if cuda_training is not None else None,
         "cuda_save_peak_model_sizes": (
@@ -245,26 +289,39 @@ def main(argv: list[str] | None = None) -> int:
         name: measure(name, args.params, args.steps, folder, accelerator=accelerator)
         for name in args.strategies.split(",")
     }
-    ddp = runs.get("ddp")
 
-    def over(r: dict[str, Any], key: str) -> float | None:
-        if ddp is None or r.get(key) is None or ddp[r["rank"]].get(key) is None:
+    def over(r: dict[str, Any], key: str, baseline: str) -> float | None:
+        base = runs.get(baseline)
+        if base is None or r.get(key) is None or base[r["rank"]].get(key) is None:
             return None
-        return r[key] - ddp[r["rank"]][key]
+        return r[key] - base[r["rank"]][key]
 
-    columns = ["strategy", "rank", "save peak", "training peak", "peak - ddp", "fit peak", "training",
-               "training - ddp"]  # fmt: skip
+    figures = {"training_peak_model_sizes": "peak", "last_step_peak_model_sizes": "step peak",
+               "training_model_sizes": "training"}  # fmt: skip
     if accelerator == "cuda":
-        columns += ["cuda peak", "cuda peak - ddp", "cuda save peak"]
+        figures["cuda_training_peak_model_sizes"] = "cuda peak"
+    for ranks in runs.values():  # the excess over each baseline, in the JSON too
+        for r in ranks:
+            r["over"] = {
+                f"{label} - {short}": over(r, key, baseline)
+                for key, label in figures.items()
+                for short, baseline in BASELINES.items()
+            }
+    columns = ["strategy", "rank", "save peak", "training peak", "peak - ddp", "peak - ddp view", "step peak",
+               "step peak - ddp view", "fit peak", "training", "training - ddp", "training - ddp view"]  # fmt: skip
+    if accelerator == "cuda":
+        columns += ["cuda peak", "cuda peak - ddp", "cuda peak - ddp view", "cuda save peak"]
     rows = []
     for name, ranks in runs.items():
         for r in ranks:
+            excess = r["over"]
             row = [name, r["rank"], r["save_peak_model_sizes"], r["training_peak_model_sizes"],
-                   over(r, "training_peak_model_sizes"), r.get("fit_peak_model_sizes"), r["training_model_sizes"],
-                   over(r, "training_model_sizes")]  # fmt: skip
+                   excess["peak - ddp"], excess["peak - ddp view"], r["last_step_peak_model_sizes"],
+                   excess["step peak - ddp view"], r.get("fit_peak_model_sizes"),
+                   r["training_model_sizes"], excess["training - ddp"], excess["training - ddp view"]]  # fmt: skip
             if accelerator == "cuda":
-                row += [r["cuda_training_peak_model_sizes"], over(r, "cuda_training_peak_model_sizes"),
-                        r["cuda_save_peak_model_sizes"]]  # fmt: skip
+                row += [r["cuda_training_peak_model_sizes"], excess["cuda peak - ddp"],
+                        excess["cuda peak - ddp view"], r["cuda_save_peak_model_sizes"]]  # fmt: skip
             rows.append(row + [r["checkpoint_bytes"] / 1e6 if r["checkpoint_bytes"] else None])
     params_m = runs[next(iter(runs))][0]["params"] / 1e6
     where = "GPU" if accelerator == "cuda" else "host"
@@ -273,11 +330,16 @@ def main(argv: list[str] | None = None) -> int:
         columns + ["checkpoint MB"],
         rows,
         caption="save peak: resident memory during trainer.save_checkpoint above what the rank held before it;"
-        " training peak: during fit, above what the process held before it",
+        " training peak: during fit, above what the process held before it (with bucket views it holds DDP's"
+        " one-off bucket rebuild in the second step's forward: +1); step peak: during the last step only;"
+        " - ddp: above strategy='ddp'"
+        " (Lightning's default, .grad apart from DDP's buckets); - ddp view: above DDP with"
+        " gradient_as_bucket_view=True (like for like: the compression strategies' default)",
     )
     common.write_json(
         "checkpoint_memory.json",
-        {"world_size": WORLD, "params": params_m * 1e6, "accelerator": accelerator, "runs": runs},
+        {"world_size": WORLD, "params": params_m * 1e6, "accelerator": accelerator, "baselines": BASELINES,
+         "runs": runs},  # fmt: skip
     )
     return 0
 

@@ -77,6 +77,8 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
             (``FabricCompressionStrategy("dgc", {"density": 0.01})``).
         **kwargs: every argument of Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
             ``start_method``, and DDP's own: ``find_unused_parameters``, ``static_graph``, ...).
+            ``gradient_as_bucket_view`` defaults to ``True`` (the parameters' ``.grad`` are views into
+            DDP's buckets: one model size less); pass ``False`` for separate ``.grad`` tensors.
     """
 
     set_up_by = "`fabric.setup(model, ...)`"
@@ -99,6 +101,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         #: Raise after this many consecutive steps skipped for non-finite gradients (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         drop_foreign_hook_arguments(kwargs, type(self).__name__, "Fabric's `DDPStrategy`")
+        kwargs.setdefault("gradient_as_bucket_view", True)  # .grad and the bucket: one model size, not two
         self._config = algorithms.config_of(algorithm, options)
         super().__init__(
             accelerator=accelerator,

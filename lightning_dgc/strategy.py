@@ -105,7 +105,12 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             ``"auto"`` runs it when there is more than one node (``Trainer(num_nodes=...)``) and more than
             one device per node; ``True`` on one node is an error.
         **kwargs: every argument of ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
-            ``process_group_backend``, ``timeout``, ``start_method``, ...).
+            ``process_group_backend``, ``timeout``, ``start_method``, ...). DDP's ``gradient_as_bucket_view``
+            defaults to ``True`` here (``False`` under Lightning's ``DDPStrategy``): the parameters'
+            ``.grad`` are views into DDP's buckets, into which the exchange writes the averaged update
+            anyway, so the gradients take no memory of their own (one model size less). Pass
+            ``gradient_as_bucket_view=False`` for separate ``.grad`` tensors (code that calls
+            ``.grad.detach_()`` or ``.grad.requires_grad_()`` needs them).
     """
 
     set_up_by = "`trainer.fit`"
@@ -130,6 +135,7 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
         drop_foreign_hook_arguments(kwargs, type(self).__name__, "`DDPStrategy`")
+        kwargs.setdefault("gradient_as_bucket_view", True)  # .grad and the bucket: one model size, not two
         # Validate before anything else, so a bad value fails at construction, on the launching process.
         self._config = algorithms.config_of(algorithm, options)
         super().__init__(

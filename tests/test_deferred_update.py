@@ -103,3 +103,33 @@ def test_a_step_not_finite_on_one_rank_leaves_every_rank_memory_bit_exact(
         assert not torch.isfinite(r["updates"][3]).all()  # the optimizer (or a GradScaler) sees it
     clean = _train(name, options, deferred=deferred)
     assert not _equal_memory(clean[0]["memories"][3], ranks[0]["memories"][3])
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dgc_selecting_from_chunks_of_v_prime_gives_the_whole_v_prime_bit_for_bit(
+    nesterov: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU, DGC selects from a large tensor's v' chunk by chunk without making it whole: the same
+    updates, the same memory and the same skip of a non-finite step as from the whole v'."""
+    from lightning_dgc.algorithms import dgc as dgc_algorithm
+    from lightning_dgc.compression import dgc as dgc_selection
+
+    monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 1_000)  # the model's 2048- and 3072-value weights
+    monkeypatch.setattr(dgc_selection, "CHUNK", 512)  # are "large": chunks, blocks, several of each
+    monkeypatch.setattr(dgc_selection, "CPU_EXACT_NUMEL", 100)
+    options = {"density": 0.05, "momentum": 0.9, "nesterov": nesterov, "selection_backend": "numpy"}
+    made_whole = []
+    velocity_of = dgc_algorithm.DGC.velocity_of
+    monkeypatch.setattr(dgc_algorithm.DGC, "velocity_of", lambda self, e, w: made_whole.append(e.name) or velocity_of(self, e, w))
+    monkeypatch.setattr(dgc_algorithm, "DIRECT_NUMEL", 1_000)
+    chunks = _train("dgc", options, deferred=True, nan_at=(3, 1))
+    assert made_whole == []
+    monkeypatch.setattr(dgc_algorithm, "DIRECT_NUMEL", 1 << 30)  # every v' made whole
+    whole = _train("dgc", options, deferred=True, nan_at=(3, 1))
+    assert made_whole
+    for c, w in zip(chunks, whole, strict=True):
+        assert c["verdicts"] == w["verdicts"] == [True, True, True, False]
+        for a, b in zip(c["updates"], w["updates"], strict=True):  # (the skipped step's holds NaN)
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        for a, b in zip(c["memories"], w["memories"], strict=True):
+            assert _equal_memory(a, b)

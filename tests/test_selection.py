@@ -309,3 +309,55 @@ def test_default_workspace_is_reused_per_thread() -> None:
     thread.start()
     thread.join()
     assert other[0] is not mine
+
+
+def _velocity_parts(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = _gen(seed)
+    return torch.randn(n, generator=g), torch.randn(n, generator=g) * 3, torch.randn(n, generator=g) * 0.3
+
+
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.9, False), (0.9, True), (0.0, False)])
+@pytest.mark.parametrize("path", ["first threshold", "lowered", "exact fallback"])
+def test_selection_from_chunks_gives_the_whole_vectors_indices_bit_for_bit(
+    momentum: float, nesterov: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sampled_topk_of`` (DGC's v' made chunk by chunk, never whole) selects what ``sampled_topk`` selects
+    from the whole v', with the same draws, on every path of the pass; its values at the result are v''s."""
+    from lightning_dgc.memory import compensated_velocity_each
+
+    monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 10_000)
+    monkeypatch.setattr(dgc_selection, "CHUNK", 4_096)
+    n, k = 50_001, 500
+    grad, velocity, u = _velocity_parts(n, 11)
+    if path != "first threshold":  # a few huge values that the sample mostly hits: the threshold is too high
+        grad[:300] = 1000.0
+        def draws(out: torch.Tensor, n: int, g: object) -> torch.Tensor:
+            if path == "exact fallback":  # every draw on a huge value
+                return out.copy_(torch.arange(out.numel()) % 300)
+            return out.copy_(torch.cat([torch.arange(100), torch.arange(300, 200 + out.numel())]))
+
+        monkeypatch.setattr(dgc_selection, "_draw_positions", draws)
+    momentum_buf = [u] if momentum else []
+    whole = torch.empty(n)
+    compensated_velocity_each([grad], [velocity], [whole], momentum, nesterov, momentum_buf)
+    made_whole = []
+
+    def fill(start: int, stop: int, out: torch.Tensor) -> None:
+        u_part = [u[start:stop]] if momentum else []
+        compensated_velocity_each([grad[start:stop]], [velocity[start:stop]], [out], momentum, nesterov, u_part)
+
+    def take(positions: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(positions.numel())
+        u_part = [u[positions]] if momentum else []
+        compensated_velocity_each([grad[positions]], [velocity[positions]], [out], momentum, nesterov, u_part)
+        return out
+
+    a, b = _gen(3), _gen(3)
+    expected = sampled_topk(whole, k, 0.01, a, backend="numpy")
+    got = dgc_selection.sampled_topk_of(
+        n, torch.float32, k, fill, take, 0.01, b, whole=lambda: made_whole.append(1) or whole
+    )
+    assert torch.equal(got, expected)
+    assert torch.equal(take(got), whole[got])
+    assert torch.equal(a.get_state(), b.get_state())
+    assert made_whole == ([1] if path == "exact fallback" else [])

@@ -43,6 +43,7 @@ from lightning_dgc.algorithms.base import (
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.compression import codec, sampled_topk, topk_indices
 from lightning_dgc.compression.batched import SegmentLayout, batched_topk, segment_layout, to_device
+from lightning_dgc.compression.dgc import DIRECT_NUMEL, sampled_topk_of
 from lightning_dgc.memory import (
     bucket_order_flat,
     clip_each_by_norm_,
@@ -499,6 +500,47 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         )
         return out
 
+    def _selects_in_chunks(self, e: Entry, work: DGCWork) -> bool:
+        """Whether the compressed tensor ``e``'s v' is selected from chunk by chunk, never made whole: DGC's
+        sampled selection on the CPU (numpy) of a tensor above ``DIRECT_NUMEL`` values."""
+        return (
+            self.config.selection == "sampled"
+            and self.config.selection_backend != "torch"
+            and e.numel > DIRECT_NUMEL
+            and work.flat.is_cpu
+            and work.flat.dtype == torch.float32
+        )
+
+    def _select_in_chunks(self, e: Entry, work: DGCWork) -> tuple[Tensor, Tensor]:
+        """The indices ``choose`` gives on :meth:`velocity_of` and the values there, bit for bit, without the
+        tensor-sized v': each chunk of v' (and v' at the sample, candidate and selected positions) is made from
+        ``g``, ``u`` and ``v`` with the same elementwise operations (:func:`sampled_topk_of`)."""
+        settings, committed = self.state.settings_for(e.name), self.state.memory.committed
+        grad = work.flat[e.offset : e.offset + e.numel]
+        velocity = committed["velocity"][e.name]
+        momentum = committed["momentum"][e.name] if settings.momentum else None
+
+        def fill(start: int, stop: int, out: Tensor) -> None:
+            u = [momentum[start:stop]] if momentum is not None else []
+            compensated_velocity_each(
+                [grad[start:stop]], [velocity[start:stop]], [out], settings.momentum, settings.nesterov, u
+            )
+
+        def take(positions: Tensor) -> Tensor:
+            out = torch.empty(positions.numel(), dtype=grad.dtype)
+            u = [momentum.index_select(0, positions)] if momentum is not None else []
+            compensated_velocity_each(
+                [grad.index_select(0, positions)], [velocity.index_select(0, positions)], [out],
+                settings.momentum, settings.nesterov, u,
+            )  # fmt: skip
+            return out
+
+        idx = sampled_topk_of(
+            e.numel, grad.dtype, e.k, fill, take, self.config.sample_ratio, self.state.generator,
+            whole=lambda: self.velocity_of(e, work),
+        )  # fmt: skip
+        return idx, take(idx)
+
     def batched(self, device: torch.device) -> bool:
         """Whether the sampled selection runs batched per bucket (see ``DGCConfig.selection_backend``)."""
         backend = self.config.selection_backend
@@ -529,14 +571,18 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         """Tensor by tensor (the CPU's numpy path): bucket positions and values, cleared from memory."""
         indices, values, positions, start = [], [], [], 0
         for e, velocity in work.sparse:
-            if velocity is None:  # made now, freed after this tensor (see ``compensate``)
-                velocity = self.velocity_of(e, work)
-            idx = self.choose(velocity, e.k)
+            if velocity is None and self._selects_in_chunks(e, work):  # v' never made whole
+                idx, selected = self._select_in_chunks(e, work)
+            else:
+                if velocity is None:  # made now, freed after this tensor (see ``compensate``)
+                    velocity = self.velocity_of(e, work)
+                idx = self.choose(velocity, e.k)
+                selected = velocity.index_select(0, idx)
             indices.append(idx + e.offset)
             positions.append(idx + start)
-            values.append(velocity.index_select(0, idx))
+            values.append(selected)
             start += e.numel
-            velocity = idx = None  # a v' made here is freed now, not after the last tensor's concatenation
+            velocity = idx = selected = None  # a v' made here is freed now, not after the concatenation
         work.selected = torch.cat(positions)  # cleared from the memory at commit
         return torch.cat(indices), torch.cat(values)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -47,6 +48,7 @@ __all__ = [
     "SelectionWorkspace",
     "default_workspace",
     "sampled_topk",
+    "sampled_topk_of",
 ]
 
 #: Fewest values drawn for the sample, so that small tensors still get a usable threshold.
@@ -81,6 +83,7 @@ SCAN_NUMEL = 1 << 17
 
 #: Dtypes whose threshold pass runs in numpy on CPU (numpy has no bfloat16; its float16 is slow).
 _NUMPY_DTYPES = (torch.float32, torch.float64)
+_NUMPY_OF = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64)}
 _INT64 = np.dtype(np.int64)
 
 Backend = Literal["auto", "numpy", "torch"]
@@ -380,7 +383,72 @@ def _sampled_topk_numpy(
     return topk_indices(source, k)
 
 
-def _candidates_chunked(x: np.ndarray, threshold: np.floating, workspace: SelectionWorkspace) -> np.ndarray:
+def sampled_topk_of(
+    numel: int,
+    dtype: torch.dtype,
+    k: int,
+    fill: Callable[[int, int, Tensor], object],
+    take: Callable[[Tensor], Tensor],
+    sample_ratio: float = 0.01,
+    generator: torch.Generator | None = None,
+    *,
+    whole: Callable[[], Tensor],
+    workspace: SelectionWorkspace | None = None,
+) -> Tensor:
+    """:func:`sampled_topk` of a 1-D CPU vector that is never made whole: the same indices, the same draws.
+
+    For a vector computed from others elementwise (DGC's velocity ``v'`` from ``g``, ``u`` and ``v``),
+    which would otherwise be a temporary of the tensor's size: ``fill(start, stop, out)`` writes its values
+    ``start:stop`` into ``out`` (a CPU tensor of ``stop - start`` values of ``dtype``) and ``take(positions)``
+    returns its values at ``positions`` (int64, CPU). Both must give, bit for bit, the values of the whole
+    vector (an elementwise computation does, whatever the split). ``whole()`` makes it whole, for the rare
+    fallback to exact top-k. Vectors of at most ``DIRECT_NUMEL`` values (whose pass keeps every magnitude),
+    or under ``CPU_EXACT_NUMEL``, and dtypes other than float32/float64 are made whole and selected by
+    :func:`sampled_topk`.
+    """
+    if numel <= DIRECT_NUMEL or numel < CPU_EXACT_NUMEL or k >= numel or k <= 0 or dtype not in _NUMPY_DTYPES:
+        return sampled_topk(whole(), k, sample_ratio, generator, workspace=workspace, backend="auto")
+    workspace = workspace if workspace is not None else default_workspace()
+    num_samples = min(numel, max(math.ceil(numel * sample_ratio), MIN_SAMPLES))
+    layout = workspace.layout(numel, _NUMPY_OF[dtype], num_samples, False)
+    rank = _threshold_rank(k, numel, num_samples)
+    try:
+        _draw_positions(layout.positions, numel, generator)
+    except RuntimeError:  # a generator on another device: drawn where it lives, then brought over
+        if generator is None or generator.device.type == "cpu":
+            raise
+        layout.positions.copy_(_draw_positions(layout.positions.to(generator.device), numel, generator))
+    sample = take(layout.positions).abs_().numpy()
+    sample.partition(num_samples - rank)  # the steps of _sampled_topk_numpy's chunked pass, on fill/take
+    threshold = sample[num_samples - rank]
+    sorted_sample: np.ndarray | None = None
+    for _ in range(MAX_LOWERINGS + 1):
+        candidates = _candidates_chunked(None, threshold, workspace, numel, dtype, fill)
+        count = candidates.size
+        if count >= k:
+            if count > k:
+                candidate_mags = take(torch.from_numpy(candidates)).abs_().numpy()
+                candidates = candidates.take(candidate_mags.argpartition(count - k)[count - k :])
+            if candidates.dtype is not _INT64:
+                candidates = candidates.astype(np.int64)
+            return torch.from_numpy(candidates)
+        if rank >= num_samples:
+            break
+        rank = min(2 * rank, num_samples)
+        if sorted_sample is None:
+            sorted_sample = np.sort(sample)
+        threshold = sorted_sample[num_samples - rank]
+    return topk_indices(whole(), k)
+
+
+def _candidates_chunked(
+    x: np.ndarray | None,
+    threshold: np.floating,
+    workspace: SelectionWorkspace,
+    numel: int = 0,
+    dtype: torch.dtype = torch.float32,
+    fill: Callable[[int, int, Tensor], object] | None = None,
+) -> np.ndarray:
     """Positions of every value of ``x`` with magnitude at least ``threshold``, in increasing order.
 
     Chunk by chunk, ``|x|`` goes into a cache-sized scratch and its comparison with the threshold
@@ -388,18 +456,24 @@ def _candidates_chunked(x: np.ndarray, threshold: np.floating, workspace: Select
     per value; :func:`_scan_mask` then finds the few candidates of each block of about
     ``DIRECT_NUMEL`` values. The mask covers one block, not the tensor: the workspace stays about
     ``1.1 * DIRECT_NUMEL`` bytes whatever the largest tensor (a byte per value of the largest tensor
-    would be a tenth of its size, held for the whole run).
+    would be a tenth of its size, held for the whole run). Without ``x``, ``fill`` writes each chunk of
+    the ``numel`` values (of ``dtype``) into the scratch first (:func:`sampled_topk_of`).
     """
-    n = x.size
+    n = x.size if x is not None else numel
     block = _block(n)
     mask, flags = workspace.mask(block)  # 8 * ceil(block / 8) bytes, and ceil(block / 8)
-    scratch = workspace.floats(CHUNK, x.dtype)
+    scratch = workspace.floats(CHUNK, x.dtype if x is not None else _NUMPY_OF[dtype])
     found = []
     for first in range(0, n, block):
         last = min(n, first + block)
         for start in range(first, last, CHUNK):
             stop = min(last, start + CHUNK)
-            magnitude = np.abs(x[start:stop], out=scratch[: stop - start])
+            if x is not None:
+                magnitude = np.abs(x[start:stop], out=scratch[: stop - start])
+            else:
+                assert fill is not None
+                fill(start, stop, torch.from_numpy(scratch[: stop - start]))
+                magnitude = np.abs(scratch[: stop - start], out=scratch[: stop - start])
             np.greater_equal(magnitude, threshold, out=mask[start - first : stop - first])
         words = -(-(last - first) // 8)
         positions = _scan_mask(mask[: 8 * words], flags[:words], last - first)

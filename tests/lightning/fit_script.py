@@ -94,6 +94,12 @@ class HookProbe(L.Callback):
         self.losses: list[float] = []
         self.records: list[dict] = []
         self._before: torch.Tensor | None = None
+        self._grad_storages: int | None = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # one storage for all: the gradients are views into DDP's (single) bucket (gradient_as_bucket_view)
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self._grad_storages = len({g.untyped_storage().data_ptr() for g in grads})
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._before = torch.cat([p.detach().float().reshape(-1) for p in pl_module.parameters()])
@@ -109,7 +115,9 @@ class HookProbe(L.Callback):
             "sgd_momentum": [g.get("momentum") for g in trainer.optimizers[0].param_groups],
             "update_norm": float(torch.linalg.vector_norm(after - self._before)),
             "params_finite": bool(torch.isfinite(after).all()),
+            "grad_storages": self._grad_storages,
         }
+        self._grad_storages = None
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             record["scale"] = float(scaler.get_scale())
@@ -195,16 +203,18 @@ def main() -> None:
     p.add_argument("--no-shuffle", action="store_true", help="every epoch sees the batches in the same order")
     p.add_argument("--fit-twice", type=int, default=0, help="fit to this many steps, then on to --max-steps")
     p.add_argument("--options", default=None, help="JSON: CompressionStrategy(--strategy, options)")
+    p.add_argument("--grad-copy", action="store_true", help="DGCStrategy(gradient_as_bucket_view=False)")
     args = p.parse_args()
 
     L.seed_everything(0)
     strategy: object = args.strategy
     if args.mismatch:  # LOCAL_RANK is set by Lightning's launcher in the re-executed rank-1 process
         args.density = 0.001 if os.environ.get("LOCAL_RANK", "0") == "0" else 0.002
-    if args.density is not None or args.local_clip is not None or args.no_masking:
+    if args.density is not None or args.local_clip is not None or args.no_masking or args.grad_copy:
         strategy = lightning_dgc.DGCStrategy(
             density=args.density if args.density is not None else 0.001, local_clip_norm=args.local_clip,
             momentum_masking=not args.no_masking, selection=args.selection,
+            **({"gradient_as_bucket_view": False} if args.grad_copy else {}),
         )  # fmt: skip
     if args.options is not None:
         strategy = lightning_dgc.CompressionStrategy(args.strategy, json.loads(args.options))

@@ -157,6 +157,23 @@ def test_the_optimizer_needs_the_model_first() -> None:
         lightning_dgc.destroy_process_group()
 
 
+def test_gradients_are_views_into_ddps_bucket_unless_asked_otherwise() -> None:
+    """``gradient_as_bucket_view`` defaults to True (one model size less); ``False`` still gives separate grads."""
+    for kwargs, storages in (({}, 1), ({"gradient_as_bucket_view": False}, 4)):
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=FabricCompressionStrategy("dgc", **kwargs))
+        fabric.launch()
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+        try:
+            model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            for _ in range(2):  # DDP rebuilds its buckets in the second step
+                optimizer.zero_grad()
+                fabric.backward(model(torch.randn(8, 32)).square().mean())
+                optimizer.step()
+            assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == storages, kwargs
+        finally:
+            lightning_dgc.destroy_process_group()
+
+
 def test_a_hook_of_ones_own_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="`ddp_comm_hook` cannot be combined"):
         FabricCompressionStrategy("dgc", ddp_comm_hook=lambda state, bucket: None)

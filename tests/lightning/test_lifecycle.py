@@ -99,6 +99,34 @@ def test_trainer_gradient_clipping_acts_on_the_averaged_update(tmp_path) -> None
         assert min(norms) > 0
 
 
+def test_gradients_as_bucket_views_change_no_result_even_through_accumulation_clipping_and_a_skip(tmp_path) -> None:
+    """The default ``gradient_as_bucket_view=True`` (``.grad`` are views into DDP's bucket: one model size less)
+    gives bit for bit the parameters and memory of ``gradient_as_bucket_view=False``, through gradient
+    accumulation (``no_sync``), clipping, ``zero_grad(set_to_none=True)`` and a step skipped for a non-finite
+    gradient on one rank."""
+    runs = {}
+    for name, extra in (("views", []), ("copies", ["--grad-copy"])):
+        out = runs[name] = tmp_path / name
+        run_script(
+            "fit_script.py", out, "--density", "0.05", "--accumulate", "2", "--clip-val", "0.5",
+            "--inf-at", "1:3", "--max-steps", "6", "--dump-memory", *extra,
+        )  # fmt: skip
+    for name, storages in (("views", 1), ("copies", 6)):  # 6 parameters, one bucket
+        for s in results(runs[name]):
+            # recorded before every optimizer step but the skipped one (its gradients are dropped)
+            assert [r["grad_storages"] for r in s["records"] if r["grad_storages"]] == [storages] * 5
+            skipped = {st["step"] for st in s["stats"] if st and not st["finite"]}
+            assert len(skipped) == 1, "the forced overflow was not skipped"
+    for rank in (0, 1):
+        assert torch.equal(params(runs["views"], rank), params(runs["copies"], rank))
+        views, copies = (torch.load(f"{runs[n]}.rank{rank}.end.pt", weights_only=True) for n in ("views", "copies"))
+        assert views.keys() == copies.keys() and views
+        for kind in views:
+            assert views[kind].keys() == copies[kind].keys()
+            for key in views[kind]:
+                assert torch.equal(views[kind][key], copies[kind][key]), (kind, key)
+
+
 def test_ranks_with_different_settings_fail_fast_instead_of_hanging(tmp_path) -> None:
     proc = run_script(
         "fit_script.py", tmp_path / "bad", "--mismatch", "--max-steps", "3", check=False, timeout=120
