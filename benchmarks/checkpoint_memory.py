@@ -18,7 +18,9 @@ SGD(momentum) steps, then every rank calls ``trainer.save_checkpoint``. Reported
   SGD's buffers while it still holds its own);
 * ``step peak``: the peak of the last training step alone (after DDP's one-off rebuild of its buckets at
   the start of the second step, which with ``gradient_as_bucket_view=True`` holds the first iteration's
-  whole-model bucket and the new buckets at once: +1 model size in that forward, DDP's own);
+  whole-model bucket and the new buckets at once: +1 model size in that forward, DDP's own; the
+  compression strategies have DDP rebuild right after the first backward pass instead, before the
+  optimizer's state exists);
 * ``training``: the resident memory at the end of the last training step, likewise;
 * two baselines: ``ddp`` is DDP as users run it (``strategy="ddp"``: ``.grad`` and DDP's buckets are two
   model-sized copies), ``ddp_bucket_view`` is DDP with ``gradient_as_bucket_view=True`` (one), as the
@@ -331,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         caption="save peak: resident memory during trainer.save_checkpoint above what the rank held before it;"
         " training peak: during fit, above what the process held before it (with bucket views it holds DDP's"
-        " one-off bucket rebuild in the second step's forward: +1); step peak: during the last step only;"
+        " one-off bucket rebuild in the second step's forward: +1; the compression strategies rebuild after"
+        " the first backward, before SGD's momentum exists); step peak: during the last step only;"
         " - ddp: above strategy='ddp'"
         " (Lightning's default, .grad apart from DDP's buckets); - ddp view: above DDP with"
         " gradient_as_bucket_view=True (like for like: the compression strategies' default)",

@@ -234,9 +234,30 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
         if self._state is not None and self._state.step_pending:  # the hook ran in this backward pass
             self._finite = self._state.finish_step()
+            self._rebuild_ddp_buckets()
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def _rebuild_ddp_buckets(self) -> None:
+        """Let DDP rebuild its gradient buckets now, right after the first backward pass, not in the next forward.
+
+        DDP runs its first iteration with one bucket for the whole model and rebuilds its real buckets once,
+        at the start of the second forward (``Reducer._rebuild_buckets``, which its ``Join`` hook calls
+        outside the forward too). With ``gradient_as_bucket_view=True`` the parameters' ``.grad`` are views
+        into the old bucket until then, so old and new bucket are both alive for a moment: +1 model size.
+        Here, before the optimizer's first step makes its state (SGD's momentum), that moment costs one
+        model size less than in the second forward. The rebuild copies every ``.grad`` into the new bucket
+        and makes ``.grad`` its view, as it would in the next forward: the same values, hence the same
+        results. It runs on every rank (it broadcasts rank 0's bucket order), like ``finish_step``.
+        """
+        model = self.model
+        if (
+            isinstance(model, DistributedDataParallel)
+            and not getattr(model, "_has_rebuilt_buckets", True)
+            and model.reducer._rebuild_buckets()
+        ):
+            model._has_rebuilt_buckets = True
 
     @override
     def optimizer_step(
