@@ -21,6 +21,7 @@ tensors), the bucket layout DDP builds, and ending the process group cleanly.
 from __future__ import annotations
 
 import atexit
+import gc
 import sys
 import threading
 from abc import ABC, abstractmethod
@@ -562,6 +563,10 @@ def _destroy_at_exit() -> None:
     # After an uncaught exception (a peer died, say) collectives may still be pending on a dead peer,
     # and ending the group would wait for them: exit at once instead, as the exception demands.
     if getattr(sys, "last_value", None) is None:
+        # Free unreachable DDP wrappers (their reducers, comm hook states and futures) while the
+        # interpreter and the group are still whole: a launcher that built several (one Fabric per
+        # phase, say) leaves them in reference cycles, to be torn down during finalization otherwise.
+        gc.collect()
         destroy_process_group()
 
 

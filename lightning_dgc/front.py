@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -89,10 +90,15 @@ class ExchangeAccess:
         comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
 
     def _hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
-        strategy = self
+        # DDP's reducer holds the hook in C++, where the garbage collector cannot see it: a strong
+        # reference to the strategy (which holds the wrapped model) would keep model, optimizer state and
+        # exchange memory alive for the rest of the process, and tear them down only at interpreter exit.
+        strategy = weakref.ref(self)
 
         def counted_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
-            strategy.hook_calls += 1
+            counted = strategy()
+            if counted is not None:
+                counted.hook_calls += 1
             return exchange_hook(state, bucket)
 
         return counted_hook

@@ -6,9 +6,11 @@ in this process with one device, beside the Trainer's, so that both give the sam
 
 from __future__ import annotations
 
+import gc
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import lightning as L
@@ -172,6 +174,31 @@ def test_gradients_are_views_into_ddps_bucket_unless_asked_otherwise() -> None:
             assert len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == storages, kwargs
         finally:
             lightning_dgc.destroy_process_group()
+
+
+def _train_and_forget(strategy: FabricCompressionStrategy) -> tuple[weakref.ref, weakref.ref]:
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    model = nn.Linear(32, 4)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for _ in range(2):
+        optimizer.zero_grad()
+        fabric.backward(model(torch.randn(8, 32)).square().mean())
+        optimizer.step()
+    assert strategy.hook_calls == 2
+    return weakref.ref(strategy.exchange_state), weakref.ref(model.module)
+
+
+def test_a_finished_loop_frees_its_model_and_exchange_memory() -> None:
+    """DDP's reducer holds the hook in C++, out of the garbage collector's sight: the hook must not keep
+    the strategy (and with it the model, the optimizer's state and the exchange's memory) alive."""
+    try:
+        state, module = _train_and_forget(FabricCompressionStrategy("dgc", {"density": 0.5}))
+        gc.collect()  # frees the DDP wrapper, whose reducer (C++) held the exchange state
+        gc.collect()  # frees the exchange state, now unreachable
+        assert state() is None and module() is None, "a second loop in this process would hold both runs"
+    finally:
+        lightning_dgc.destroy_process_group()
 
 
 def test_a_hook_of_ones_own_is_refused_by_name() -> None:
