@@ -526,7 +526,8 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             out.append(
                 {
                     "target": f"{row['task']}, {row['devices']} workers: {row['algo']} {task.metric_label}"
-                    f" ({better} is better) within {target} of ddp, mean of {row['paired_seeds']} seeds",
+                    f" ({better} is better) within {target} of ddp, mean of {row['paired_seeds']}"
+                    f" seed{'s' * (row['paired_seeds'] != 1)}",
                     "value": summary_rows({"summary": [row]})[0][5],
                     "met": row["met"],
                     "note": "",
@@ -723,10 +724,16 @@ def plot(result: dict[str, Any], name: str = "parity") -> None:
             ax.bar_label(bars, fmt="%.3g", fontsize=8)
             ax.set_xlabel(f"after {task_runs[0]['history'][0]['step']} optimizer steps")
         else:
+            # one colour per algorithm, one line per seed, labelled once
+            colours = {algo: f"C{i}" for i, algo in enumerate(dict.fromkeys(r["algo"] for r in task_runs))}
+            labelled: set[str] = set()
             for r in task_runs:
                 points = [(h["step"], h[task.metric]) for h in r["history"] if task.metric in h]
                 if points:
-                    ax.plot(*zip(*points, strict=True), marker="o", label=r["algo"])
+                    label = None if r["algo"] in labelled else r["algo"]
+                    labelled.add(r["algo"])
+                    ax.plot(*zip(*points, strict=True), marker="o", markersize=3, color=colours[r["algo"]],
+                            alpha=0.8, label=label)  # fmt: skip
             ax.set_xlabel("optimizer step")
             ax.legend(fontsize=8)
         better = "higher" if task.higher_is_better else "lower"
