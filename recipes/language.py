@@ -259,19 +259,7 @@ class WordLanguageModel(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Create the vocabulary-sized layers once the DataModule knows the vocabulary."""
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        data_vocab = getattr(datamodule, "vocab_size", None)
-        if self.embedding is None:
-            if data_vocab is None:
-                raise ValueError(
-                    "vocab_size is unset and the DataModule does not provide one; set model.vocab_size."
-                )
-            self.hparams.vocab_size = data_vocab  # saved in checkpoints, so load_from_checkpoint rebuilds it
-            self._build_vocabulary_layers(data_vocab)
-        elif data_vocab is not None and data_vocab != self.hparams.vocab_size:
-            raise ValueError(
-                f"model.vocab_size={self.hparams.vocab_size} but the data has {data_vocab} words."
-            )
+        setup_vocabulary(self)
 
     def forward(self, tokens: Tensor, hidden: Hidden | None = None) -> tuple[Tensor, Hidden]:
         if self.embedding is None or self.decoder is None:
@@ -327,3 +315,21 @@ class WordLanguageModel(L.LightningModule):
             optimizer, mode="min", factor=hp.lr_decay, patience=0
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "val_loss"}}
+
+
+def setup_vocabulary(model: Any) -> Any:
+    """A word-level model's ``setup``: build its vocabulary-sized layers (``model._build_vocabulary_layers``)
+    from its DataModule's ``vocab_size`` unless they exist, or check that they fit it; returns the DataModule
+    (``None`` without a Trainer)."""
+    datamodule = model.trainer.datamodule if model._trainer is not None else None
+    data_vocab = getattr(datamodule, "vocab_size", None)
+    if model.embedding is None:
+        if data_vocab is None:
+            raise ValueError(
+                "vocab_size is unset and the DataModule does not provide one; set model.vocab_size."
+            )
+        model.hparams.vocab_size = data_vocab  # saved in checkpoints, so load_from_checkpoint rebuilds it
+        model._build_vocabulary_layers(data_vocab)
+    elif data_vocab is not None and data_vocab != model.hparams.vocab_size:
+        raise ValueError(f"model.vocab_size={model.hparams.vocab_size} but the data has {data_vocab} words.")
+    return datamodule

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
+from recipes.language import setup_vocabulary
+
 __all__ = ["TransformerLanguageModel", "WarmupCosine"]
 
 
@@ -166,19 +168,7 @@ class TransformerLanguageModel(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Create the token embedding once the DataModule knows the vocabulary; check the window length."""
-        datamodule = self.trainer.datamodule if self._trainer is not None else None
-        data_vocab = getattr(datamodule, "vocab_size", None)
-        if self.embedding is None:
-            if data_vocab is None:
-                raise ValueError(
-                    "vocab_size is unset and the DataModule does not provide one; set model.vocab_size."
-                )
-            self.hparams.vocab_size = data_vocab  # saved in checkpoints, so load_from_checkpoint rebuilds it
-            self._build_vocabulary_layers(data_vocab)
-        elif data_vocab is not None and data_vocab != self.hparams.vocab_size:
-            raise ValueError(
-                f"model.vocab_size={self.hparams.vocab_size} but the data has {data_vocab} words."
-            )
+        datamodule = setup_vocabulary(self)
         bptt = getattr(datamodule, "bptt", None)
         if bptt is not None and bptt > self.hparams.max_seq_len:
             raise ValueError(
