@@ -44,7 +44,7 @@ from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.comm import Collectives, LocalCollectives, Pending
 from lightning_dgc.state import ExchangeState
 
-__all__ = ["DEFAULT_SHAPES", "check_algorithm"]
+__all__ = ["DEFAULT_SHAPES", "CountingCollectives", "check_algorithm"]
 
 #: The tensors :func:`check_algorithm` exchanges by default: matrices large enough to be compressed by
 #: every algorithm of the package, and the small and 1-D ones that are usually averaged dense.
@@ -57,7 +57,7 @@ DEFAULT_SHAPES: dict[str, tuple[int, ...]] = {
 }
 
 
-class _CountingCollectives(LocalCollectives):
+class CountingCollectives(LocalCollectives):
     """A simulated rank that counts the bytes handed to each collective (what a process group would send)."""
 
     def __init__(self, inner: LocalCollectives) -> None:
@@ -100,7 +100,7 @@ class _Rank:
         return state
 
     def step(
-        self, state: ExchangeState, counting: _CountingCollectives, grads: dict[str, Tensor],
+        self, state: ExchangeState, counting: CountingCollectives, grads: dict[str, Tensor],
         buckets: Sequence[Sequence[str]],
     ) -> _Step:  # fmt: skip
         for name, param in self.params.items():
@@ -143,7 +143,7 @@ def _run(
     def rank_fn(collectives: Collectives) -> tuple[list[_Step], list[dict[str, dict[str, Tensor]]], bytes]:
         assert isinstance(collectives, LocalCollectives)
         rank = collectives.rank
-        counting = _CountingCollectives(collectives)
+        counting = CountingCollectives(collectives)
         member = _Rank(config, shapes, seed)
         state = member.make_state(counting)
         if saved is not None:

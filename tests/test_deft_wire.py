@@ -17,31 +17,15 @@ from lightning_dgc import comm, hook
 from lightning_dgc.algorithms.base import WireCost, layout_of
 from lightning_dgc.algorithms.deft import DEFT, DEFTConfig
 from lightning_dgc.algorithms.dgc import DGC, DGCConfig
-from lightning_dgc.comm import LocalCollectives, Pending
+from lightning_dgc.comm import LocalCollectives
 from lightning_dgc.compression import codec
 from lightning_dgc.state import ExchangeState
-from lightning_dgc.testing import check_algorithm
+from lightning_dgc.testing import CountingCollectives, check_algorithm
 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 4))
-
-
-class _Counting(LocalCollectives):
-    """A simulated rank that counts the bytes handed to its collectives."""
-
-    def __init__(self, inner: LocalCollectives) -> None:
-        super().__init__(inner.group, inner.rank)
-        self.nbytes = 0
-
-    def all_reduce(self, tensor: Tensor, what: str) -> Pending:
-        self.nbytes += tensor.numel() * tensor.element_size()
-        return super().all_reduce(tensor, what)
-
-    def all_gather(self, tensor: Tensor, out: Tensor, what: str) -> Pending:
-        self.nbytes += tensor.numel() * tensor.element_size()
-        return super().all_gather(tensor, out, what)
 
 
 def _train(config: DEFTConfig, world: int, steps: int = 3, big: int | None = None) -> list[dict]:
@@ -51,7 +35,7 @@ def _train(config: DEFTConfig, world: int, steps: int = 3, big: int | None = Non
 
     def rank_run(collectives: comm.Collectives) -> dict:
         assert isinstance(collectives, LocalCollectives)
-        counting = _Counting(collectives)
+        counting = CountingCollectives(collectives)
         model = _model()
         state = ExchangeState(config, collectives=counting, measure_buildup=True)
         state.register_parameters(model.named_parameters())

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -351,26 +351,54 @@ def _sampled_topk_numpy(
         sample = mags.take(layout.sample_positions)
     else:
         sample = source.index_select(0, layout.positions).abs_().numpy()  # torch gathers many faster
+    if mags is not None:
+
+        def candidates_over(threshold: Any) -> np.ndarray:
+            np.greater_equal(mags, threshold, out=layout.mask_head)
+            if n > SCAN_NUMEL:
+                return _scan_mask(layout.mask, layout.flags, n)
+            return layout.mask_head.nonzero()[0]
+
+        def magnitudes_at(positions: np.ndarray) -> np.ndarray:
+            return mags.take(positions)
+
+    else:
+
+        def candidates_over(threshold: Any) -> np.ndarray:
+            return _candidates_chunked(x, threshold, workspace)
+
+        def magnitudes_at(positions: np.ndarray) -> np.ndarray:
+            return np.abs(x.take(positions))
+
+    found = _threshold_search(sample, rank, k, candidates_over, magnitudes_at)
+    return found if found is not None else topk_indices(source, k)
+
+
+def _threshold_search(
+    sample: np.ndarray,
+    rank: int,
+    k: int,
+    candidates_over: Callable[[Any], np.ndarray],
+    magnitudes_at: Callable[[np.ndarray], np.ndarray],
+) -> Tensor | None:
+    """Steps 1-3 of the sampled selection, from the sampled magnitudes (partitioned in place): the
+    ``k`` indices, or ``None`` when no threshold found ``k`` candidates (the caller's exact fallback).
+
+    ``candidates_over(threshold)`` gives the positions whose magnitude is at least ``threshold``, in
+    increasing order; ``magnitudes_at(positions)`` their magnitudes.
+    """
+    num_samples = sample.size
     # Step 1: the rank-th largest sampled magnitude (a partial sort, in place; a full sort only if
     # the threshold has to be lowered). Methods rather than np.* functions: fewer Python layers.
     sample.partition(num_samples - rank)
     threshold = sample[num_samples - rank]
     sorted_sample: np.ndarray | None = None
     for _ in range(MAX_LOWERINGS + 1):
-        # Step 2: the candidates, in increasing order.
-        if mags is not None:
-            np.greater_equal(mags, threshold, out=layout.mask_head)
-            if n > SCAN_NUMEL:
-                candidates = _scan_mask(layout.mask, layout.flags, n)
-            else:
-                candidates = layout.mask_head.nonzero()[0]
-        else:
-            candidates = _candidates_chunked(x, threshold, workspace)
+        candidates = candidates_over(threshold)  # Step 2: the candidates, in increasing order
         count = candidates.size
         if count >= k:  # Step 3: exact top-k among the candidates
             if count > k:
-                candidate_mags = mags.take(candidates) if mags is not None else np.abs(x.take(candidates))
-                candidates = candidates.take(candidate_mags.argpartition(count - k)[count - k :])
+                candidates = candidates.take(magnitudes_at(candidates).argpartition(count - k)[count - k :])
             if candidates.dtype is not _INT64:  # nonzero gives intp: int64 on every 64-bit platform
                 candidates = candidates.astype(np.int64)
             return torch.from_numpy(candidates)
@@ -380,7 +408,7 @@ def _sampled_topk_numpy(
         if sorted_sample is None:
             sorted_sample = np.sort(sample)
         threshold = sorted_sample[num_samples - rank]
-    return topk_indices(source, k)
+    return None
 
 
 def sampled_topk_of(
@@ -419,26 +447,15 @@ def sampled_topk_of(
             raise
         layout.positions.copy_(_draw_positions(layout.positions.to(generator.device), numel, generator))
     sample = take(layout.positions).abs_().numpy()
-    sample.partition(num_samples - rank)  # the steps of _sampled_topk_numpy's chunked pass, on fill/take
-    threshold = sample[num_samples - rank]
-    sorted_sample: np.ndarray | None = None
-    for _ in range(MAX_LOWERINGS + 1):
-        candidates = _candidates_chunked(None, threshold, workspace, numel, dtype, fill)
-        count = candidates.size
-        if count >= k:
-            if count > k:
-                candidate_mags = take(torch.from_numpy(candidates)).abs_().numpy()
-                candidates = candidates.take(candidate_mags.argpartition(count - k)[count - k :])
-            if candidates.dtype is not _INT64:
-                candidates = candidates.astype(np.int64)
-            return torch.from_numpy(candidates)
-        if rank >= num_samples:
-            break
-        rank = min(2 * rank, num_samples)
-        if sorted_sample is None:
-            sorted_sample = np.sort(sample)
-        threshold = sorted_sample[num_samples - rank]
-    return topk_indices(whole(), k)
+    # the steps of _sampled_topk_numpy's chunked pass, on fill/take
+    found = _threshold_search(
+        sample,
+        rank,
+        k,
+        lambda threshold: _candidates_chunked(None, threshold, workspace, numel, dtype, fill),
+        lambda positions: take(torch.from_numpy(positions)).abs_().numpy(),
+    )
+    return found if found is not None else topk_indices(whole(), k)
 
 
 def _candidates_chunked(
