@@ -31,15 +31,17 @@ PAGE = common.REPO / "docs" / "benchmarks" / "results.md"
 _MACHINE_PATH = re.compile(r"(?<![\w.<>])/(?:work|tmp|root|home|usr|opt|mnt|data|scratch)(?:/[^\s`'\"|),\]]*)?")
 
 
-#: The figures benchmarks/README.md shows, copied next to the docs page so that the README's relative
-#: image links (``results/<name>.png``) work in the docs site too (it includes the README).
-HEADLINE_PLOTS = ("slow_links.png", "parity_peers.png", "parity_8workers.png", "tensorboard_compression.png")
+def headline_plots() -> list[str]:
+    """The figures benchmarks/README.md shows (its ``results/<name>.png`` image links)."""
+    readme = (common.RESULTS.parent / "README.md").read_text()
+    return list(dict.fromkeys(re.findall(r"\]\(results/([\w.-]+\.png)\)", readme)))
 
 
 def copy_headline_plots(page: Path) -> None:
-    """Copy :data:`HEADLINE_PLOTS` that exist into ``results/`` beside ``page``."""
+    """Copy the figures of :func:`headline_plots` that exist into ``results/`` beside ``page``, so that the
+    README's relative image links work in the docs site too (it includes the README)."""
     target = page.parent / "results"
-    for name in HEADLINE_PLOTS:
+    for name in headline_plots():
         source = common.RESULTS / name
         if source.exists():
             target.mkdir(parents=True, exist_ok=True)
