@@ -113,7 +113,7 @@ ABLATION_TEXT = {
     "deft_no_warmup": "no density warm-up",
     "deft_no_momentum_correction": "error feedback only (optimizer momentum)",
     "deft_all_selectors": "every rank selects k/N in every fragment (not only owners)",
-    "deft_link": "union fills DGC's link bytes (budget dgc_link: 3 k at 8 ranks)",
+    "deft_link": "union fills DGC's link bytes (budget dgc_link, as deft.yaml now ships)",
     "deft_all_selectors_link": "both of the above",
 }
 
