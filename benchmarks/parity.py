@@ -66,6 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from benchmarks import common
 from lightning_dgc.algorithms.base import ring_allreduce_volume
 
@@ -321,11 +323,13 @@ def display_command(argv: list[str], workdir: Path) -> str:
 
 def run_key(argv: list[str], workdir: Path) -> str:
     """What makes two runs the same run, for ``--reuse``: the command (its scratch folder aside) and
-    the text of every ``--config`` file it reads (an edited algorithm YAML is a different run)."""
+    the content of every ``--config`` file it reads (an edited setting is a different run; an edited
+    comment or layout is not: the files are compared as parsed YAML)."""
     digest = hashlib.sha256(display_command(argv, workdir).encode())
     for flag, value in zip(argv[:-1], argv[1:], strict=True):
         if flag == "--config":
-            digest.update((common.REPO / value).read_bytes())
+            content = yaml.safe_load((common.REPO / value).read_text())
+            digest.update(json.dumps(content, sort_keys=True).encode())
     return digest.hexdigest()
 
 

@@ -20,7 +20,9 @@ def test_run_key_follows_the_command_and_the_config_texts_not_the_scratch_folder
     key = parity.run_key(argv("/tmp/a"), Path("/tmp/a"))
     assert parity.run_key(argv("/tmp/b"), Path("/tmp/b")) == key  # a new scratch folder: the same run
     assert parity.run_key(argv("/tmp/a", "--trainer.max_epochs", "2"), Path("/tmp/a")) != key
-    config.write_text("trainer:\n  strategy: deft\n")  # the YAML edited, the command unchanged
+    config.write_text("# why dgc\ntrainer:\n  strategy:   dgc  # a comment\n")  # only comments and layout
+    assert parity.run_key(argv("/tmp/a"), Path("/tmp/a")) == key
+    config.write_text("trainer:\n  strategy: deft\n")  # a setting edited, the command unchanged
     assert parity.run_key(argv("/tmp/a"), Path("/tmp/a")) != key
 
 
