@@ -86,6 +86,12 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
         ("--trainer.strategy.init_args.momentum_correction", "false"),
         False,
     ),
+    # DGC ten times denser: how much of the transformer's (AdamW's) gap the density explains
+    "dgc_density_0.01": (
+        "configs/algo/dgc_warmup.yaml",
+        ("--trainer.strategy.init_args.density", "0.01"),
+        True,
+    ),
 }
 #: DEFT's ablations: the shipped DEFT with one part switched (see ``DEFTConfig``), for ``--algos``.
 DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
