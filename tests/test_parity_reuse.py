@@ -9,7 +9,7 @@ import pytest
 from benchmarks import parity
 
 
-def test_run_key_follows_the_command_and_the_config_texts_not_the_scratch_folder(tmp_path: Path) -> None:
+def test_run_key_follows_settings_not_comments_or_the_scratch_folder(tmp_path: Path) -> None:
     config = tmp_path / "algo.yaml"
     config.write_text("trainer:\n  strategy: dgc\n")
 
