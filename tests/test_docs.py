@@ -43,14 +43,28 @@ def rel(path: Path) -> str:
 
 
 def commands(path: Path) -> list[list[str]]:
-    """The command lines of the bash blocks, continuation lines joined and comments dropped."""
+    """The command lines of the bash blocks, continuation lines joined, comments dropped and a block's
+    variables (``P="python -m ..."``, then ``$P --name ...``) expanded."""
     found = []
     for _, code in blocks(path, "bash"):
+        variables: dict[str, str] = {}
         for line in code.replace("\\\n", " ").splitlines():
             line = line.split(" #")[0].strip()
-            if line and not line.startswith(("#", "export ")):
-                found.append(shlex.split(line.split(" > ")[0]))
+            if not line or line.startswith(("#", "export ")):
+                continue
+            words = shlex.split(line.split(" > ")[0])
+            assignment = re.fullmatch(r"([A-Za-z_]\w*)=(.*)", words[0], re.DOTALL)
+            if len(words) == 1 and assignment:
+                variables[assignment[1]] = assignment[2]
+                continue
+            found.append([w for word in words for w in _expand(word, variables)])
     return found
+
+
+def _expand(word: str, variables: dict[str, str]) -> list[str]:
+    """An unquoted ``$NAME`` word split into the words of its value, as the shell does."""
+    name = word[1:] if word.startswith("$") else None
+    return shlex.split(variables[name]) if name in variables else [word]
 
 
 def test_size_limits() -> None:
