@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from benchmarks import common
@@ -192,7 +193,8 @@ TASKS: dict[str, Task] = {
         quick=(1, 60),
         full=(6, None),
         batch_size=20,
-        # bf16 autocast where the accelerator has it: this benchmark's CPUs do (avx512_bf16), 2x faster
+        # bf16 autocast where the accelerator has it: this benchmark's CPUs do (avx512_bf16), 2x faster;
+        # without bf16 instructions it is emulated and far slower (see `slow_bf16_note`)
         overrides=("--data.download", "false", "--trainer.precision", "bf16-mixed"),
     ),
     "digits": Task(
@@ -411,6 +413,24 @@ def protocol_values(task: Task, run: dict[str, Any]) -> dict[str, Any]:
         "train_loss_last_epoch": losses[-1] if losses else None,
         "link_kb_per_step": link_kb_per_step(run),
     }
+
+
+def slow_bf16_note(task: Task) -> str | None:
+    """Why ``task`` will train far slower on this CPU than its records did, or None.
+
+    bf16 autocast on a CPU without bf16 instructions (avx512_bf16 or AMX) is emulated: the transformer at
+    8 processes on 2 cores took 2.85 s per step on an AVX2-only AMD EPYC against 0.17 s with avx512_bf16.
+    """
+    if "bf16-mixed" not in task.overrides:
+        return None
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if None in probes or any(probe() for probe in probes):
+        return None  # has bf16 instructions, or torch cannot tell
+    return (
+        f"{task.name}: this CPU has no bf16 instructions (avx512_bf16 or AMX; lscpu lists them), so its bf16"
+        " autocast is emulated: expect about 16x the recorded wall time. The records were made on a CPU with"
+        " avx512_bf16; a run here has the same settings and joins them, only slower."
+    )
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -811,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
             epochs = args.epochs or epochs
             batches = (args.batches or None) if args.batches is not None else batches  # 0: every batch
             task_runs = []
+            if not args.report_only and (note := slow_bf16_note(task)):
+                con.print(f"[yellow]{note}[/yellow]")
             if args.deadline is not None:
                 # a task is run whole or not at all (a ddp run alone compares with nothing)
                 estimate = max([r["wall_s"] for r in runs] or [90.0]) * len(args.algos)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import parity
 
@@ -54,3 +55,14 @@ def test_a_run_of_another_length_gets_the_configs_milestones_at_the_same_fractio
     assert parity.milestones(task, 10) == [6, 8]
     assert parity.milestones(task, 12) == [7, 10]
     assert parity.milestones(task, 2) == [1]
+
+
+def test_a_bf16_task_on_a_cpu_without_bf16_instructions_is_announced_as_slow(monkeypatch) -> None:
+    transformer, lstm = parity.TASKS["ptb_transformer"], parity.TASKS["ptb"]
+    assert parity.slow_bf16_note(lstm) is None  # fp32: nothing to say on any CPU
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    note = parity.slow_bf16_note(transformer)
+    assert note is not None and note.startswith("ptb_transformer:") and "16x" in note
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert parity.slow_bf16_note(transformer) is None
