@@ -27,8 +27,14 @@ def test_demo_trains_both_runs_and_shows_bytes_ratio_and_predicted_links(
         assert 0.0 <= r["val_acc"] <= 1.0 and r["step_ms"] > 0
         slow, fast = (r["predicted_ms"][link] for link in demo.LINKS)
         assert slow >= fast > 0
-    # what the demo is for: on the slow link the compressed step is predicted faster than ddp's
-    assert dgc["predicted_ms"]["100 Mbit/s"] < ddp["predicted_ms"]["100 Mbit/s"]
+
+    # what the demo is for: the slow link costs the compressed step far less than ddp's. Compared as the
+    # link's share of the prediction (100 Mbit/s minus 1 Gbit/s, the same profile): the measured compute
+    # cancels, so a loaded machine cannot flip it (the totals did, 356 against 309 ms, under load)
+    def link_ms(r: dict) -> float:
+        return r["predicted_ms"]["100 Mbit/s"] - r["predicted_ms"]["1 Gbit/s"]
+
+    assert 0 < link_ms(dgc) * 10 < link_ms(ddp)
     assert png.stat().st_size > 0
     console = Console(record=True, width=200)
     console.print(demo.table(results, demo.DEMO_DENSITY))
