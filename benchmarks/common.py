@@ -495,6 +495,11 @@ class RunRecorder(L.Callback):
     scalar at the end of each training epoch, on every rank): ``train_loss_epochs`` holds one value per
     epoch, far less noisy than a small test set's accuracy.
 
+    When :data:`benchmarks.bf16_cpu.ENV` is set (by :mod:`benchmarks.parity`, for a bf16 task on a CPU
+    without bf16 instructions), every process computes its bf16 matrix products as fp32 GEMMs of the bf16
+    operands from ``setup`` to ``teardown`` (:class:`benchmarks.bf16_cpu.Fp32Bf16Matmul`), and the record
+    says how many (``bf16_matmuls_as_fp32``, rank 0's count).
+
     Args:
         path: JSON file to write (rewritten after every validation, so a stopped run keeps its last state).
     """
@@ -511,6 +516,18 @@ class RunRecorder(L.Callback):
         self.densities: list[float] = []
         self._last_step: Any = None
         self._t0 = time.perf_counter()
+        self._bf16_matmul: Any = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        from benchmarks import bf16_cpu
+
+        self._bf16_matmul = bf16_cpu.from_environment()
+        if self._bf16_matmul is not None:
+            self._bf16_matmul.__enter__()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._bf16_matmul is not None:
+            self._bf16_matmul.__exit__(None, None, None)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._t0 = time.perf_counter()
@@ -585,6 +602,8 @@ class RunRecorder(L.Callback):
             "compression": totals if totals["steps"] else None,
             "densities": self.densities,
         }
+        if self._bf16_matmul is not None:
+            payload["bf16_matmuls_as_fp32"] = self._bf16_matmul.calls
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(self.path).with_suffix(".tmp")
         tmp.write_text(json.dumps(payload, indent=2) + "\n")

@@ -66,10 +66,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
-from benchmarks import common
+from benchmarks import bf16_cpu, common
 from lightning_dgc.algorithms.base import ring_allreduce_volume
 
 CONFIG_DIR = common.RESULTS / "parity_configs"
@@ -194,7 +193,7 @@ TASKS: dict[str, Task] = {
         full=(6, None),
         batch_size=20,
         # bf16 autocast where the accelerator has it: this benchmark's CPUs do (avx512_bf16), 2x faster;
-        # without bf16 instructions it is emulated and far slower (see `slow_bf16_note`)
+        # without bf16 instructions its matrix products run as fp32 GEMMs (see `emulates_bf16`)
         overrides=("--data.download", "false", "--trainer.precision", "bf16-mixed"),
     ),
     "digits": Task(
@@ -360,7 +359,7 @@ def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | 
     else:
         record.unlink(missing_ok=True)
         key_file.unlink(missing_ok=True)
-        code, wall = common.run_command(argv, common.worker_env(threads), log, timeout_s)
+        code, wall = common.run_command(argv, run_env(task, threads), log, timeout_s)
         if code == 0 and record.exists():
             key_file.write_text(key)
     out: dict[str, Any] = {
@@ -415,22 +414,20 @@ def protocol_values(task: Task, run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def slow_bf16_note(task: Task) -> str | None:
-    """Why ``task`` will train far slower on this CPU than its records did, or None.
+def emulates_bf16(task: Task) -> bool:
+    """Whether ``task``'s runs compute their bf16 matrix products as fp32 GEMMs (:mod:`benchmarks.bf16_cpu`).
 
-    bf16 autocast on a CPU without bf16 instructions (avx512_bf16 or AMX) is emulated: the transformer at
-    8 processes on 2 cores took 2.85 s per step on an AVX2-only AMD EPYC against 0.17 s with avx512_bf16.
+    Only a bf16 task on a CPU that lacks bf16 instructions (avx512_bf16 or AMX): PyTorch's own bf16
+    products are a scalar fallback there (the transformer at 8 processes on 2 cores took 2.85 s per step
+    on an AVX2-only AMD EPYC against 0.17 s with avx512_bf16). The rounding is a bf16 GEMM's, so such a
+    run has the settings of the records made with bf16 instructions and joins them.
     """
-    if "bf16-mixed" not in task.overrides:
-        return None
-    probes = [getattr(torch.cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    if None in probes or any(probe() for probe in probes):
-        return None  # has bf16 instructions, or torch cannot tell
-    return (
-        f"{task.name}: this CPU has no bf16 instructions (avx512_bf16 or AMX; lscpu lists them), so its bf16"
-        " autocast is emulated: expect about 16x the recorded wall time. The records were made on a CPU with"
-        " avx512_bf16; a run here has the same settings and joins them, only slower."
-    )
+    return "bf16-mixed" in task.overrides and bf16_cpu.has_bf16_instructions() is False
+
+
+def run_env(task: Task, threads: int) -> dict[str, str]:
+    """The environment of ``task``'s training processes."""
+    return common.worker_env(threads, **({bf16_cpu.ENV: "1"} if emulates_bf16(task) else {}))
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -831,8 +828,12 @@ def main(argv: list[str] | None = None) -> int:
             epochs = args.epochs or epochs
             batches = (args.batches or None) if args.batches is not None else batches  # 0: every batch
             task_runs = []
-            if not args.report_only and (note := slow_bf16_note(task)):
-                con.print(f"[yellow]{note}[/yellow]")
+            if not args.report_only and emulates_bf16(task):
+                con.print(
+                    f"[yellow]{name}: this CPU has no bf16 instructions (avx512_bf16 or AMX), so its bf16 matrix"
+                    " products run as fp32 GEMMs of the bf16 operands (benchmarks.bf16_cpu): a bf16 GEMM's"
+                    " rounding, far faster than PyTorch's fallback here[/yellow]"
+                )
             if args.deadline is not None:
                 # a task is run whole or not at all (a ddp run alone compares with nothing)
                 estimate = max([r["wall_s"] for r in runs] or [90.0]) * len(args.algos)

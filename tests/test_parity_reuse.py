@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import parity
+from benchmarks import bf16_cpu, parity
 
 
 def test_run_key_follows_settings_not_comments_or_the_scratch_folder(tmp_path: Path) -> None:
@@ -57,12 +57,11 @@ def test_a_run_of_another_length_gets_the_configs_milestones_at_the_same_fractio
     assert parity.milestones(task, 2) == [1]
 
 
-def test_a_bf16_task_on_a_cpu_without_bf16_instructions_is_announced_as_slow(monkeypatch) -> None:
+def test_a_bf16_task_on_a_cpu_without_bf16_instructions_runs_its_matmuls_in_fp32(monkeypatch) -> None:
     transformer, lstm = parity.TASKS["ptb_transformer"], parity.TASKS["ptb"]
-    assert parity.slow_bf16_note(lstm) is None  # fp32: nothing to say on any CPU
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    note = parity.slow_bf16_note(transformer)
-    assert note is not None and note.startswith("ptb_transformer:") and "16x" in note
+    assert parity.emulates_bf16(transformer) and parity.run_env(transformer, 1)[bf16_cpu.ENV] == "1"
+    assert not parity.emulates_bf16(lstm) and bf16_cpu.ENV not in parity.run_env(lstm, 1)  # fp32 task
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    assert parity.slow_bf16_note(transformer) is None
+    assert not parity.emulates_bf16(transformer) and bf16_cpu.ENV not in parity.run_env(transformer, 1)
