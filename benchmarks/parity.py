@@ -393,6 +393,7 @@ def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | 
             train_loss_epochs=rec.get("train_loss_epochs"),
             params=rec.get("params"),
             finished=rec.get("finished"),
+            bf16_matmuls_as_fp32=rec.get("bf16_matmuls_as_fp32"),  # set where bf16_cpu computed them
         )
         out.update(protocol_values(task, out))
     if code != 0 or not record.exists():
