@@ -4,7 +4,8 @@ Every Python block compiles (the ones marked ``<!-- docs-test: run -->``, and th
 also run); every command line shown for the package's CLI is parsed with ``--print_config`` and every
 benchmark or demo command with ``--help`` (each option it shows must be one the script has); the
 README and the benchmarks README keep their size limits; no page names a path of the machine it was
-written on; the README's links point at files that exist.
+written on; the README's links point at files that exist; the README's accuracy rows quote the figures of
+the records in ``benchmarks/results``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import json
 import re
 import shlex
 import subprocess
@@ -89,6 +91,52 @@ def test_readme_links_point_at_files() -> None:
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme) if "://" not in t]
     missing = [t for t in targets if t and not (ROOT / t).exists()]
     assert targets and not missing, missing
+
+
+#: The README's accuracy rows: the text that starts the row, its records (``benchmarks/results/<name>.json``),
+#: the metric's unit and the algorithm of each column (DGC, DEFT, PowerSGD; several where a cell quotes two).
+ACCURACY_ROWS = [
+    ("CIFAR-10 subset top-1", "parity_seeds_cifar8", "pp", [["dgc"], ["deft"], ["powersgd"]]),
+    ("the same, 2 workers", "parity_seeds_cifar2", "pp", [["dgc"], ["deft"], ["powersgd"]]),
+    ("PTB LSTM, SGD", "parity_seeds_ptb2", "%", [["dgc"], ["deft"], ["powersgd"]]),
+    ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", "%", [["dgc"], ["deft"], ["powersgd"]]),
+    ("PTB transformer", "parity_seeds_xfmr2", "%", [["dgc", "dgc_density_0.01"], [], ["powersgd"]]),
+    ("the same, 8 workers (DDP 157", "parity_seeds_xfmr8", "%", [["dgc_density_0.01"], [], ["powersgd"]]),
+]
+
+
+def _mean_std(mean: float, std: float | None, digits: int, unit: str = "", sign: bool = False) -> str:
+    number = f"{mean:+.{digits}f}" if sign else f"{mean:.{digits}f}"
+    return f"{number}{unit}" if std is None else f"{number} ± {std:.{digits}f}{unit}"
+
+
+@pytest.mark.parametrize("row", ACCURACY_ROWS, ids=lambda row: row[1])
+def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, str, list[list[str]]]) -> None:
+    """A record rebuilt with more seeds changes its figures; the README's row must follow."""
+    start, name, unit, columns = row
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| {start}")]
+    assert len(lines) == 1, f"README: no single row starting {start!r}"
+    cells = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    records = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    summary = {s["algo"]: s for s in records["summary"]}
+    scale, digits, diff_unit = (100, 2, " pp") if unit == "pp" else (1, 1, "%")
+    ddp = summary["ddp"]
+    std = ddp["metric_std"] and ddp["metric_std"] * scale
+    expected = [(0, _mean_std(ddp["metric"] * scale, std, digits, "%" if unit == "pp" else ""))]
+    if "kB" in lines[0]:
+        expected.append((0, f"{ddp['link_kb_per_step']:,.0f}"))
+    for column, algos in enumerate(columns, start=1):
+        for algo in algos:
+            s = summary[algo]
+            std = s["difference_std"] and s["difference_std"] * 100
+            expected.append((column, _mean_std(s["difference"] * 100, std, digits, diff_unit, sign=True)))
+            if "kB" in lines[0]:
+                expected.append((column, f"{s['link_kb_per_step']:,.0f} kB"))
+    counts = {len(s["seeds"]) for s in summary.values()}
+    said = re.findall(r"\d+ seeds?", cells[0])
+    expected += [(0, seeds) for seeds in said if int(seeds.split()[0]) not in counts]
+    missing = [(cells[column], text) for column, text in expected if text not in cells[column]]
+    assert not missing, f"README row {start!r} does not quote {name}.json: (cell, expected) {missing}"
 
 
 @pytest.mark.parametrize("path", PAGES, ids=rel)
