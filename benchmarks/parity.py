@@ -474,11 +474,15 @@ def summarize(task: Task, runs: list[dict[str, Any]], devices: int) -> list[dict
     return out
 
 
-def _pm(value: float | None, std: float | None, percent: bool, digits: int = 2) -> str | None:
+def mean_std_text(
+    value: float | None, std: float | None, percent: bool, digits: int = 2, sign: bool = False
+) -> str | None:
+    """``value ± std`` (``value`` alone without a spread), times 100 when ``percent``; ``sign`` writes a
+    leading ``+`` on positive values, as a difference is written."""
     if value is None:
         return None
     scale = 100 if percent else 1
-    text = f"{value * scale:.{digits}f}"
+    text = f"{value * scale:{'+' if sign else ''}.{digits}f}"
     return text + (f" ± {std * scale:.{digits}f}" if std is not None else "")
 
 
@@ -488,14 +492,14 @@ def summary_rows(result: dict[str, Any]) -> list[list[Any]]:
         task = TASKS[row["task"]]
         percent = not task.relative
         if "difference" in row:
-            diff = _pm(row["difference"], row.get("difference_std"), True)
+            diff = mean_std_text(row["difference"], row.get("difference_std"), True)
             diff = f"{diff} {'pp' if percent else '%'}"
         else:
             diff = ""
         rows.append(
             [row["task"], row["devices"], row["algo"], len(row["seeds"]),
-             _pm(row["metric"], row["metric_std"], percent) + ("%" if percent else ""),
-             diff, _pm(row["train_loss"], row["train_loss_std"], False, 3),
+             mean_std_text(row["metric"], row["metric_std"], percent) + ("%" if percent else ""),
+             diff, mean_std_text(row["train_loss"], row["train_loss_std"], False, 3),
              row.get("link_kb_per_step") and round(row["link_kb_per_step"], 1),
              "" if "met" not in row else row["met"]]
         )  # fmt: skip

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.parity import mean_std_text
 from recipes.__main__ import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,50 +94,50 @@ def test_readme_links_point_at_files() -> None:
     assert targets and not missing, missing
 
 
-#: The README's accuracy rows: the text that starts the row, its records (``benchmarks/results/<name>.json``),
-#: the metric's unit and the algorithm of each column (DGC, DEFT, PowerSGD; several where a cell quotes two).
+#: The README's accuracy rows: the text that starts the row, its records (``benchmarks/results/<name>.json``)
+#: and the algorithm of each column (DGC, DEFT, PowerSGD; several where a cell quotes two).
 ACCURACY_ROWS = [
-    ("CIFAR-10 subset top-1", "parity_seeds_cifar8", "pp", [["dgc"], ["deft"], ["powersgd"]]),
-    ("the same, 2 workers", "parity_seeds_cifar2", "pp", [["dgc"], ["deft"], ["powersgd"]]),
-    ("PTB LSTM, SGD", "parity_seeds_ptb2", "%", [["dgc"], ["deft"], ["powersgd"]]),
-    ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", "%", [["dgc"], ["deft"], ["powersgd"]]),
-    ("PTB transformer", "parity_seeds_xfmr2", "%", [["dgc", "dgc_density_0.01"], [], ["powersgd"]]),
-    ("the same, 8 workers (DDP 157", "parity_seeds_xfmr8", "%", [["dgc_density_0.01"], [], ["powersgd"]]),
+    ("CIFAR-10 subset top-1", "parity_seeds_cifar8", [["dgc"], ["deft"], ["powersgd"]]),
+    ("the same, 2 workers", "parity_seeds_cifar2", [["dgc"], ["deft"], ["powersgd"]]),
+    ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"]]),
+    ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"]]),
+    ("PTB transformer", "parity_seeds_xfmr2", [["dgc", "dgc_density_0.01"], [], ["powersgd"]]),
+    ("the same, 8 workers (DDP 157", "parity_seeds_xfmr8", [["dgc_density_0.01"], [], ["powersgd"]]),
 ]
 
 
-def _mean_std(mean: float, std: float | None, digits: int, unit: str = "", sign: bool = False) -> str:
-    number = f"{mean:+.{digits}f}" if sign else f"{mean:.{digits}f}"
-    return f"{number}{unit}" if std is None else f"{number} ± {std:.{digits}f}{unit}"
-
-
 @pytest.mark.parametrize("row", ACCURACY_ROWS, ids=lambda row: row[1])
-def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, str, list[list[str]]]) -> None:
+def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[str]]]) -> None:
     """A record rebuilt with more seeds changes its figures; the README's row must follow."""
-    start, name, unit, columns = row
+    start, name, columns = row
     lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| {start}")]
     assert len(lines) == 1, f"README: no single row starting {start!r}"
     cells = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    quotes_kb = "kB" in lines[0]
     records = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    (task,) = records["tasks"].values()
+    # accuracy is quoted in percent and its differences in points (2 decimals), perplexity and its
+    # relative differences with 1 decimal
+    percent = not task["relative"]
+    digits, diff_unit = (2, " pp") if percent else (1, "%")
     summary = {s["algo"]: s for s in records["summary"]}
-    scale, digits, diff_unit = (100, 2, " pp") if unit == "pp" else (1, 1, "%")
     ddp = summary["ddp"]
-    std = ddp["metric_std"] and ddp["metric_std"] * scale
-    expected = [(0, _mean_std(ddp["metric"] * scale, std, digits, "%" if unit == "pp" else ""))]
-    if "kB" in lines[0]:
+    metric = mean_std_text(ddp["metric"], ddp["metric_std"], percent, digits)
+    expected = [(0, metric + ("%" if percent else ""))]
+    if quotes_kb:
         expected.append((0, f"{ddp['link_kb_per_step']:,.0f}"))
     for column, algos in enumerate(columns, start=1):
         for algo in algos:
             s = summary[algo]
-            std = s["difference_std"] and s["difference_std"] * 100
-            expected.append((column, _mean_std(s["difference"] * 100, std, digits, diff_unit, sign=True)))
-            if "kB" in lines[0]:
+            difference = mean_std_text(s["difference"], s["difference_std"], True, digits, sign=True)
+            expected.append((column, difference + diff_unit))
+            if quotes_kb:
                 expected.append((column, f"{s['link_kb_per_step']:,.0f} kB"))
-    counts = {len(s["seeds"]) for s in summary.values()}
-    said = re.findall(r"\d+ seeds?", cells[0])
-    expected += [(0, seeds) for seeds in said if int(seeds.split()[0]) not in counts]
     missing = [(cells[column], text) for column, text in expected if text not in cells[column]]
     assert not missing, f"README row {start!r} does not quote {name}.json: (cell, expected) {missing}"
+    counts = {len(s["seeds"]) for s in summary.values()}
+    wrong = [said for said in re.findall(r"\d+ seeds?", cells[0]) if int(said.split()[0]) not in counts]
+    assert not wrong, f"README row {start!r} says {wrong}; {name}.json has {sorted(counts)} seeds per algo"
 
 
 @pytest.mark.parametrize("path", PAGES, ids=rel)
