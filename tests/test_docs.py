@@ -106,6 +106,13 @@ ACCURACY_ROWS = [
 ]
 
 
+def _study(name: str) -> tuple[dict[str, dict], bool]:
+    """A seeded study's summary by algorithm, and whether its metric is a percentage (accuracy)."""
+    records = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+    (task,) = records["tasks"].values()
+    return {s["algo"]: s for s in records["summary"]}, not task["relative"]
+
+
 @pytest.mark.parametrize("row", ACCURACY_ROWS, ids=lambda row: row[1])
 def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[str]]]) -> None:
     """A record rebuilt with more seeds changes its figures; the README's row must follow."""
@@ -114,13 +121,10 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
     assert len(lines) == 1, f"README: no single row starting {start!r}"
     cells = [cell.strip() for cell in lines[0].strip("|").split("|")]
     quotes_kb = "kB" in lines[0]
-    records = json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
-    (task,) = records["tasks"].values()
+    summary, percent = _study(name)
     # accuracy is quoted in percent and its differences in points (2 decimals), perplexity and its
     # relative differences with 1 decimal
-    percent = not task["relative"]
     digits, diff_unit = (2, " pp") if percent else (1, "%")
-    summary = {s["algo"]: s for s in records["summary"]}
     ddp = summary["ddp"]
     metric = mean_std_text(ddp["metric"], ddp["metric_std"], percent, digits)
     expected = [(0, metric + ("%" if percent else ""))]
@@ -138,6 +142,31 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
     counts = {len(s["seeds"]) for s in summary.values()}
     wrong = [said for said in re.findall(r"\d+ seeds?", cells[0]) if int(said.split()[0]) not in counts]
     assert not wrong, f"README row {start!r} says {wrong}; {name}.json has {sorted(counts)} seeds per algo"
+
+
+# the algorithm guide's table: one column per algorithm (a study's DEFT variants are on deft.md)
+INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "deft": 3, "powersgd": 4}
+
+
+@pytest.mark.parametrize("name", [row[1] for row in ACCURACY_ROWS])
+def test_algorithm_index_accuracy_rows_quote_the_records(name: str) -> None:
+    """docs/algorithms/index.md quotes each study to 2 decimals, as the results page does: every
+    algorithm's mean ± std and its paired difference to DDP."""
+    page = ROOT / "docs" / "algorithms" / "index.md"
+    lines = [line for line in page.read_text().splitlines() if f"(`{name}.json`)" in line]
+    assert len(lines) == 1, f"{rel(page)}: no single row naming {name}.json"
+    cells = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    summary, percent = _study(name)
+    expected = []
+    for algo, s in summary.items():
+        if algo not in INDEX_COLUMNS:
+            continue
+        expected.append((INDEX_COLUMNS[algo], mean_std_text(s["metric"], s["metric_std"], percent)))
+        if "difference" in s:
+            difference = mean_std_text(s["difference"], s["difference_std"], True, sign=True)
+            expected.append((INDEX_COLUMNS[algo], f"({difference}{' pp' if percent else '%'}"))
+    missing = [(cells[column], text) for column, text in expected if text not in cells[column]]
+    assert not missing, f"{rel(page)} row of {name}.json does not quote it: (cell, expected) {missing}"
 
 
 @pytest.mark.parametrize("path", PAGES, ids=rel)
