@@ -113,28 +113,41 @@ def _study(name: str) -> tuple[dict[str, dict], bool]:
     return {s["algo"]: s for s in records["summary"]}, not task["relative"]
 
 
+def _cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def _metric_text(s: dict, percent: bool, digits: int = 2) -> str:
+    """An algorithm's mean ± std as the pages write it: accuracy in percent, perplexity as is."""
+    return mean_std_text(s["metric"], s["metric_std"], percent, digits) + ("%" if percent else "")
+
+
+def _difference_text(s: dict, percent: bool, digits: int = 2) -> str:
+    """Its paired difference to DDP: in points for accuracy, relative (%) for perplexity."""
+    return mean_std_text(s["difference"], s["difference_std"], True, digits, sign=True) + (
+        " pp" if percent else "%"
+    )
+
+
 @pytest.mark.parametrize("row", ACCURACY_ROWS, ids=lambda row: row[1])
 def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[str]]]) -> None:
     """A record rebuilt with more seeds changes its figures; the README's row must follow."""
     start, name, columns = row
     lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| {start}")]
     assert len(lines) == 1, f"README: no single row starting {start!r}"
-    cells = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    cells = _cells(lines[0])
     quotes_kb = "kB" in lines[0]
     summary, percent = _study(name)
-    # accuracy is quoted in percent and its differences in points (2 decimals), perplexity and its
-    # relative differences with 1 decimal
-    digits, diff_unit = (2, " pp") if percent else (1, "%")
+    # accuracy and its differences with 2 decimals, perplexity and its relative differences with 1
+    digits = 2 if percent else 1
     ddp = summary["ddp"]
-    metric = mean_std_text(ddp["metric"], ddp["metric_std"], percent, digits)
-    expected = [(0, metric + ("%" if percent else ""))]
+    expected = [(0, _metric_text(ddp, percent, digits))]
     if quotes_kb:
         expected.append((0, f"{ddp['link_kb_per_step']:,.0f}"))
     for column, algos in enumerate(columns, start=1):
         for algo in algos:
             s = summary[algo]
-            difference = mean_std_text(s["difference"], s["difference_std"], True, digits, sign=True)
-            expected.append((column, difference + diff_unit))
+            expected.append((column, _difference_text(s, percent, digits)))
             if quotes_kb:
                 expected.append((column, f"{s['link_kb_per_step']:,.0f} kB"))
     missing = [(cells[column], text) for column, text in expected if text not in cells[column]]
@@ -155,16 +168,15 @@ def test_algorithm_index_accuracy_rows_quote_the_records(name: str) -> None:
     page = ROOT / "docs" / "algorithms" / "index.md"
     lines = [line for line in page.read_text().splitlines() if f"(`{name}.json`)" in line]
     assert len(lines) == 1, f"{rel(page)}: no single row naming {name}.json"
-    cells = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    cells = _cells(lines[0])
     summary, percent = _study(name)
     expected = []
     for algo, s in summary.items():
         if algo not in INDEX_COLUMNS:
             continue
-        expected.append((INDEX_COLUMNS[algo], mean_std_text(s["metric"], s["metric_std"], percent)))
+        expected.append((INDEX_COLUMNS[algo], _metric_text(s, percent)))
         if "difference" in s:
-            difference = mean_std_text(s["difference"], s["difference_std"], True, sign=True)
-            expected.append((INDEX_COLUMNS[algo], f"({difference}{' pp' if percent else '%'}"))
+            expected.append((INDEX_COLUMNS[algo], f"({_difference_text(s, percent)}"))
     missing = [(cells[column], text) for column, text in expected if text not in cells[column]]
     assert not missing, f"{rel(page)} row of {name}.json does not quote it: (cell, expected) {missing}"
 
