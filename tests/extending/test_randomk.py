@@ -47,7 +47,7 @@ def test_strategy_name_registered_in_any_import_order(first: str) -> None:
 def test_trainer_fits_with_an_outside_algorithm(tmp_path) -> None:
     """Lightning imported first, then the user's module: ``Trainer(strategy="randomk")`` on 2 processes."""
     out = tmp_path / "randomk"
-    run_script("randomk_script.py", out, "--max-steps", "6")
+    run_script("randomk_script.py", out, "--max-steps", "6", launcher="popen")
     summaries = results(out)
     for summary in summaries:
         assert summary["strategy"] == "CompressionStrategy" and summary["hook_calls"] >= 6

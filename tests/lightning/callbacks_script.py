@@ -1,7 +1,8 @@
 """``Trainer(strategy="dgc")`` on 2 CPU processes with ``SparsityWarmup`` and ``CompressionMonitor``
-logging to a real ``TensorBoardLogger``. Run as a script so that Lightning's popen launcher can
-re-execute it for rank 1; each rank writes ``<out>.rank<r>.json`` with the density it had in force
-at every optimizer step, for the test to compare across ranks and with the TensorBoard event file.
+logging to a real ``TensorBoardLogger``. Run as a script, once per rank (``tests/lightning/run.py``)
+or by Lightning's popen launcher, which re-executes it for rank 1; each rank writes
+``<out>.rank<r>.json`` with the density it had in force at every optimizer step, for the test to compare
+across ranks and with the TensorBoard event file.
 
     python tests/lightning/callbacks_script.py --out result --epochs 5 --log-every 2
 """

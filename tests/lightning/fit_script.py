@@ -1,5 +1,6 @@
-"""A real ``Trainer.fit`` with 2 CPU processes, run as a script so that Lightning's popen launcher
-(the one ``strategy="dgc"`` uses) can re-execute it for rank 1. Writes a JSON summary for the test.
+"""A real ``Trainer.fit`` with 2 CPU processes, run as a script: once per rank (``tests/lightning/run.py``)
+or by Lightning's popen launcher (the one ``strategy="dgc"`` uses), which re-executes it for rank 1.
+Writes a JSON summary for the test.
 
     python tests/lightning/fit_script.py --strategy dgc --out result.json [options]
 """
@@ -208,7 +209,7 @@ def main() -> None:
 
     L.seed_everything(0)
     strategy: object = args.strategy
-    if args.mismatch:  # LOCAL_RANK is set by Lightning's launcher in the re-executed rank-1 process
+    if args.mismatch:  # LOCAL_RANK: set for rank 1 by Lightning's launcher or the test
         args.density = 0.001 if os.environ.get("LOCAL_RANK", "0") == "0" else 0.002
     if args.density is not None or args.local_clip is not None or args.no_masking or args.grad_copy:
         strategy = lightning_dgc.DGCStrategy(

@@ -1,5 +1,5 @@
-"""``ExchangeProfiler`` in a real ``Trainer.fit`` with 2 CPU processes (run as a script so that
-Lightning's popen launcher can re-execute it for rank 1). Writes ``<out>.rank<r>.json``.
+"""``ExchangeProfiler`` in a real ``Trainer.fit`` with 2 CPU processes (run as a script, once per
+rank or by Lightning's popen launcher). Writes ``<out>.rank<r>.json``.
 
     python tests/lightning/profile_script.py --strategy dgc --out result
 """

@@ -24,7 +24,7 @@ REPEATS = 8
 def test_fit_then_test_ends_the_process_group_before_exit(tmp_path, strategy: str) -> None:
     """Deterministic: the group is gone when the interpreter finishes, on both ranks; test() still works."""
     out = tmp_path / strategy
-    proc = run_script("exit_script.py", out, "--strategy", strategy, "--then-test")
+    proc = run_script("exit_script.py", out, "--strategy", strategy, "--then-test", launcher="popen")
     assert "terminate called" not in proc.stderr
     for rank in range(2):
         record = json.loads(out.with_name(f"{out.name}.rank{rank}.json").read_text())
@@ -36,7 +36,9 @@ def test_fit_then_test_ends_the_process_group_before_exit(tmp_path, strategy: st
 def test_short_fits_never_abort_at_exit(tmp_path) -> None:
     for i in range(REPEATS):
         strategy = ("dgc", "deft")[i % 2]
-        proc = run_script("exit_script.py", tmp_path / f"run{i}", "--strategy", strategy, check=False)
+        proc = run_script(
+            "exit_script.py", tmp_path / f"run{i}", "--strategy", strategy, check=False, launcher="popen"
+        )
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (
             f"run {i} ({strategy}) ended with rc {proc.returncode}:\n{proc.stderr[-2000:]}"
         )

@@ -29,7 +29,7 @@ from tests.lightning.test_optimizers import _fit
 @pytest.fixture(scope="module")
 def fabric_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("fabric") / "run"
-    run_script("fabric_script.py", out, timeout=300)
+    run_script("fabric_script.py", out, timeout=300, launcher="popen")
     return out, [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_fit_with_strategy_string_registers_and_calls_the_hook(tmp_path) -> None:
     out = tmp_path / "dgc"
-    run_script("fit_script.py", out, "--strategy", "dgc", "--max-steps", "40")
+    run_script("fit_script.py", out, "--strategy", "dgc", "--max-steps", "40", launcher="popen")
     summary = results(out)
     for s in summary:
         assert s["strategy"] == "DGCStrategy" and s["world_size"] == 2
@@ -31,15 +31,17 @@ def test_fit_with_strategy_string_registers_and_calls_the_hook(tmp_path) -> None
 
 def test_density_one_through_lightning_equals_ddp(tmp_path) -> None:
     """Same seed, same data: DGCStrategy(density=1) with plain SGD ends where strategy='ddp' does."""
-    run_script("fit_script.py", tmp_path / "ddp", "--strategy", "ddp", "--momentum", "0", "--max-steps", "15")
-    run_script("fit_script.py", tmp_path / "dgc", "--density", "1.0", "--momentum", "0", "--max-steps", "15")
+    sgd = ("--momentum", "0", "--max-steps", "15")
+    run_script("fit_script.py", tmp_path / "ddp", "--strategy", "ddp", *sgd, launcher="popen")
+    run_script("fit_script.py", tmp_path / "dgc", "--density", "1.0", *sgd, launcher="popen")
     torch.testing.assert_close(params(tmp_path / "dgc", 0), params(tmp_path / "ddp", 0), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("optimizer", ["rmsprop"])
 def test_optimizer_with_its_own_momentum_is_rejected(tmp_path, optimizer: str) -> None:
     proc = run_script(
-        "fit_script.py", tmp_path / "bad", "--optimizer", optimizer, "--max-steps", "2", check=False
+        "fit_script.py", tmp_path / "bad", "--optimizer", optimizer, "--max-steps", "2", check=False,
+        launcher="popen",
     )
     assert proc.returncode != 0
     assert "would apply it a second time" in proc.stderr
@@ -47,7 +49,7 @@ def test_optimizer_with_its_own_momentum_is_rejected(tmp_path, optimizer: str) -
 
 def test_fit_with_deft_shares_selection_without_buildup(tmp_path) -> None:
     out = tmp_path / "deft"
-    run_script("fit_script.py", out, "--strategy", "deft", "--max-steps", "40")
+    run_script("fit_script.py", out, "--strategy", "deft", "--max-steps", "40", launcher="popen")
     summary = results(out)
     for s in summary:
         assert s["strategy"] == "DEFTStrategy" and s["hook_calls"] >= 40

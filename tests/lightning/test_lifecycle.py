@@ -1,6 +1,6 @@
 """Mixed precision, forced overflow, gradient accumulation, manual optimization, clipping, misconfiguration.
 
-Each test is a real 2-process ``Trainer.fit`` on CPU (gloo) through Lightning's popen launcher.
+Each test is a real 2-process ``Trainer.fit`` on CPU (gloo), both ranks started by the test.
 """
 
 from __future__ import annotations
