@@ -46,6 +46,10 @@ def _environment() -> dict[str, str]:
     return env
 
 
+def _command(script: str, out: Path, args: tuple[str, ...]) -> list[str]:
+    return [sys.executable, str(HERE / script), "--out", str(out), *args]
+
+
 def run_script(
     script: str, out: Path, *args: str, timeout: int = 300, check: bool = True, launcher: str = "external"
 ) -> subprocess.CompletedProcess:
@@ -57,8 +61,8 @@ def run_script(
     devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
     if launcher == "popen" or devices == 1:
         proc = subprocess.run(
-            [sys.executable, str(HERE / script), "--out", str(out), *args],
-            env=_environment(), cwd=out.parent, capture_output=True, text=True, timeout=timeout,
+            _command(script, out, args), env=_environment(), cwd=out.parent, capture_output=True, text=True,
+            timeout=timeout,
         )  # fmt: skip
     elif launcher == "external":
         proc = _wait(launch_ranks(script, out, *args, world_size=devices), timeout)
@@ -86,8 +90,7 @@ def _wait(ranks: list[Rank], timeout: float, grace: float = 20.0) -> subprocess.
             failed_at = now
         if now - start > timeout or (failed_at is not None and now - failed_at > grace):
             for r in ranks:
-                r.process.kill()
-                r.process.wait()
+                r.stop()
             if failed_at is None:
                 raise subprocess.TimeoutExpired(ranks[0].process.args, timeout, *ranks[0].output())
             break
@@ -121,6 +124,12 @@ class Rank:
     def output(self) -> tuple[str, str]:
         return self.stdout.read_text(), self.stderr.read_text()
 
+    def stop(self) -> None:
+        """Kill the process if it is still running (a stopped or hung rank), and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
 
 def launch_ranks(script: str, out: Path, *args: str, world_size: int = 2) -> list[Rank]:
     """Start every rank of ``script`` as its own process, as torchrun or srun do (no Lightning launcher).
@@ -139,8 +148,7 @@ def launch_ranks(script: str, out: Path, *args: str, world_size: int = 2) -> lis
         stdout, stderr = Path(f"{out}.rank{rank}.stdout"), Path(f"{out}.rank{rank}.stderr")
         with stdout.open("w") as o, stderr.open("w") as e:
             process = subprocess.Popen(
-                [sys.executable, str(HERE / script), "--out", str(out), *args],
-                env=env, cwd=out.parent, stdout=o, stderr=e, text=True,
+                _command(script, out, args), env=env, cwd=out.parent, stdout=o, stderr=e, text=True,
             )  # fmt: skip
         ranks.append(Rank(process, stdout, stderr))
     return ranks

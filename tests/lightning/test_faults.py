@@ -36,9 +36,7 @@ def test_survivor_raises_naming_the_collective(tmp_path, strategy: str, fault: s
         elapsed = time.monotonic() - start
     finally:
         for rank in ranks:
-            if rank.process.poll() is None:
-                rank.process.kill()
-                rank.process.wait()
+            rank.stop()
     stdout, stderr = ranks[0].output()
     steps = [int(s) for s in re.findall(r"rank 0 step (\d+)", stdout)]
     assert returncode != 0, f"rank 0 trained on alone (last step {steps[-1:]}):\n{stderr[-2000:]}"

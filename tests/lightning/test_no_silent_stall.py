@@ -21,9 +21,7 @@ def _wait(ranks: list[Rank], timeout: float = 180) -> list[tuple[int, str, str]]
             done.append((rank.process.wait(timeout=timeout), *rank.output()))
     finally:
         for rank in ranks:
-            if rank.process.poll() is None:
-                rank.process.kill()
-                rank.process.wait()
+            rank.stop()
     return done
 
 
