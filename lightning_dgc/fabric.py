@@ -8,9 +8,9 @@ with the same optimizer take-over (:mod:`lightning_dgc.takeover`) and the same c
 
 * ``fabric.setup(model, optimizer)`` wraps the model in DDP and registers the exchange's hook on every
   device type (Fabric's own DDP strategy registers none);
-* ``fabric.backward(loss)`` runs the exchange, bucket by bucket;
-* ``optimizer.step()`` first closes the exchange's step (commit the memory, or skip the step on every
-  rank when a gradient was not finite), then steps;
+* ``fabric.backward(loss)`` runs the exchange, bucket by bucket, and closes its step (commit the memory,
+  or keep it as it was when a gradient was not finite on some rank);
+* ``optimizer.step()`` steps, or skips the step on every rank when a gradient was not finite;
 * ``fabric.save(path, state)`` adds every rank's memory (gathered into rank 0) and writes the user's SGD
   hyper-parameters and momentum into the optimizer's state; ``fabric.load(path, state)`` restores them.
 
@@ -46,14 +46,13 @@ from lightning_dgc.checkpoint import (
     save_atomically,
 )
 from lightning_dgc.checks import drop_foreign_hook_arguments
-from lightning_dgc.front import ExchangeAccess
+from lightning_dgc.front import ExchangeAccess, GradientCarry
 from lightning_dgc.state import ExchangeState, sparse_gradient_message
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     OptimizerTakeOver,
     check_max_consecutive_skips,
     check_ranks_agree,
-    skip_non_finite_step,
 )
 
 log = logging.getLogger(__name__)
@@ -120,8 +119,8 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         self._taken_over = OptimizerTakeOver(
             type(self).__name__, lambda name, value: f"{type(self).__name__}({self.algorithm!r}, {{{name!r}: {value}}})"
         )
-        self._hook_calls_at_commit = 0
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
+        self._carry = GradientCarry()  # one momentum per optimizer step, however many backward passes
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -170,42 +169,29 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
     # -- the step --------------------------------------------------------------------------------
     @override
     def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        if self._state is not None:
-            scaler = getattr(self.precision, "scaler", None)
-            self._state.grad_scale = (
-                float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
-            )
-        super().backward(tensor, module, *args, **kwargs)
+        """The backward pass, with the exchange's step finished right after it (``.grad`` then holds the
+        averaged update, and the memory is committed, or left as it was, as under DDP)."""
+        backward = super().backward
+        self._backward_pass(lambda: backward(tensor, module, *args, **kwargs))
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """Close the exchange's step (commit its memory, or skip the step on non-finite gradients), then step.
+        """Skip the step on every rank if the gradients it applies were not finite, then step.
 
-        With a ``closure`` (e.g. LBFGS) the step closes after each call of the closure, which runs backward.
+        With a ``closure`` (e.g. LBFGS) this is checked after each call of the closure, which runs backward.
         """
         closure = kwargs.get("closure")
         if closure is None:
-            self._finish_step(optimizer)
+            self._close_step(optimizer)
         else:
 
             def closure_then_finish() -> Any:
                 result = closure()
-                self._finish_step(optimizer)
+                self._close_step(optimizer)
                 return result
 
             kwargs["closure"] = closure_then_finish
         return super().optimizer_step(optimizer, **kwargs)
-
-    def _finish_step(self, optimizer: Optimizable) -> None:
-        if self._state is None or self.hook_calls == self._hook_calls_at_commit:
-            return  # no exchange since the last commit (a second optimizer after the same backward)
-        self._hook_calls_at_commit = self.hook_calls
-        if self._state.finish_step():
-            return
-        skip_non_finite_step(
-            self._state, optimizer, type(self).__name__, self.max_consecutive_skips,
-            scaler=getattr(self.precision, "scaler", None) is not None,
-        )  # fmt: skip
 
     # -- checkpoints -----------------------------------------------------------------------------
     @override

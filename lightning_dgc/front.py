@@ -15,6 +15,7 @@ from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checks import check_density
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.state import ExchangeState, algorithm_for
+from lightning_dgc.takeover import skip_non_finite_step
 
 
 class ExchangeAccess:
@@ -84,6 +85,54 @@ class ExchangeAccess:
         """L2 norm of what this rank's memory holds back (``None`` before the model was set up)."""
         return self._state.residual_norm() if self._state is not None else None
 
+    # -- the step: what both front doors run around a backward pass and an optimizer step -------------------
+    #: The strategy sets ``_carry = GradientCarry()`` and ``max_consecutive_skips`` in its ``__init__``.
+    _carry: GradientCarry
+    max_consecutive_skips: int
+
+    def _grad_scaler(self, enabled: bool = True) -> Any:
+        """The precision's GradScaler (mixed precision; ``enabled``: only while it scales), or ``None``."""
+        precision = getattr(self, "precision_plugin", None) or getattr(self, "precision", None)  # Trainer, Fabric
+        scaler = getattr(precision, "scaler", None)
+        return scaler if scaler is not None and (scaler.is_enabled() or not enabled) else None
+
+    def _backward_pass(self, run: Callable[[], Any]) -> Any:
+        """Run one backward pass (``run()``), then finish the exchange's step if the pass ran the hook, so that
+        the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it was)
+        before anything after the backward pass reads them, as under DDP."""
+        state = self._state
+        if state is None:
+            return run()
+        scaler = self._grad_scaler()
+        state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        self._carry.before_backward(state, type(self).__name__)
+        result = run()
+        finite = None
+        if state.step_pending:  # the hook ran in this backward pass
+            finite = state.finish_step()
+            self._after_exchange()
+        self._carry.after_backward(state, finite)
+        return result
+
+    def _after_exchange(self) -> None:
+        """What a front door does right after a backward pass's exchange was finished (nothing here)."""
+
+    def _close_step(self, optimizer: Any) -> None:
+        """Before ``optimizer`` steps: finish an exchange still open, and make the step a no-op on every rank if
+        the gradients it would apply were not finite (:func:`~lightning_dgc.takeover.skip_non_finite_step`)."""
+        state = self._state
+        if state is None:
+            return
+        if state.step_pending:  # the hook ran outside the strategy's backward()
+            self._carry.after_backward(state, state.finish_step())
+        finite = self._carry.finite
+        self._carry.stepped(state, optimizer)
+        if not finite:
+            skip_non_finite_step(
+                state, optimizer, type(self).__name__, self.max_consecutive_skips,
+                scaler=self._grad_scaler(enabled=False) is not None,
+            )  # fmt: skip
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # type: ignore[misc]
@@ -102,3 +151,73 @@ class ExchangeAccess:
             return exchange_hook(state, bucket)
 
         return counted_hook
+
+
+class GradientCarry:
+    """Several backward passes that each ran the exchange before one optimizer step: one momentum per step.
+
+    Under DDP such passes add up in ``.grad``. An exchange that applies momentum (DGC's momentum correction,
+    the SGD momentum it takes over) must apply it once per optimizer step too, to the step's whole gradient,
+    not once per pass. The front doors call :meth:`before_backward` before every backward pass,
+    :meth:`after_backward` once it is over, and :meth:`stepped` when an optimizer steps:
+
+    * a parameter whose gradient an earlier pass exchanged, and that no optimizer has stepped since
+      (Lightning's manual accumulation, two ``manual_backward`` or ``fabric.backward`` calls before one step,
+      the discriminator's gradients carried past the generator's step), enters the pass with its ``.grad``
+      set aside and zeroed, so that the pass exchanges its own gradient only; the exchange applies no
+      momentum or weight decay to it again (:attr:`ExchangeState.continuing`), and the set-aside gradient is
+      added back afterwards. It costs one copy of those gradients while the pass runs;
+    * a parameter whose exchanged gradient was dropped (``zero_grad()``) before any optimizer stepped it,
+      while the exchange had applied momentum to it, cannot be made to equal DDP (its momentum already moved):
+      that is an error at the next backward pass, which says how to fix the loop.
+    """
+
+    def __init__(self) -> None:
+        self.unstepped: set[str] = set()  # exchanged since their optimizer last stepped
+        self.finite = True  # the verdict of every pass whose gradients ``.grad`` holds
+        self._set_aside: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def before_backward(self, state: ExchangeState, owner: str) -> None:
+        carried, dropped = [], []
+        for name in sorted(self.unstepped):
+            param = state.param(name)
+            if param.grad is not None:
+                carried.append(name)
+                self._set_aside.append((param, param.grad.clone()))
+                param.grad.zero_()
+            elif state.settings_for(name).momentum:
+                dropped.append(name)
+        self.unstepped = set(carried)
+        if not carried:
+            self.finite = True  # fresh gradients
+        state.continuing = frozenset(carried)
+        if dropped:
+            shown = ", ".join(dropped[:5]) + (f" and {len(dropped) - 5} more" if len(dropped) > 5 else "")
+            raise RuntimeError(
+                f"{owner}: the gradients of {shown} were exchanged, with momentum applied in the exchange, and then"
+                " dropped (`zero_grad()`) before any optimizer stepped them. Under DDP that gradient would be lost"
+                " with the optimizer's momentum untouched; here the exchange's momentum has already taken it in."
+                " Step the optimizer after each synchronised backward pass (or accumulate without zero_grad),"
+                " skip the backward pass instead of discarding its gradients, or use momentum=0 / strategy='ddp'."
+            )
+
+    def after_backward(self, state: ExchangeState, finite: bool | None) -> None:
+        """``finite``: the verdict of the exchange this pass ran (``None``: it ran none, e.g. under ``no_sync``)."""
+        for param, carried in self._set_aside:  # (DDP may have made .grad a view of a rebuilt bucket)
+            if param.grad is None:
+                param.grad = carried
+            else:
+                param.grad.add_(carried)
+        self._set_aside = []
+        state.continuing = frozenset()
+        if finite is not None:
+            self.finite = self.finite and finite
+            if finite:
+                self.unstepped.update(
+                    name for name in state.param_names.values() if state.param(name).grad is not None
+                )
+
+    def stepped(self, state: ExchangeState, optimizer: Any) -> None:
+        """An optimizer stepped: its parameters' gradients are consumed."""
+        ids = {id(p) for group in getattr(optimizer, "param_groups", []) for p in group["params"]}
+        self.unstepped = {name for name in self.unstepped if id(state.param(name)) not in ids}

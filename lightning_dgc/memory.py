@@ -128,12 +128,6 @@ def momentum_to_sgd(u: Tensor, momentum: float, nesterov: bool, dense: bool) -> 
     return u / momentum if nesterov and not dense else u
 
 
-#: Tensors with at least this many values get momentum correction tensor by tensor with fused
-#: ``out=`` operations (fewest passes over memory); smaller ones are batched into ``torch._foreach_*``
-#: calls (fewest operator dispatches, which dominate for small tensors).
-FOREACH_MAX_NUMEL = 1 << 16
-
-
 def momentum_correction(
     grad: Tensor,
     momentum_buf: Tensor,
@@ -162,50 +156,19 @@ def momentum_correction(
         torch.add(velocity_buf, momentum_out, out=velocity_out)
 
 
-def momentum_correction_each(
-    grads: Sequence[Tensor],
-    velocity: Sequence[Tensor],
-    velocity_out: Sequence[Tensor],
-    momentum: float,
-    nesterov: bool,
-    momentum_buf: Sequence[Tensor] = (),
-    momentum_out: Sequence[Tensor] = (),
-) -> None:
-    """:func:`momentum_correction` for many tensors: committed buffers in, scratch buffers out.
+def continuation_factors(momentum: float, nesterov: bool) -> tuple[float, float]:
+    """``(c_u, c_v)``: what another backward pass of the same optimizer step adds to ``u`` and ``v`` per unit
+    of its gradient ``g``, so that the momentum is applied once per optimizer step, however many backward
+    passes feed it.
 
-    ``momentum_buf`` and ``momentum_out`` are needed (one per tensor) only when ``momentum > 0``. Large
-    tensors go one by one; the small ones together through a handful of ``torch._foreach_*`` calls
-    whatever their number (a Python loop costs several microseconds per operation, which for a model of
-    a few hundred small tensors was most of the hook's time).
+    One pass of the step's whole gradient ``G = g_1 + g_2`` gives ``u' = m u + G`` and ``v' = v + u'``
+    (Nesterov: ``u' = m (u + G)``, ``v' = v + u' + G``). The first pass applies the momentum to ``g_1``; the
+    next one adds what ``g_2`` contributes to both: ``(1, 1)``, Nesterov ``(m, 1 + m)``. Plain error
+    feedback (``m = 0``) is ``(0, 1)``: every pass is ``v <- v + g``.
     """
-    with_momentum = momentum != 0.0
-    small: list[int] = []
-    for i, g in enumerate(grads):
-        if g.numel() >= FOREACH_MAX_NUMEL:
-            u, u_out = (momentum_buf[i], momentum_out[i]) if with_momentum else (g, g)
-            momentum_correction(g, u, velocity[i], momentum, nesterov, u_out, velocity_out[i])
-        else:
-            small.append(i)
-    if not small:
-        return
-    g = [grads[i] for i in small]
-    vel_out = [velocity_out[i] for i in small]
-    torch._foreach_copy_(vel_out, [velocity[i] for i in small])
-    if not with_momentum:
-        torch._foreach_add_(vel_out, g)
-        return
-    mom = [momentum_buf[i] for i in small]
-    mom_out = [momentum_out[i] for i in small]
-    if nesterov:  # u' = m (u + g); v' = v + u' + g
-        torch._foreach_copy_(mom_out, mom)
-        torch._foreach_add_(mom_out, g)
-        torch._foreach_mul_(mom_out, momentum)
-        torch._foreach_add_(vel_out, mom_out)
-        torch._foreach_add_(vel_out, g)
-    else:  # u' = m u + g; v' = v + u'
-        torch._foreach_copy_(mom_out, g)
-        torch._foreach_add_(mom_out, mom, alpha=momentum)
-        torch._foreach_add_(vel_out, mom_out)
+    if momentum == 0.0:
+        return 0.0, 1.0
+    return (momentum, 1.0 + momentum) if nesterov else (1.0, 1.0)
 
 
 def compensated_velocity_each(
@@ -215,6 +178,7 @@ def compensated_velocity_each(
     momentum: float,
     nesterov: bool,
     momentum_buf: Sequence[Tensor] = (),
+    continuing: bool = False,
 ) -> None:
     """This step's velocity ``v'`` (:func:`momentum_correction`) into ``out``; the memory stays untouched.
 
@@ -222,13 +186,16 @@ def compensated_velocity_each(
     memory itself is updated at commit by :func:`momentum_correction_each_`, with the same operations in
     the same order, so that the velocity it commits is, bit for bit, the one the values were selected
     from (IEEE addition is commutative: ``u' + v`` and ``v + u'`` are the same number).
+
+    ``continuing``: another backward pass of an optimizer step whose momentum an earlier pass applied
+    (:func:`continuation_factors`): ``v' = v + c g``, the momentum not decayed again.
     """
     if not grads:
         return
     out, grads = list(out), list(grads)
-    if momentum == 0.0:  # v' = v + g
+    if momentum == 0.0 or continuing:  # v' = v + g (continuing: v + c g)
         torch._foreach_copy_(out, list(velocity))
-        torch._foreach_add_(out, grads)
+        torch._foreach_add_(out, grads, alpha=continuation_factors(momentum, nesterov)[1] if continuing else 1.0)
         return
     torch._foreach_copy_(out, list(momentum_buf))
     if nesterov:  # u' = m (u + g); v' = u' + v + g
@@ -248,6 +215,7 @@ def momentum_correction_each_(
     momentum: float,
     nesterov: bool,
     momentum_buf: Sequence[Tensor] = (),
+    continuing: bool = False,
 ) -> None:
     """Momentum correction in place: ``u <- u'``, ``v <- v'`` (the commit of :func:`compensated_velocity_each`)."""
     if not grads:
@@ -257,6 +225,11 @@ def momentum_correction_each_(
         torch._foreach_add_(velocity, grads)
         return
     u = list(momentum_buf)
+    if continuing:  # u <- u + c_u g, v <- v + c_v g (see continuation_factors)
+        to_momentum, to_velocity = continuation_factors(momentum, nesterov)
+        torch._foreach_add_(u, grads, alpha=to_momentum)
+        torch._foreach_add_(velocity, grads, alpha=to_velocity)
+        return
     if nesterov:
         torch._foreach_add_(u, grads)
         torch._foreach_mul_(u, momentum)
@@ -472,6 +445,13 @@ class ResidualMemory:
         with self._lock:
             self._finite.append(flag)
 
+    def wait_buckets(self) -> None:
+        """Wait for every bucket noted since the last step (re-raises a failed exchange)."""
+        with self._lock:
+            futures, self._futures = self._futures, []
+        for future in futures:
+            future.wait()
+
     def finish_step(self, unused: Callable[[str], bool] | None = None) -> bool:
         """Close the step: commit if every bucket decoded finite, else discard. Returns finiteness.
 
@@ -480,10 +460,7 @@ class ResidualMemory:
         verdict itself is one more synchronisation). Every rank reaches the same verdict: it is computed from the decoded buckets, identical on all ranks. ``unused(name)``
         says which parameters did not take part in the step: their staged buffers are dropped.
         """
-        with self._lock:
-            futures, self._futures = self._futures, []
-        for future in futures:
-            future.wait()
+        self.wait_buckets()
         with self._lock:
             flags, self._finite = self._finite, []
         finite = bool(torch.stack(flags).all()) if flags else True
@@ -496,6 +473,9 @@ class ResidualMemory:
             deliveries, self._deliveries = self._deliveries, []
         for deliver in deliveries:
             deliver(finite)
+        if finite and unused is not None:  # what a deferred decode staged (momentum of tensors averaged dense)
+            for name in [n for n in self.staged_names if unused(n)]:
+                self.unstage(name)
         if finite:
             self.commit()
         else:

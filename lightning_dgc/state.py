@@ -119,6 +119,10 @@ class ExchangeState:
         #: Non-finite steps in a row (reset by a finite one): what the strategies' stall detector reads.
         self.consecutive_skipped_steps = 0
         self.last_selection_ms = 0.0  # this rank's selection time in the previous step (DEFT shares it)
+        #: Parameters whose gradient in this backward pass adds to an optimizer step that an earlier pass
+        #: already exchanged (several backward passes before one step): the exchange applies no momentum or
+        #: weight decay to them again. Set by the front doors (:class:`lightning_dgc.front.GradientCarry`).
+        self.continuing: frozenset[str] = frozenset()
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._planned_this_step: set[tuple[Any, ...]] = set()
         self._current = StepStats()
@@ -190,6 +194,19 @@ class ExchangeState:
     def _parent(self, name: str) -> str:
         piece = shards.parse_piece(name) if name not in self._params else None
         return piece[0] if piece is not None else name
+
+    def param_unused(self, name: str) -> bool:
+        """Whether parameter ``name`` (or the parameter of a two-level piece) has no gradient this step."""
+        return self._params[self._parent(name)].grad is None
+
+    def _unused_in_step(self, name: str) -> bool:
+        return self._parent(name) in self._params and self.param_unused(name)
+
+    def continues(self, name: str) -> bool:
+        """Whether parameter ``name`` (or the parameter of a piece) is in another backward pass of an optimizer
+        step whose momentum an earlier pass applied (:attr:`continuing`; see
+        :func:`lightning_dgc.memory.continuation_factors`)."""
+        return bool(self.continuing) and self._parent(name) in self.continuing
 
     def is_dense(self, name: str) -> bool:
         """Whether parameter ``name`` is always averaged dense (DGC and DEFT: 1-D or small)."""
@@ -367,15 +384,17 @@ class ExchangeState:
             for key in [key for key in self._plans if key not in planned]:
                 del self._plans[key]
         unused = None
+        self.memory.wait_buckets()  # a failed exchange is the error to raise, before any other
         if check_unused:
             staged = self.memory.staged_names
-            unused_names = {n for n in staged if n in self._params and self._params[n].grad is None}
+            # a piece "<param>[a:b]" of a two-level shard is unused when its parameter is
+            unused_names = {n for n in staged if self._unused_in_step(n)}
             if staged and unused_names == staged:
                 raise RuntimeError(
                     "ExchangeState.finish_step() found no gradient on any parameter the exchange updated: call it"
                     " after backward() and before the optimizer's zero_grad() (the strategies do this for you)."
                 )
-            unused = unused_names.__contains__
+            unused = self._unused_in_step
         finite = self.memory.finish_step(unused)
         if not finite:
             self.skipped_steps += 1

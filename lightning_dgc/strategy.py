@@ -39,14 +39,13 @@ from lightning_dgc.checkpoint import (
     save_atomically,
 )
 from lightning_dgc.checks import drop_foreign_hook_arguments
-from lightning_dgc.front import ExchangeAccess
+from lightning_dgc.front import ExchangeAccess, GradientCarry
 from lightning_dgc.state import ExchangeState, sparse_gradient_message
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     OptimizerTakeOver,
     check_max_consecutive_skips,
     check_ranks_agree,
-    skip_non_finite_step,
 )
 
 __all__ = [
@@ -157,7 +156,7 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             False  # resuming a checkpoint whose optimizer state holds the take-over's zeros
         )
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
-        self._finite: bool | None = None  # the verdict of a step finished at the end of backward()
+        self._carry = GradientCarry()  # one momentum per optimizer step, however many backward passes
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -223,21 +222,18 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         So the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it
         was) before ``on_after_backward`` and anything after it reads them, as under DDP.
         """
-        if self._state is not None:
-            scaler = getattr(self.precision_plugin, "scaler", None)
-            self._state.grad_scale = (
-                float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
-            )
         self.pre_backward(closure_loss)
         assert self.lightning_module is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
-        if self._state is not None and self._state.step_pending:  # the hook ran in this backward pass
-            self._finite = self._state.finish_step()
-            self._rebuild_ddp_buckets()
+        module = self.lightning_module
+        self._backward_pass(lambda: self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs))
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def _after_exchange(self) -> None:
+        self._rebuild_ddp_buckets()
 
     def _rebuild_ddp_buckets(self) -> None:
         """Let DDP rebuild its gradient buckets now, right after the first backward pass, not in the next forward.
@@ -269,23 +265,10 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
     ) -> Any:
         def closure_then_finish() -> Any:
             result = closure()
-            self._finish_step(optimizer)
+            self._close_step(optimizer)
             return result
 
         return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
-
-    def _finish_step(self, optimizer: Optimizer) -> None:
-        finite, self._finite = self._finite, None
-        if self._state is None:
-            return
-        if finite is None:  # no backward pass ran the hook since the last step (or it was finished there)
-            finite = self._state.finish_step()
-        if finite:
-            return
-        skip_non_finite_step(
-            self._state, optimizer, type(self).__name__, self.max_consecutive_skips,
-            scaler=getattr(self.precision_plugin, "scaler", None) is not None,
-        )  # fmt: skip
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override

@@ -348,6 +348,9 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         if cfg.local_clip_norm is not None:
             clip_each_by_norm_(grads, cfg.local_clip_norm / math.sqrt(self.state.world_size))
         for decay, members in plan.decay_groups:
+            members = [i for i in members if not self.state.continues(plan.entries[i].name)]  # once per step
+            if not members:
+                continue
             params = [bucket_order_flat(self.state.param(plan.entries[i].name).detach()) for i in members]
             if params[0].dtype != torch.float32:
                 params = [p.float() for p in params]
@@ -375,7 +378,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             elif work.in_bucket:
                 sparse_views = {i: grads[i] for i in sparse}
         velocity_out: dict[int, Tensor] = {}
-        for (momentum, nesterov), members in plan.memory_groups:
+        for (momentum, nesterov), continuing, members in self._memory_groups(plan):
             names = [plan.entries[i].name for i in members]
             sizes = [plan.entries[i].numel for i in members]
             velocity = [
@@ -400,7 +403,9 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             u: list[Tensor] = []
             if momentum:
                 u = [memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device) for i in members]
-            compensated_velocity_each([grads[i] for i in members], velocity, v_out, momentum, nesterov, u)
+            compensated_velocity_each(
+                [grads[i] for i in members], velocity, v_out, momentum, nesterov, u, continuing
+            )
             velocity_out.update(zip(members, v_out, strict=True))
         for _, members in plan.dense_momentum_groups:  # made here, on the hook's stream, not in the callback
             for i in members:
@@ -427,7 +432,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         memory, device = self.state.memory, work.flat.device
         grads = work.grads if work.local is None else work.local.split([s.numel for s in plan.layout])
         committed = memory.committed
-        for (momentum, nesterov), members in plan.memory_groups:
+        for (momentum, nesterov), continuing, members in self._memory_groups(plan):
             used = [i for i in members if not skip(plan.entries[i].name)]
             if work.in_bucket and momentum == 0.0:  # v' is in the bucket already
                 here = [i for i in used if plan.entries[i].kind == "sparse"]
@@ -437,7 +442,8 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             names = [plan.entries[i].name for i in used]
             u = [committed["momentum"][n] for n in names] if momentum else []
             momentum_correction_each_(
-                [grads[i] for i in used], [committed["velocity"][n] for n in names], momentum, nesterov, u
+                [grads[i] for i in used], [committed["velocity"][n] for n in names], momentum, nesterov, u,
+                continuing,
             )
             full = [committed["velocity"][plan.entries[i].name] for i in used if plan.entries[i].kind == "full"]
             if full:  # sent whole: nothing held back
@@ -454,6 +460,19 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             if plan.sparse_momentum:
                 memory.flat("momentum", plan.sparse_names, sizes, device)
             plan.grouped = True
+
+    def _memory_groups(self, plan: DGCPlan) -> list[tuple[tuple[float, bool], bool, list[int]]]:
+        """``plan.memory_groups`` with each group split by whether its parameters continue an optimizer step
+        that an earlier backward pass exchanged (:meth:`ExchangeState.continues`): ``(settings, continuing,
+        members)``; every group is one piece unless several backward passes feed one optimizer step."""
+        groups: list[tuple[tuple[float, bool], bool, list[int]]] = []
+        for settings, members in plan.memory_groups:
+            continuing = [i for i in members if self.state.continues(plan.entries[i].name)]
+            if continuing:
+                groups.append((settings, True, continuing))
+            if len(continuing) < len(members):
+                groups.append((settings, False, [i for i in members if i not in continuing]))
+        return groups
 
     def _clear_sent(self, plan: DGCPlan, work: DGCWork, skip: Callable[[str], bool]) -> None:
         """Clear what was sent from the velocity (and, with momentum masking, the momentum)."""
@@ -496,7 +515,8 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         out = torch.empty_like(grad)
         u = [committed["momentum"][e.name]] if settings.momentum else []
         compensated_velocity_each(
-            [grad], [committed["velocity"][e.name]], [out], settings.momentum, settings.nesterov, u
+            [grad], [committed["velocity"][e.name]], [out], settings.momentum, settings.nesterov, u,
+            self.state.continues(e.name),
         )
         return out
 
@@ -519,11 +539,13 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         grad = work.flat[e.offset : e.offset + e.numel]
         velocity = committed["velocity"][e.name]
         momentum = committed["momentum"][e.name] if settings.momentum else None
+        continuing = self.state.continues(e.name)
 
         def fill(start: int, stop: int, out: Tensor) -> None:
             u = [momentum[start:stop]] if momentum is not None else []
             compensated_velocity_each(
-                [grad[start:stop]], [velocity[start:stop]], [out], settings.momentum, settings.nesterov, u
+                [grad[start:stop]], [velocity[start:stop]], [out], settings.momentum, settings.nesterov, u,
+                continuing,
             )
 
         def take(positions: Tensor) -> Tensor:
@@ -531,7 +553,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             u = [momentum.index_select(0, positions)] if momentum is not None else []
             compensated_velocity_each(
                 [grad.index_select(0, positions)], [velocity.index_select(0, positions)], [out],
-                settings.momentum, settings.nesterov, u,
+                settings.momentum, settings.nesterov, u, continuing,
             )  # fmt: skip
             return out
 
@@ -749,13 +771,25 @@ def dense_momentum(
     """SGD momentum on densely averaged tensors, in place: ``b' = m b + g``; ``d = b'`` (Nesterov ``g + m b'``).
 
     The inputs are identical on every rank, so the buffers stay identical too. The new buffers are
-    staged like any other memory update, so a skipped step leaves them untouched.
+    staged like any other memory update, so a skipped step leaves them untouched. A tensor that continues
+    an optimizer step an earlier backward pass exchanged (:meth:`ExchangeState.continues`) gets ``b' = b + g``
+    and ``d = g`` (Nesterov ``(1 + m) g``): added to the earlier passes' ``d``, one momentum per step.
     """
     memory = algorithm.state.memory
+    continuing = [i for i, e in enumerate(entries) if algorithm.state.continues(e.name)]
+    if continuing:
+        if len(continuing) < len(entries):
+            fresh = [i for i in range(len(entries)) if i not in continuing]
+            dense_momentum(algorithm, [entries[i] for i in fresh], [avg[i] for i in fresh], momentum, nesterov)
+        entries, avg = [entries[i] for i in continuing], [avg[i] for i in continuing]
     nxt = [memory.scratch("momentum", e.name) for e in entries]
     torch._foreach_copy_(nxt, avg)
-    torch._foreach_add_(nxt, [memory.committed["momentum"][e.name] for e in entries], alpha=momentum)
-    if nesterov:
+    committed = [memory.committed["momentum"][e.name] for e in entries]
+    torch._foreach_add_(nxt, committed, alpha=1.0 if continuing else momentum)
+    if continuing:
+        if nesterov:
+            torch._foreach_mul_(avg, 1.0 + momentum)
+    elif nesterov:
         torch._foreach_add_(avg, nxt, alpha=momentum)
     else:
         torch._foreach_copy_(avg, nxt)
