@@ -20,11 +20,13 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -111,12 +113,48 @@ def environment() -> dict[str, Any]:
     }
 
 
+#: An absolute path of the measuring machine inside a string of a record (a data root, the interpreter,
+#: a scratch folder): never committed. ``(?<![\w.<>~])`` leaves relative paths and ratios such as ``1/N``.
+MACHINE_PATH = re.compile(r"(?<![\w.<>~/])/(?:work|root|home|tmp|mnt|scratch|opt|usr|data|var|srv)(?:/[^\s'\"|,;\]\)]*)?")
+
+
+def scrub(value: Any, checkout: Path | str = REPO) -> Any:
+    """``value`` (a record, or any part of one) with the paths of the machine it was measured on taken
+    out: a path in the ``checkout`` becomes relative to it (``benchmarks/parity.py``), the interpreter
+    ``python``, a data root ``<data>`` (``/x/shared/data/ptb`` -> ``<data>/ptb``), the temporary folder
+    ``<tmp>``, any other absolute path ``<path>``. Applied by :func:`write_json` to every record."""
+    if isinstance(value, dict):
+        return {key: scrub(item, checkout) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [scrub(item, checkout) for item in value]
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str) or "/" not in value:
+        return value
+    root = str(checkout).rstrip("/")
+    text = value.replace(sys.executable, "python")
+    text = re.sub(rf"{re.escape(root)}(?=/|\b)/?", lambda m: "" if m.group(0).endswith("/") else ".", text)
+    temporary = tempfile.gettempdir().rstrip("/")
+
+    def placeholder(match: re.Match[str]) -> str:
+        path = match.group(0)
+        data = re.search(r"/data(?=/|$)", path)
+        if data:
+            return "<data>" + path[data.end() :]
+        if path == temporary or path.startswith(temporary + "/"):
+            return "<tmp>" + path[len(temporary) :]
+        return "<path>"
+
+    return MACHINE_PATH.sub(placeholder, text)
+
+
 def write_json(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>`` with an ``environment`` entry added; returns the path."""
+    """Write ``benchmarks/results/<name>`` with an ``environment`` entry added, the measuring machine's
+    paths taken out (:func:`scrub`); returns the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
-    payload = {**payload, "environment": environment()}
-    path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    payload = scrub(json.loads(json.dumps({**payload, "environment": environment()}, default=_json_default)))
+    path.write_text(json.dumps(payload, indent=2) + "\n")
     console().print(f"[green]wrote[/green] {path.relative_to(REPO)}")
     return path
 

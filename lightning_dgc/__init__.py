@@ -34,9 +34,20 @@ _EXPORTS = {
     "exchange_hook": "lightning_dgc.hook",
     "ExchangeProfiler": "lightning_dgc.profiler",
     "Network": "lightning_dgc.perfmodel",
+    "Prediction": "lightning_dgc.perfmodel",
     "Profile": "lightning_dgc.perfmodel",
     "predict": "lightning_dgc.perfmodel",
     "destroy_process_group": "lightning_dgc.comm",
+    # the algorithm contract, for new algorithms (from the package, so that the built-in ones are registered)
+    "Algorithm": "lightning_dgc.algorithms",
+    "AlgorithmConfig": "lightning_dgc.algorithms",
+    "BucketPlan": "lightning_dgc.algorithms",
+    "BucketWork": "lightning_dgc.algorithms",
+    "Message": "lightning_dgc.algorithms",
+    "TensorSpec": "lightning_dgc.algorithms",
+    "WireCost": "lightning_dgc.algorithms",
+    "register": "lightning_dgc.algorithms",
+    "check_algorithm": "lightning_dgc.testing",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import re
@@ -277,3 +278,420 @@ def test_module_commands_take_their_options(
     assert exit_info.value.code == 0
     unknown = [a.split("=")[0] for a in args if a.startswith("--") and a.split("=")[0] not in out.getvalue()]
     assert not unknown, f"{page}: python -m {module} has no option(s) {unknown}"
+
+
+# -- one source per figure: the memory, traffic and slow-link figures of every page, against their records
+
+
+def _record(name: str) -> dict:
+    return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
+def _text(page: str) -> str:
+    """A page's text with its lines joined, so that a figure may be quoted across a line break."""
+    return " ".join((ROOT / page).read_text().split())
+
+
+def _kb(nbytes: float) -> str:
+    return f"{nbytes / 1e3:,.0f} kB"
+
+
+def _signed(value: float, digits: int) -> str:
+    """A difference as the pages write it: ``+1.09``, ``-0.05``, and ``0`` where it rounds to nothing."""
+    text = f"{value:+.{digits}f}"
+    return "0" if float(text) == 0 else text
+
+
+def _memory() -> tuple[dict[str, dict], dict[str, dict]]:
+    """``checkpoint_memory.json``: rank 0's and rank 1's run of each strategy."""
+    runs = _record("checkpoint_memory")["runs"]
+    return {s: r[0] for s, r in runs.items()}, {s: r[1] for s, r in runs.items()}
+
+
+MEMORY_ALGOS = ("dgc", "deft", "powersgd")
+
+
+def test_readme_memory_row_quotes_the_record() -> None:
+    """The README's memory row: training peak / end of a step over DDP, 1 decimal, rank 0."""
+    rank0, _ = _memory()
+    (line,) = [x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("| memory per rank")]
+    cells = _cells(line)
+    for column, algo in enumerate(MEMORY_ALGOS, start=1):
+        over = rank0[algo]["over"]
+        expected = f"{_signed(over['peak - ddp'], 1)} / {_signed(over['training - ddp'], 1)}"
+        assert cells[column].startswith(expected), f"README memory row, {algo}: {cells[column]!r}, record {expected}"
+
+
+def test_migrating_page_memory_figures_quote_the_record() -> None:
+    rank0, _ = _memory()
+    text = _text("docs/migrating-from-ddp.md")
+    peaks = ", ".join(_signed(rank0[a]["over"]["peak - ddp"], 2) for a in MEMORY_ALGOS[:2])
+    ends = ", ".join(_signed(rank0[a]["over"]["training - ddp"], 2) for a in MEMORY_ALGOS[:2])
+    third = MEMORY_ALGOS[2]
+    assert f"{peaks} and {_signed(rank0[third]['over']['peak - ddp'], 2)} model sizes at the training peak" in text
+    assert f"{ends} and {_signed(rank0[third]['over']['training - ddp'], 2)} at the end of a step" in text
+
+
+def test_benchmarks_readme_memory_line_quotes_the_record() -> None:
+    rank0, rank1 = _memory()
+    text = _text("benchmarks/README.md")
+    peak = {a: _signed(rank0[a]["over"]["peak - ddp"], 1) for a in MEMORY_ALGOS}
+    end = {a: _signed(rank0[a]["over"]["training - ddp"], 1) for a in MEMORY_ALGOS}
+    assert (
+        f"training peaks at {peak['dgc']} model sizes over DDP + SGD momentum under DGC, {peak['deft']} under DEFT"
+        f" and {peak['powersgd']} under PowerSGD ({end['dgc']}, {end['deft']} and {end['powersgd']} at the end"
+        in text
+    )
+    saves = {a: f"{rank0[a]['save_peak_model_sizes']:.1f}" for a in ("ddp", *MEMORY_ALGOS)}
+    assert f"saving peaks at {saves['dgc']} model sizes on rank 0 under DGC" in text
+    assert saves["deft"] == saves["powersgd"] and f"({saves['deft']} under DEFT and PowerSGD" in text
+    assert f"DDP's own checkpoint: {saves['ddp']})" in text
+    assert f"and at {max(rank1[a]['save_peak_model_sizes'] for a in MEMORY_ALGOS):.1g} on rank 1" in text
+
+
+def _shows(cell: str, value: float) -> bool:
+    """Whether ``cell``'s number is ``value`` rounded to the digits the cell shows."""
+    number = re.match(r"[+-]?\d+(?:\.\d+)?", cell.replace(",", ""))
+    assert number, f"no number in {cell!r}"
+    digits = len(number[0].split(".")[1]) if "." in number[0] else 0
+    return abs(float(number[0]) - value) <= 0.5 * 10**-digits + 1e-12
+
+
+def test_checkpoints_memory_table_quotes_the_record() -> None:
+    rank0, rank1 = _memory()
+    rows = {
+        "ddp": "| DDP + SGD momentum |",
+        "ddp_bucket_view": "| DDP, `gradient_as_bucket_view=True` |",
+        "dgc": "| DGC |",
+        "deft": "| DEFT |",
+        "powersgd": "| PowerSGD (rank 2) |",
+    }
+    lines = (ROOT / "docs" / "checkpoints.md").read_text().splitlines()
+    for strategy, start in rows.items():
+        (line,) = [x for x in lines if x.startswith(start) and "model size" not in x and "velocity" not in x]
+        cells = _cells(line)[1:]
+        r0, over = rank0[strategy], rank0[strategy]["over"]
+        checks = [
+            (cells[0], over["peak - ddp"], r0["training_peak_model_sizes"]),
+            (cells[1], over["step peak - ddp"], r0["last_step_peak_model_sizes"]),
+            (cells[2], over["training - ddp"], r0["training_model_sizes"]),
+            (cells[3], over["training - ddp view"], r0["training_model_sizes"]),
+        ]
+        for cell, difference, absolute in checks:
+            assert _shows(cell, difference), f"checkpoints.md {strategy}: {cell!r} against {difference:.4f}"
+            if "(" in cell:  # the baseline: 0 (its own size)
+                assert _shows(cell.split("(")[1], absolute), f"checkpoints.md {strategy}: {cell!r}"
+        assert _shows(cells[4], r0["save_peak_model_sizes"]) and _shows(cells[5], rank1[strategy]["save_peak_model_sizes"])
+        assert cells[6] == f"{r0['checkpoint_bytes'] / 1e6:.0f} MB", f"checkpoints.md {strategy}: {cells[6]!r}"
+
+
+def test_checkpoint_growth_with_the_world_size_matches_the_record() -> None:
+    """The file holds the model, the optimizer and every rank's buffers: 2 per rank under DGC, 1 under
+    DEFT and PowerSGD, as docs/checkpoints.md says, with the sizes it quotes."""
+    record = _record("checkpoint_memory")
+    rank0, _ = _memory()
+    world = record["world_size"]
+    sizes = {s: r["checkpoint_bytes"] / r["model_bytes"] for s, r in rank0.items()}
+    buffers = {"dgc": 2, "deft": 1, "powersgd": 1}
+    for algo, per_rank in buffers.items():
+        assert sizes[algo] == pytest.approx(sizes["ddp"] + world * per_rank, abs=0.02), (algo, sizes)
+    text = _text("docs/checkpoints.md")
+    assert f"at {world} ranks, DGC's file is {sizes['dgc']:.1f} model sizes" in text
+    assert f"({rank0['dgc']['checkpoint_bytes'] / 1e6:.0f} MB against DDP's {rank0['ddp']['checkpoint_bytes'] / 1e6:.0f} MB)" in text
+    assert f"DEFT's and PowerSGD's {sizes['deft']:.1f} ({rank0['deft']['checkpoint_bytes'] / 1e6:.0f} MB)" in text
+    assert f"at 64 ranks DGC's would be {round(sizes['ddp']) + 64 * buffers['dgc']} model sizes" in text
+
+
+def _traffic() -> dict[str, dict]:
+    """ResNet-50's rows of ``traffic.json`` by name: dgc, dgc_fp16, deft, powersgd_1, _2, _4 (density 0.001)."""
+    rows = {}
+    for row in _record("traffic")["rows"]:
+        if row["model"] != "resnet50" or row["density"] not in (None, 0.001):
+            continue
+        if row["algorithm"] == "powersgd":
+            rows[f"powersgd_{row['rank']}"] = row
+        else:
+            rows[row["algorithm"] + ("_fp16" if row["value_dtype"] == "fp16" else "")] = row
+    return rows
+
+
+def _ratio(row: dict) -> str:
+    return f"{row['dense_bytes'] / row['bytes_sent']:.0f}x"
+
+
+TRAFFIC_PAGES = ["README.md", "benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"]
+
+
+@pytest.mark.parametrize("page", TRAFFIC_PAGES)
+def test_traffic_figures_quote_the_record(page: str) -> None:
+    """ResNet-50's bytes per step (``python -m benchmarks.traffic --quick``) wherever a page quotes them."""
+    t = _traffic()
+    text = _text(page)
+    dgc, deft, fp16 = t["dgc"], t["deft"], t["dgc_fp16"]
+    ranks = [t[f"powersgd_{r}"] for r in (1, 2, 4)]
+    expected = {
+        "README.md": [
+            f"| {_kb(dgc['bytes_sent'])} ({_ratio(dgc)} less) | {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |",
+            f"{_kb(ranks[0]['bytes_sent'])[:-3]}-{_kb(ranks[2]['bytes_sent'])} (rank 1-4)",
+        ],
+        "benchmarks/README.md": [
+            f"ResNet-50 sends {dgc['dense_bytes'] / 1e6:.1f} MB under DDP, {_kb(dgc['bytes_sent'])} under DGC"
+            f" ({_ratio(dgc)} less; {_kb(fp16['bytes_sent'])} with fp16 values), {_kb(deft['bytes_sent'])} under DEFT,"
+            f" {_kb(ranks[0]['bytes_sent'])} to {_kb(ranks[2]['bytes_sent'])} under PowerSGD",
+            f"{dgc['dense_exchange_bytes'] / dgc['bytes_sent']:.0%} of DGC's bytes are the 1-D tensors",
+        ],
+        "docs/algorithms/index.md": [
+            f"| {dgc['dense_bytes'] / 1e6:.1f} MB | {_kb(dgc['bytes_sent'])} ({_ratio(dgc)} less);"
+            f" {_kb(fp16['bytes_sent'])} with fp16 values | {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |"
+            f" rank 1: {_kb(ranks[0]['bytes_sent'])} ({_ratio(ranks[0])}); rank 2: {_kb(ranks[1]['bytes_sent'])};"
+            f" rank 4: {_kb(ranks[2]['bytes_sent'])} |",
+        ],
+        "docs/algorithms/powersgd.md": [
+            f"| rank 1: {_kb(ranks[0]['bytes_sent'])} ({_ratio(ranks[0])} less than DDP);"
+            f" rank 2: {_kb(ranks[1]['bytes_sent'])} ({_ratio(ranks[1])}); rank 4: {_kb(ranks[2]['bytes_sent'])}"
+            f" ({_ratio(ranks[2])}) | {_kb(dgc['bytes_sent'])} ({_ratio(dgc)}), {_kb(fp16['bytes_sent'])} with fp16"
+            f" values ({_ratio(fp16)}) | {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |",
+        ],
+    }[page]
+    missing = [e for e in expected if e not in text]
+    assert not missing, f"{page} does not quote traffic.json: {missing}"
+
+
+def _slow(name: str = "slow_links") -> dict[tuple[str, int, str], dict]:
+    return {(r["model"], r["bandwidth_mbit"], r["strategy"]): r for r in _record(name)["runs"]}
+
+
+def _s(run: dict) -> str:
+    return f"{run['step_time_s']:.3f} s"
+
+
+def test_readme_slow_links_table_quotes_the_record() -> None:
+    """The README's headline table: ResNet-110 on 2 workers at 100 Mbit/s (``benchmarks.slow_links``)."""
+    record = _record("slow_links")
+    runs = _slow()
+    lines = (ROOT / "README.md").read_text().splitlines()
+    ddp = runs[("resnet110", 100, "ddp")]
+    for strategy in ("ddp", "powersgd", "dgc", "deft"):
+        run = runs[("resnet110", 100, strategy)]
+        (line,) = [x for x in lines if x.startswith(f"| `{strategy}`")]
+        cells = _cells(line)
+        sent = run["bytes_sent_per_step"]
+        assert cells[1] == (f"{sent / 1e6:.2f} MB" if sent >= 1e6 else _kb(sent)), (strategy, cells[1])
+        assert cells[2] == _s(run), (strategy, cells[2])
+        assert cells[3] == f"{ddp['step_time_s'] / run['step_time_s']:.1f}x", (strategy, cells[3])
+    settings = record["settings"]
+    header = _text("README.md")
+    assert f"ResNet-110, batch {ddp['batch_size']} per worker" in header
+    assert f"one run of {settings['timed_steps']} timed steps" in header and settings["rounds"] == 1
+
+
+@pytest.mark.parametrize("page", ["benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"])
+def test_slow_link_step_times_quote_the_record(page: str) -> None:
+    runs = _slow()
+    r = {(m, b, s): _s(run) for (m, b, s), run in runs.items()}
+    text = _text(page)
+    expected = {
+        "benchmarks/README.md": [
+            f"steps took {r['resnet110', 100, 'ddp']} under DDP, {r['resnet110', 100, 'powersgd']} under PowerSGD,"
+            f" {r['resnet110', 100, 'dgc']} under DGC and {r['resnet110', 100, 'deft']} under DEFT",
+            f"LSTM took {r['lstm', 100, 'ddp']}, {r['lstm', 100, 'powersgd']}, {r['lstm', 100, 'dgc']} and"
+            f" {r['lstm', 100, 'deft']}",
+            f"DGC's {runs['resnet110', 100, 'dgc']['efficiency']:.0%} efficiency",
+        ],
+        "docs/algorithms/index.md": [
+            f"a step took {r['resnet110', 100, 'ddp']} under DDP, {r['resnet110', 100, 'dgc']} under DGC,"
+            f" {r['resnet110', 100, 'powersgd']} under PowerSGD (rank 2) and {r['resnet110', 100, 'deft']} under DEFT",
+        ],
+        "docs/algorithms/powersgd.md": [
+            f"| {r['resnet110', 100, 'powersgd']} | {r['resnet110', 100, 'dgc']} | {r['resnet110', 100, 'deft']} |",
+            f"| ResNet-110 step at 1 Gbit/s | {r['resnet110', 1000, 'powersgd']} | {r['resnet110', 1000, 'dgc']} |"
+            f" {r['resnet110', 1000, 'deft']} |",
+            f"| PTB LSTM step at 100 Mbit/s | {r['lstm', 100, 'powersgd']} | {r['lstm', 100, 'dgc']} |"
+            f" {r['lstm', 100, 'deft']} |",
+        ],
+    }[page]
+    missing = [e for e in expected if e not in text]
+    assert not missing, f"{page} does not quote slow_links.json: {missing}"
+
+
+@pytest.mark.parametrize("page", ["benchmarks/README.md", "docs/algorithms/deft.md"])
+def test_selector_step_times_quote_the_record(page: str) -> None:
+    runs = _slow("slow_links_selectors")
+    dgc, deft = _s(runs["resnet110", 100, "dgc"]), _s(runs["resnet110", 100, "deft"])
+    text = _text(page)
+    expected = (
+        f"`algo/deft` took {deft}, DGC {dgc}" if page == "benchmarks/README.md" else f"{dgc} under dgc and {deft} under `algo/deft`"
+    )
+    assert expected in text, f"{page} does not quote slow_links_selectors.json: {expected!r}"
+
+
+def test_two_level_figures_quote_the_record() -> None:
+    """docs/multi-node.md's measured table and the benchmarks README's line (``benchmarks.two_level_links``)."""
+    rows = _record("two_level_links")["bandwidths"]["100"]["rows"]
+
+    def left(name: str) -> float:  # bytes leaving a node per step, mean over the two nodes
+        return sum(rows[name]["veth_tx_bytes_per_step"]) / len(rows[name]["veth_tx_bytes_per_step"])
+
+    page = (ROOT / "docs" / "multi-node.md").read_text().splitlines()
+    (ddp,) = [x for x in page if x.startswith("| DDP |")]
+    assert _cells(ddp)[1:] == [f"{left('ddp') / 1e6:.2f} MB", f"{rows['ddp']['step_ms']:.0f} ms"]
+    for label, name in (("DGC", "dgc"), ("DEFT", "deft"), ("PowerSGD", "powersgd")):
+        (line,) = [x for x in page if x.startswith(f"| {label} |")]
+        flat, node = left(name), left(f"{name}_node")
+        digits = 0 if flat >= 1e5 else 1
+        assert _cells(line)[1:] == [
+            f"{flat / 1e3:.{digits}f} kB / {node / 1e3:.{digits}f} kB",
+            f"{rows[name]['step_ms']:.0f} / {rows[f'{name}_node']['step_ms']:.0f} ms",
+        ], f"multi-node.md {label} row"
+    line = f"({left('dgc_node') / 1e3:.1f} against {left('dgc') / 1e3:.1f} kB per step)"
+    assert line in _text("benchmarks/README.md")
+
+
+def test_monitoring_residual_norm_figures_quote_the_record() -> None:
+    """docs/monitoring.md describes the figure's residual norm: the last steps at the final density."""
+    record = _record("tensorboard_compression")["scalars"]
+    density = record["compression/density"]
+    final = density[-1]["value"]
+    first_step = next(p["step"] for p in density if p["value"] == final)
+    norm = {p["step"]: p["value"] for p in record["compression/residual_norm"]}
+    last_step = max(norm)
+    text = _text("docs/monitoring.md")
+    ratio = record["compression/ratio"][-1]["value"]
+    assert f"to {ratio:.0f}x at density {final:g}" in text
+    assert f"through the run's last {last_step - first_step} steps at {final:g}" in text
+    assert f"(from {norm[first_step]:.0f} to {norm[last_step]:.0f})" in text
+    assert f"ends {last_step - first_step} steps into the roughly {1 / final:,.0f}" in text
+    # the healthy shape the page describes: still rising at the end, within 1/density steps of the change
+    assert norm[last_step] > norm[first_step] and last_step - first_step < 1 / final
+    assert f"still rises {last_step - first_step} steps into {final:g}" in _text("benchmarks/README.md")
+
+
+# -- the API reference and the extending page
+
+
+def _reference_entries() -> list[str]:
+    return re.findall(r"^::: ([\w.]+)$", (ROOT / "docs" / "reference.md").read_text(), re.M)
+
+
+def test_every_reference_entry_is_importable_from_where_the_reference_says() -> None:
+    """The reference says every class and function is importable from ``lightning_dgc``, the kit a module."""
+    import lightning_dgc
+
+    wrong = []
+    for path in _reference_entries():
+        module_name, _, name = path.rpartition(".")
+        try:
+            importlib.import_module(path)  # a module entry (the kit)
+            continue
+        except ModuleNotFoundError:
+            pass
+        defined = getattr(importlib.import_module(module_name), name)
+        if getattr(lightning_dgc, name, None) is not defined or name not in lightning_dgc.__all__:
+            wrong.append(path)
+    assert len(_reference_entries()) > 20 and not wrong, f"not importable from lightning_dgc: {wrong}"
+    assert lightning_dgc.check_algorithm is importlib.import_module("lightning_dgc.testing").check_algorithm
+
+
+def test_the_extending_examples_use_documented_names_only() -> None:
+    """Every name the extending page's examples import from the package is in the reference."""
+    documented = {path.rpartition(".")[2] for path in _reference_entries()}
+    for path in _reference_entries():  # a module entry (the kit) documents its __all__
+        if importlib.util.find_spec(path.rpartition(".")[0]).submodule_search_locations:  # a package's child
+            with contextlib.suppress(ModuleNotFoundError):
+                documented |= set(importlib.import_module(path).__all__)
+    imported: set[str] = set()
+    for _, code in blocks(ROOT / "docs" / "extending.md", "python"):
+        for module, grouped, single in re.findall(
+            r"^from (lightning_dgc[\w.]*) import (?:\(([^)]*)\)|([^(\n]+)$)", code, re.M
+        ):
+            names = grouped or single
+            assert module in ("lightning_dgc", "lightning_dgc.testing"), f"extending.md imports from {module}"
+            imported |= {n.strip() for n in names.split(",") if n.strip()}
+    assert {"BucketWork", "Message", "register", "TensorSpec"} <= imported
+    assert imported <= documented, f"used by docs/extending.md, missing from the reference: {imported - documented}"
+
+
+def test_the_random_k_example_is_the_tested_file() -> None:
+    """docs/extending.md says its random-k block is tests/extending/randomk.py, tested there."""
+    block = next(code for _, code in blocks(ROOT / "docs" / "extending.md", "python") if "class RandomK(" in code)
+    source = (ROOT / "tests" / "extending" / "randomk.py").read_text()
+    assert source.split("from __future__ import annotations\n\n", 1)[1] == block
+
+
+# -- launch examples and configs
+
+
+def test_slurm_script_sends_the_requeue_signal() -> None:
+    (script,) = [code for _, code in blocks(ROOT / "docs" / "multi-node.md", "bash") if "#SBATCH" in code]
+    assert "#SBATCH --signal=SIGUSR1@90" in script
+
+
+@pytest.mark.parametrize("page", ["docs/multi-node.md", "docs/fabric-and-restarts.md"])
+def test_torchrun_examples_can_restart_and_resume(page: str) -> None:
+    """A torchrun example restarts lost workers with a fresh store; a CLI one resumes from a fixed folder."""
+    examples = [code for _, code in blocks(ROOT / page, "bash") if "torchrun" in code]
+    assert examples
+    for code in examples:
+        assert "--max-restarts" in code and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in code, f"{page}: {code}"
+    cli = [code for code in examples if "fit --config" in code]
+    assert cli, f"{page}: no command-line example of a restartable run"
+    for code in cli:
+        assert "--ckpt_path last" in code and "--trainer.callbacks.dirpath" in code and "save_last true" in code
+
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_task_config_headers_warm_dgc_up(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each task config's first line, the command that launches it, runs DGC with the warm-up the docs
+    call necessary, and parses."""
+    args = shlex.split(path.read_text().splitlines()[0].lstrip("# "))
+    assert args[:3] == ["python", "-m", "recipes"]
+    assert "configs/algo/dgc.yaml" not in args and "configs/algo/dgc_warmup.yaml" in args
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["lightning-dgc"])
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit) as exit_info:
+        cli([*args[3:], "--print_config"])
+    assert exit_info.value.code == 0
+
+
+def test_getting_started_lists_every_built_in_config() -> None:
+    text = _text("docs/getting-started.md").split("Built-in names:")[1].split("See [Recipes")[0]
+    listed = set(re.findall(r"`([\w/]+)`", text))
+    shipped = {p.stem for p in CONFIGS} | {f"algo/{p.stem}" for p in (ROOT / "configs" / "algo").glob("*.yaml")}
+    assert listed == shipped, f"listed but not shipped: {listed - shipped}; shipped but not listed: {shipped - listed}"
+
+
+# -- records
+
+
+RECORDS = sorted((ROOT / "benchmarks" / "results").rglob("*.json"))
+
+
+def test_no_record_names_a_path_of_the_machine_it_was_measured_on() -> None:
+    hits = {
+        rel(path): match[0]
+        for path in RECORDS
+        if (match := MACHINE_PATH.search(path.read_text()))
+    }
+    assert len(RECORDS) > 20 and not hits, f"records with machine paths (common.scrub): {hits}"
+
+
+def test_records_are_scrubbed_when_written(tmp_path: Path) -> None:
+    """``common.write_json`` writes a record's paths relative to the checkout or as placeholders."""
+    import tempfile
+
+    from benchmarks import common
+
+    record = {
+        "argv": [str(common.REPO / "benchmarks" / "parity.py"), "--data-root", "/work/shared/data"],
+        "command": f"{sys.executable} -m recipes fit --data.root /home/me/data/ptb --trainer.default_root_dir"
+        f" {tempfile.gettempdir()}/run7/root",
+        "nested": [{"data_root": Path("/mnt/x/data")}, {"where": "/opt/cache/x", "ratio": "(N-1)/N x 4 r"}],
+    }
+    assert common.scrub(record) == {
+        "argv": ["benchmarks/parity.py", "--data-root", "<data>"],
+        "command": "python -m recipes fit --data.root <data>/ptb --trainer.default_root_dir <tmp>/run7/root",
+        "nested": [{"data_root": "<data>"}, {"where": "<path>", "ratio": "(N-1)/N x 4 r"}],
+    }

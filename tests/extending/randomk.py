@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_dgc.algorithms import (
+from lightning_dgc import (
     Algorithm,
     AlgorithmConfig,
     BucketPlan,
