@@ -545,7 +545,7 @@ def compare(task: Task, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's parity targets, one per task and compressed algorithm (over seeds: on the mean of the
+    """The parity targets, one per task and compressed algorithm (over seeds: on the mean of the
     paired differences)."""
     out = []
     if result.get("summary"):

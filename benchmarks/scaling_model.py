@@ -4,6 +4,7 @@
     python -m benchmarks.scaling_model --profile benchmarks/results/profile_resnet50.json --compute-ms 145 --batch-size 32
     python -m benchmarks.scaling_model --model resnet110 --threads 1   # then compared with slow_links.json
     python -m benchmarks.scaling_model --sanity          # the paper's gradient sizes from parameter shapes
+    python -m benchmarks.scaling_model --model resnet50 --add-shapes profile.json   # see add_shapes
 
 Without ``--profile`` the model is profiled here: a few steps on generated data in one process
 (``strategy=DGCStrategy``, ``devices=1``) with :class:`lightning_dgc.profiler.ExchangeProfiler`,
@@ -26,15 +27,18 @@ backward, and this script
 
 A CPU profile has a CPU's compute time, which is far longer than a GPU's and hides the network:
 ``--compute-ms`` / ``--selection-ms`` replace the measured times by yours (the byte counts stay exact).
+The installed package answers the same question without this checkout: ``lightning-dgc-predict``
+(:mod:`lightning_dgc.predict`), on the profiles ``benchmarks/results/profile_*.json`` that ship with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,7 @@ from lightning_dgc.perfmodel import (
     step_time,
     validate,
 )
+from lightning_dgc.predict import speedup_over_node, with_times
 
 RESULTS = Path(__file__).parent / "results"
 METHOD_LABELS = {
@@ -248,6 +253,27 @@ def profile_model(
     return profiler.profile
 
 
+def add_shapes(path: Path, model: str) -> Profile:
+    """Rewrite the profile JSON at ``path``, written with its tensors' sizes only (``sparse_numels``), with
+    every bucket's tensor shapes and names: ``model`` is run for two optimizer steps of batch 2 as
+    :func:`profile_model` runs it, which gives DDP's bucket layout. Each bucket's size, DDP bytes and
+    compressed tensor sizes must equal the profile's; every measured time of the profile is kept."""
+    data = json.loads(path.read_text())
+    old = data["buckets"]
+    layout = profile_model(model, batch_size=2, steps=1, warmup=1).buckets
+    for i, (new, before) in enumerate(zip(layout, old, strict=False)):
+        compressed = [math.prod(s) for s in new.shapes if len(s) > 1 and math.prod(s) >= 1024]
+        if (new.numel, new.dense_bytes, compressed) != (before["numel"], before["dense_bytes"], before["sparse_numels"]):
+            raise ValueError(f"{path}: bucket {i} of {model!r} differs from the profile's; was it profiled from this model?")
+    if len(layout) != len(old):
+        raise ValueError(f"{path}: {model!r} has {len(layout)} buckets, the profile {len(old)}.")
+    data["buckets"] = [asdict(b) for b in layout]
+    command = f"python -m benchmarks.scaling_model --model {model} --add-shapes {path.as_posix()}"
+    data["notes"] = [*data.get("notes", []), f"bucket shapes and names added by `{command}`; times as measured"]
+    path.write_text(json.dumps(data, indent=1))
+    return Profile.from_dict(data)
+
+
 # -- sanity: the paper's gradient sizes --------------------------------------------------------------
 def gradient_sizes() -> list[dict[str, Any]]:
     """Parameters and fp32 gradient size of the paper's models and the configurations around them."""
@@ -377,14 +403,14 @@ def highlights(prediction: Prediction, nodes: int = 64) -> dict[str, Any]:
     workers = nodes * g
     out: dict[str, Any] = {"nodes": nodes, "workers": workers, "gpus_per_node": g}
     cases = [("ddp_10g", "ddp", 10e9), ("ddp_1g", "ddp", 1e9), ("dgc_1g", "dgc", 1e9), ("deft_1g", "deft", 1e9),
-             ("dgc_10g", "dgc", 10e9), ("sparse_allreduce_1g", "sparse_allreduce", 1e9)]  # fmt: skip
+             ("powersgd_1g", "powersgd", 1e9), ("dgc_10g", "dgc", 10e9), ("deft_10g", "deft", 10e9),
+             ("powersgd_10g", "powersgd", 10e9), ("sparse_allreduce_1g", "sparse_allreduce", 1e9)]  # fmt: skip
     if g > 1:  # the two-level exchange of every algorithm: dgc_node_1g, ...
         cases += [(f"{m}_1g", m, 1e9) for m in NODE_METHODS] + [(f"{m}_10g", m, 10e9) for m in NODE_METHODS]
     for key, method, bw in cases:
         for overlap in (True, False):
-            one_node = g / prediction.step_time(method, g, bw, overlap).total_s
-            many = workers / prediction.step_time(method, workers, bw, overlap).total_s
-            out[f"{key}{'' if overlap else '_no_overlap'}"] = many / one_node
+            net = prediction.network_at(bw)
+            out[f"{key}{'' if overlap else '_no_overlap'}"] = speedup_over_node(prediction.profile, method, workers, net, overlap)
     if g > 1:
         out["selection_sweep"] = selection_sweep(prediction, nodes)
     out["paper"] = (
@@ -450,6 +476,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--measured", type=Path, default=RESULTS / "slow_links.json")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--sanity", action="store_true", help="print the paper's gradient sizes and exit")
+    parser.add_argument("--add-shapes", type=Path, default=None, metavar="PROFILE",
+                        help="add --model's tensor shapes to a profile JSON that holds only their sizes, then exit")  # fmt: skip
     args = parser.parse_args(argv)
     console = Console(width=None if sys.stdout.isatty() else 180)
 
@@ -465,6 +493,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gradient_sizes.json").write_text(json.dumps(rows, indent=1))
         return {"gradient_sizes": rows}
+
+    if args.add_shapes is not None:
+        profile = add_shapes(args.add_shapes, args.model)
+        console.print(f"Wrote {args.add_shapes}: {sum(len(b.shapes) for b in profile.buckets)} tensors' shapes")
+        return {"profile": profile.to_dict()}
 
     if args.profile is not None:
         profile = Profile.load(args.profile)
@@ -485,16 +518,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args.model, args.batch_size, args.steps, args.warmup, args.density, args.accelerator,
             path=args.out / f"profile_{args.model}.json",
         )  # fmt: skip
-    if args.compute_ms is not None:
-        scale = args.compute_ms / 1e3 / profile.compute_s if profile.compute_s else 1.0
-        backward = profile.backward_s * scale if profile.backward_s is not None else None
-        note = f"compute_s set to {args.compute_ms} ms (measured {profile.compute_s * 1e3:.1f} ms), backward scaled"
-        profile = replace(
-            profile, compute_s=args.compute_ms / 1e3, backward_s=backward, notes=[*profile.notes, note]
-        )
-    if args.selection_ms is not None:
-        note = f"selection_s set to {args.selection_ms} ms (measured {profile.selection_s * 1e3:.1f} ms)"
-        profile = replace(profile, selection_s=args.selection_ms / 1e3, notes=[*profile.notes, note])
+    profile = with_times(profile, args.compute_ms, args.selection_ms)
 
     bandwidths = [float(b) * 1e9 for b in args.bandwidths.split(",")]
     network = Network(
@@ -522,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"[bold]64 nodes[/bold] ({h['workers']} workers), speedup over one node with overlap (without):"
         f" dense DDP on 10 Gbit/s {h['ddp_10g']:.1f}x ({h['ddp_10g_no_overlap']:.1f}x), DGC on 1 Gbit/s"
         f" {h['dgc_1g']:.1f}x ({h['dgc_1g_no_overlap']:.1f}x), DEFT on 1 Gbit/s {h['deft_1g']:.1f}x"
-        f" ({h['deft_1g_no_overlap']:.1f}x); dense on 1 Gbit/s {h['ddp_1g']:.1f}x, worst-case sparse all-reduce"
+        f" ({h['deft_1g_no_overlap']:.1f}x), PowerSGD on 1 Gbit/s {h['powersgd_1g']:.1f}x ({h['powersgd_1g_no_overlap']:.1f}x); dense on 1 Gbit/s {h['ddp_1g']:.1f}x, worst-case sparse all-reduce"
         f" on 1 Gbit/s {h['sparse_allreduce_1g']:.1f}x.\n  Paper: {h['paper']}"
     )
     if args.gpus_per_node > 1:

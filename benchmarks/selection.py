@@ -527,14 +527,14 @@ def tables(report: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
         (f"DEFT: the slowest of W simulated ranks, per tensor{' / batched' if batched else ''} ({where})",
          ["model", *[f"W={w}" for w in workers]], deft),
     ]  # fmt: skip
-    if batched:  # (results of versions before the batched path have none)
+    if batched:  # (older result files have no batched table)
         out.insert(1, (f"Batched per bucket, the GPU's default path ({where})",
                        ["model", "floor per bucket", "DGC batched", "exact / DGC batched", "norms per tensor",
                         "norms batched"], batched))  # fmt: skip
     if batched and config["device"] == "cpu" and not RESULTS_CUDA.exists():
         out.append(("GPU", ["table", "why"], [[
             "not measured",
-            f"no GPU was available to the session that made these results; `{CUDA_COMMAND}` on an H100 or H200 writes"
+            f"these results were measured on a CPU; `{CUDA_COMMAND}` on an H100 or H200 writes"
             f" `{RESULTS_CUDA.name}`, and this report then shows it with its targets (ResNet-50: DGC batched"
             " <= 1.0 ms and >= 5x per-tensor `torch.topk`, DEFT's slowest of 8 <= 0.3 ms, norms <= 0.5 ms)",
         ]]))  # fmt: skip

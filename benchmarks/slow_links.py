@@ -364,7 +364,7 @@ TARGETS = (
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's targets at 100 Mbit/s, per model: dgc >= 90 % efficiency, ddp < 60 %."""
+    """The targets at 100 Mbit/s, per model: dgc >= 90 % efficiency, ddp < 60 %."""
     out = []
     for run in result.get("runs", []):
         for strategy, mbit, op, bound in TARGETS:

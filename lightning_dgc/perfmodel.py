@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -97,6 +98,7 @@ __all__ = [
     "broadcast_time",
     "doubling_allgather_time",
     "doubling_allreduce_time",
+    "flattened_matrices",
     "gather_time",
     "gradient_bytes",
     "predict",
@@ -439,6 +441,13 @@ class Profile:
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in known}
         kwargs["buckets"] = [_bucket_from_dict(b) for b in data["buckets"]]
+        if flattened_matrices(kwargs["buckets"]):
+            warnings.warn(
+                f"profile {data.get('model')!r}: every tensor of two or more dimensions has the shape [n, 1];"
+                " if these are sizes rather than real shapes, PowerSGD's predictions are plain DDP's. Profile"
+                " the model again with lightning_dgc.ExchangeProfiler, which stores the real shapes.",
+                stacklevel=2,
+            )
         return cls(**kwargs)
 
     def save(self, path: str | Path) -> Path:
@@ -454,15 +463,24 @@ class Profile:
 
 
 def _bucket_from_dict(data: dict[str, Any]) -> BucketProfile:
-    """A bucket of a profile JSON; profiles written before shapes were kept give their compressed tensors
-    as ``sparse_numels`` and the rest as ``exchange_dense_numel``: those become ``[n, 1]`` and one 1-D
-    tensor (exact for DGC and DEFT, not for PowerSGD, which needs the real shapes)."""
-    if "shapes" in data:
-        return BucketProfile(**data)
-    shapes = [[int(n), 1] for n in data.get("sparse_numels", [])]
-    if data.get("exchange_dense_numel"):
-        shapes.append([int(data["exchange_dense_numel"])])
-    return BucketProfile(shapes, int(data["dense_bytes"]))
+    """A bucket of a profile JSON. A bucket without ``shapes`` (only the compressed tensors' sizes, as
+    ``sparse_numels``) is refused: its tensors' shapes are lost, and what an algorithm that factorises
+    matrices (PowerSGD) sends cannot be priced from sizes alone."""
+    if "shapes" not in data:
+        raise ValueError(
+            "this profile's buckets give tensor sizes (`sparse_numels`) but not their `shapes`, so the"
+            " model cannot price PowerSGD, which factorises each matrix. Profile the model again with"
+            " lightning_dgc.ExchangeProfiler (it stores every tensor's shape and name per bucket), or add"
+            " `shapes` (a list of each tensor's dimensions, in bucket order) to every bucket."
+        )
+    return BucketProfile(**data)
+
+
+def flattened_matrices(buckets: Sequence[BucketProfile]) -> bool:
+    """Whether every tensor of two or more dimensions has the shape ``[n, 1]`` (and there are several):
+    the mark of shapes flattened to their sizes, which prices PowerSGD as plain DDP."""
+    matrices = [s for b in buckets for s in b.shapes if len(s) >= 2]
+    return len(matrices) > 1 and all(len(s) == 2 and s[1] == 1 for s in matrices)
 
 
 def gradient_bytes(numels: Iterable[int], bytes_per_value: int = 4) -> int:

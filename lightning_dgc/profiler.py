@@ -6,7 +6,7 @@ train a few steps; at the end of training ``profiler.profile`` holds a
 
     profiler = ExchangeProfiler(path="profile.json")
     L.Trainer(strategy="dgc", devices=1, max_steps=8, callbacks=[profiler]).fit(model, data)
-    python -m benchmarks.scaling_model --profile profile.json
+    lightning-dgc-predict --profile profile.json --workers 8,64 --bandwidths 1,10
 
 What it measures, per optimizer step after ``warmup_steps`` (medians over the steps):
 

@@ -255,7 +255,7 @@ def test_the_model_charges_the_inter_node_bytes_the_two_level_run_reports() -> N
 
 
 def test_the_model_puts_two_level_dgc_ahead_of_flat_dgc_and_of_dense_on_ten_times_the_bandwidth() -> None:
-    """The issue's target: ResNet-50 (the profile in benchmarks/results), 65.3 ms compute, 64 nodes of 8 GPUs."""
+    """ResNet-50 (the profile in benchmarks/results), 65.3 ms compute, 64 nodes of 8 GPUs."""
     from pathlib import Path
 
     from benchmarks.scaling_model import highlights
