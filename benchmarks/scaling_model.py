@@ -28,7 +28,7 @@ backward, and this script
 A CPU profile has a CPU's compute time, which is far longer than a GPU's and hides the network:
 ``--compute-ms`` / ``--selection-ms`` replace the measured times by yours (the byte counts stay exact).
 The installed package answers the same question without this checkout: ``lightning-dgc-predict``
-(:mod:`lightning_dgc.predict`), on the profiles ``benchmarks/results/profile_*.json`` that ship with it.
+(:mod:`lightning_dgc.predict_cli`), on the profiles ``benchmarks/results/profile_*.json`` that ship with it.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from lightning_dgc.perfmodel import (
     step_time,
     validate,
 )
-from lightning_dgc.predict import speedup_over_node, with_times
+from lightning_dgc.predict_cli import speedup_over_node, with_times
 
 RESULTS = Path(__file__).parent / "results"
 METHOD_LABELS = {

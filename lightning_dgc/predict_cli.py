@@ -3,7 +3,7 @@
     lightning-dgc-predict --model resnet50 --compute-ms 65.3 --selection-ms 12.6 --batch-size 64 \\
         --workers 512 --gpus-per-node 8 --bandwidths 1,10
     lightning-dgc-predict --profile profile.json --workers 8,64 --bandwidths 0.1,1
-    python -m lightning_dgc.predict --list
+    python -m lightning_dgc.predict_cli --list
 
 Evaluates :mod:`lightning_dgc.perfmodel` on a profile of one node: one of the profiles that ship with
 the package (``--model``: the tensor shapes of the model and the times measured on a CPU) or a JSON
