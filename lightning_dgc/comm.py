@@ -487,6 +487,23 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> li
     return out
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """A process group of every rank whose collectives run on CPU tensors (blocking; every rank calls it):
+    the default group under gloo, a gloo group beside NCCL's otherwise. ``None`` also when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == dist.Backend.GLOO:
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def all_gather_host(tensor: Tensor, group: dist.ProcessGroup | None = None) -> list[Tensor]:
+    """Every rank's copy of a small CPU ``tensor`` over a :func:`host_group` (blocking; no device synchronisation)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, tensor, group=group)
+    return out
+
+
 def gather_object(obj: object, dst: int = 0, group: dist.ProcessGroup | None = None) -> list[object] | None:
     """Every rank's ``obj`` on rank ``dst`` (``None`` elsewhere); blocking, for checkpoints only."""
     if not (dist.is_available() and dist.is_initialized()):

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dgc import algorithms
+from lightning_dgc.agreement import DEFAULT_CHECK_RANKS_EVERY, check_ranks_every_value
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checkpoint import (
     CHECKPOINT_KEY,
@@ -74,6 +75,9 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
             configuration object (``DGCConfig(density=0.01)``).
         options: the configuration's fields, with an algorithm given by name
             (``FabricCompressionStrategy("dgc", {"density": 0.01})``).
+        max_consecutive_skips: the stall detector, as the Trainer strategy's.
+        check_ranks_every: compare a checksum of the ranks' parameters every this many optimizer steps, as the
+            Trainer strategy's (:class:`~lightning_dgc.CompressionStrategy`); ``None`` or 0 turns it off.
         **kwargs: every argument of Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
             ``start_method``, and DDP's own: ``find_unused_parameters``, ``static_graph``, ...).
             ``gradient_as_bucket_view`` defaults to ``True`` (the parameters' ``.grad`` are views into
@@ -95,10 +99,12 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
         **kwargs: Any,
     ) -> None:
         #: Raise after this many consecutive steps skipped for non-finite gradients (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
+        self.check_ranks_every = check_ranks_every_value(check_ranks_every)
         drop_foreign_hook_arguments(kwargs, type(self).__name__, "Fabric's `DDPStrategy`")
         kwargs.setdefault("gradient_as_bucket_view", True)  # .grad and the bucket: one model size, not two
         self._config = algorithms.config_of(algorithm, options)
@@ -140,6 +146,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         state.register_parameters(list(ddp.module.named_parameters()))
         ddp.register_comm_hook(state, self._hook())
         self._module = ddp
+        self._set_up_rank_checks()
         check_ranks_agree(state, type(self).__name__, self.max_consecutive_skips)
         log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
         return ddp
@@ -191,7 +198,10 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
                 return result
 
             kwargs["closure"] = closure_then_finish
-        return super().optimizer_step(optimizer, **kwargs)
+        result = super().optimizer_step(optimizer, **kwargs)
+        if self._module is not None:
+            self._after_optimizer_step(self._module.parameters())
+        return result
 
     # -- checkpoints -----------------------------------------------------------------------------
     @override

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
 from typing_extensions import override
 
 from lightning_dgc import algorithms, comm
+from lightning_dgc.agreement import check_parameters_agree, check_settings_agree
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checks import check_density
 from lightning_dgc.hook import exchange_hook
@@ -23,12 +24,19 @@ class ExchangeAccess:
     exchange's state and statistics, and the hook that DDP runs, counted.
 
     The strategy sets ``_config`` (the configuration it was given), ``_state`` (the :class:`ExchangeState`,
-    ``None`` until the model is set up) and ``hook_calls = 0`` in its ``__init__``.
+    ``None`` until the model is set up), ``hook_calls = 0`` and ``check_ranks_every`` in its ``__init__``, calls
+    :meth:`_set_up_rank_checks` on every rank when it sets the model up and :meth:`_after_optimizer_step` after
+    every optimizer step.
     """
 
     _config: AlgorithmConfig
     _state: ExchangeState | None
     hook_calls: int
+    #: Compare the ranks' parameters every this many optimizer steps (0: never).
+    check_ranks_every: int
+    _host_group: Any = None
+    _rank_checks_set_up = False
+    _optimizer_steps = 0
     #: What sets the model (and so the exchange state) up, named in the error before it has run.
     set_up_by: ClassVar[str] = "the strategy's setup"
 
@@ -138,6 +146,19 @@ class ExchangeAccess:
         super().setup_environment()  # type: ignore[misc]
         comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
 
+    def _set_up_rank_checks(self) -> None:
+        """The process group of the rank checks (on the host: they never wait for the device); every rank."""
+        if not self._rank_checks_set_up:
+            self._host_group = comm.host_group()
+            self._rank_checks_set_up = True
+
+    def _after_optimizer_step(self, params: Iterable[torch.Tensor]) -> None:
+        """Every ``check_ranks_every`` optimizer steps: raise on every rank if their parameters differ."""
+        self._optimizer_steps += 1
+        every = self.check_ranks_every
+        if every and self._optimizer_steps % every == 0:
+            check_parameters_agree(params, type(self).__name__, self._optimizer_steps, self._host_group)
+
     def _hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
         # DDP's reducer holds the hook in C++, where the garbage collector cannot see it: a strong
         # reference to the strategy (which holds the wrapped model) would keep model, optimizer state and
@@ -148,6 +169,8 @@ class ExchangeAccess:
             counted = strategy()
             if counted is not None:
                 counted.hook_calls += 1
+                if not state.step_pending:  # the step's first bucket: the settings must agree before it is sent
+                    check_settings_agree(state, type(counted).__name__, counted._host_group)
             return exchange_hook(state, bucket)
 
         return counted_hook

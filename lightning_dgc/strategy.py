@@ -26,6 +26,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dgc import algorithms, comm
+from lightning_dgc.agreement import (
+    DEFAULT_CHECK_RANKS_EVERY,
+    check_ranks_every_value,
+    check_same_on_every_rank,
+)
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend, ValueDType
@@ -103,6 +108,11 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             rank's shard, an all-gather inside the node (:func:`lightning_dgc.hook.exchange_two_level`).
             ``"auto"`` runs it when there is more than one node (``Trainer(num_nodes=...)``) and more than
             one device per node; ``True`` on one node is an error.
+        check_ranks_every: compare a checksum of the ranks' parameters every this many optimizer steps and raise
+            on every rank if they differ (ranks that diverged, from any cause); ``None`` or 0 turns it off. Each
+            check gathers 16 bytes per rank and reads the parameters once. The settings (``density``) are compared
+            before every step's exchange in any case (16 bytes per rank), so a setting changed on one rank only
+            raises on every rank instead of blocking the exchange.
         **kwargs: every argument of ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
             ``process_group_backend``, ``timeout``, ``start_method``, ...). DDP's ``gradient_as_bucket_view``
             defaults to ``True`` here (``False`` under Lightning's ``DDPStrategy``): the parameters'
@@ -128,10 +138,12 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         hierarchical: Literal["auto"] | bool = "auto",
+        check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
         **kwargs: Any,
     ) -> None:
         #: Raise after this many consecutive steps skipped by the strategy (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
+        self.check_ranks_every = check_ranks_every_value(check_ranks_every)
         self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
         drop_foreign_hook_arguments(kwargs, type(self).__name__, "`DDPStrategy`")
         kwargs.setdefault("gradient_as_bucket_view", True)  # .grad and the bucket: one model size, not two
@@ -172,12 +184,14 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             # else a second fit: the memory carries on
             state = self._state = ExchangeState(self._config, topology=self._two_level_topology())
         state.register_parameters(named)
+        self._set_up_rank_checks()
         state.finish_writes_grads = True  # the averaged gradients are written after the memory's commit
         self.model.register_comm_hook(state, self._hook())
         log.debug("%s: registered the %s hook on %s", type(self).__name__, self.algorithm, self.root_device)
 
     def _two_level_topology(self) -> comm.Topology | None:
         """The process groups of the two-level exchange, or ``None`` for a flat one (``hierarchical``)."""
+        check_same_on_every_rank("hierarchical", self._hierarchical, type(self).__name__)
         if not comm.resolve_hierarchical(self._hierarchical, self.num_nodes, self.world_size):
             return None
         ranks = comm.all_gather_object((self.global_rank, self.node_rank, self.local_rank))
@@ -268,7 +282,9 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             self._close_step(optimizer)
             return result
 
-        return super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
+        self._after_optimizer_step(self.model.parameters() if self.model is not None else ())
+        return result
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override
@@ -366,8 +382,9 @@ class DGCStrategy(CompressionStrategy):
     """Data-parallel training with Deep Gradient Compression (Lin et al., ICLR 2018).
 
     ``CompressionStrategy(DGCConfig(...))`` with DGC's settings as arguments (each one is described
-    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector) and
-    ``hierarchical`` (the two-level exchange across nodes), both described in :class:`CompressionStrategy`,
+    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector),
+    ``hierarchical`` (the two-level exchange across nodes) and ``check_ranks_every`` (the parameter check across
+    ranks), described in :class:`CompressionStrategy`,
     plus every ``DDPStrategy`` argument.
     """
 
@@ -386,6 +403,7 @@ class DGCStrategy(CompressionStrategy):
         seed: int = DGCConfig.seed,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         hierarchical: Literal["auto"] | bool = "auto",
+        check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
         **kwargs: Any,
     ) -> None:
         options = {
@@ -397,7 +415,7 @@ class DGCStrategy(CompressionStrategy):
         }  # fmt: skip
         super().__init__(
             self.config_class(**options, **self._more_options()), max_consecutive_skips=max_consecutive_skips,
-            hierarchical=hierarchical, **kwargs,
+            hierarchical=hierarchical, check_ranks_every=check_ranks_every, **kwargs,
         )  # fmt: skip
 
     #: The configuration the arguments fill.

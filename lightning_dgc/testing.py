@@ -1,7 +1,8 @@
 """The authors' kit: :func:`check_algorithm` tests any compression algorithm, the package's and yours.
 
-Run it in your own tests, on the CPU, in one process (the ranks are simulated by
-:func:`lightning_dgc.comm.simulate`, one thread each; a call takes well under a second)::
+Run it in your own tests, on the CPU (the ranks are simulated by :func:`lightning_dgc.comm.simulate`, one
+thread each; the replay in another process starts one Python interpreter on the first call, about 2 s, and
+reuses it; a call takes well under a second after that)::
 
     from lightning_dgc.testing import check_algorithm
 
@@ -11,9 +12,15 @@ Run it in your own tests, on the CPU, in one process (the ranks are simulated by
 It drives the generic hook (:func:`lightning_dgc.hook.exchange`) over a few small tensors in two
 buckets and a few steps, with different gradients on every rank, and checks:
 
-1. **ranks identical**: every rank decodes bit-identical updates;
-2. **lossless** (with ``lossless=``, the algorithm at its lossless setting, e.g. density 1): the
-   update equals the mean of the ranks' gradients;
+1. **ranks identical**: every rank decodes bit-identical updates, and so does the same run replayed in
+   another process, started with another ``PYTHONHASHSEED`` (``separate_process=True``): real ranks are
+   separate processes, and an algorithm whose decisions depend on the process (Python's ``hash()`` of a
+   ``str``, object ids) agrees with itself on simulated ranks, which are threads of one process, but
+   diverges on real ones;
+2. **lossless** (the algorithm at its lossless setting, ``lossless=``; by default ``density=1`` for a
+   configuration with a ``density`` field, checked with ``conservation``): the update equals the mean of
+   the ranks' gradients in every step and nothing is held back after it: no value may stay unsent for a
+   step (an algorithm that never sends some value holds it back forever, which conservation alone allows);
 3. **conservation** (for an algorithm with ``residual_kind``): what came in is what went out plus
    what is held back, ``sum_t update_t + mean_r residual_r == mean_r sum_t grad_r,t``, per tensor
    (error feedback loses nothing; it holds for settings without momentum or weight decay in the
@@ -32,9 +39,17 @@ A failed check raises an ``AssertionError`` that names it.
 
 from __future__ import annotations
 
+import atexit
 import io
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import IO, Any, Literal
 
 import torch
 from torch import Tensor
@@ -170,6 +185,94 @@ def _run(
     return [r[0] for r in out], [r[1] for r in out], [r[2] for r in out]
 
 
+# -- the replay in another process ------------------------------------------------------------------------
+def _send(stream: IO[bytes], obj: object) -> None:
+    blob = pickle.dumps(obj)
+    stream.write(struct.pack("<Q", len(blob)) + blob)
+    stream.flush()
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError("the replay process ended")
+    return pickle.loads(stream.read(struct.unpack("<Q", head)[0]))
+
+
+def _serve() -> None:
+    """The replay process: runs :func:`_run` for every request on stdin, answers on stdout (prints go to stderr)."""
+    import importlib
+    import traceback
+
+    requests, answers = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    while True:
+        try:
+            modules, threads, args = _receive(requests)
+        except EOFError:
+            return
+        try:
+            for module in modules:
+                importlib.import_module(module)
+            torch.set_num_threads(threads)
+            steps, _, _ = _run(*args)
+            _send(answers, ("ok", [[step.updates for step in rank] for rank in steps]))
+        except BaseException:  # noqa: BLE001  (sent back and raised in the caller)
+            _send(answers, ("error", traceback.format_exc()))
+
+
+class _ReplayProcess:
+    """One Python interpreter with another hash salt than this one, started at the first request and reused."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def run(self, modules: list[str], args: tuple[Any, ...]) -> Any:
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                mine = os.environ.get("PYTHONHASHSEED", "random")
+                other = str(int(mine) + 1) if mine.isdigit() else "1"  # a random salt is 1's with p = 2**-64
+                path = os.pathsep.join([p or os.getcwd() for p in sys.path])
+                self.process = subprocess.Popen(
+                    [sys.executable, "-c", "from lightning_dgc.testing import _serve; _serve()"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    env=os.environ | {"PYTHONHASHSEED": other, "PYTHONPATH": path},
+                )  # fmt: skip
+                atexit.register(self.close)
+            assert self.process.stdin is not None and self.process.stdout is not None
+            _send(self.process.stdin, (modules, torch.get_num_threads(), args))
+            return _receive(self.process.stdout)
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.stdin.close()  # type: ignore[union-attr]
+            self.process.wait(timeout=30)
+
+
+_REPLAY = _ReplayProcess()
+
+
+def _replay_elsewhere(config: AlgorithmConfig, args: tuple[Any, ...]) -> list[list[dict[str, Tensor]]]:
+    """The updates of ``_run(*args)`` computed in another process (another ``PYTHONHASHSEED``)."""
+    from lightning_dgc.state import algorithm_for
+
+    fix = (
+        " Define the configuration and the algorithm at the top level of an importable module, or pass"
+        " separate_process=False (the ranks are then only compared within this process)."
+    )
+    cls = type(config)
+    modules = list(dict.fromkeys([cls.__module__, algorithm_for(config).__module__]))
+    if "__main__" in modules or "<locals>" in cls.__qualname__:
+        raise ValueError(f"check_algorithm({cls.__name__}): another process cannot import {cls.__qualname__}.{fix}")
+    status, result = _REPLAY.run(modules, args)
+    if status != "ok":
+        raise ValueError(
+            f"check_algorithm({cls.__name__}): the replay in another process failed:\n{result}{fix}"
+        )
+    return result
+
+
 def _fail(config: AlgorithmConfig, check: str, detail: str) -> AssertionError:
     return AssertionError(f"check_algorithm({type(config).__name__}): {check}: {detail}")
 
@@ -182,7 +285,7 @@ def _same_updates(a: dict[str, Tensor], b: dict[str, Tensor]) -> list[str]:
 def check_algorithm(
     config: AlgorithmConfig,
     *,
-    lossless: AlgorithmConfig | None = None,
+    lossless: AlgorithmConfig | Literal["auto"] | None = "auto",
     world_size: int = 2,
     steps: int = 4,
     shapes: dict[str, tuple[int, ...]] | None = None,
@@ -191,13 +294,16 @@ def check_algorithm(
     conservation_rtol: float = 1e-4,
     reorder_buckets_on_resume: bool = False,
     seed: int = 0,
+    separate_process: bool = True,
 ) -> None:
     """Check an algorithm's contract on ``world_size`` simulated ranks (see the module docstring).
 
     Args:
         config: the algorithm's configuration (the registered algorithm that takes its class runs);
             it must compress from the first step (e.g. PowerSGD's ``start_iter`` below ``steps``).
-        lossless: the same algorithm at a setting that must give exactly the mean (``None``: not checked).
+        lossless: the same algorithm at a setting that must give exactly the mean and hold nothing back
+            (``None``: not checked; ``"auto"``: ``config`` with ``density=1.0`` if it has a ``density`` field
+            and ``conservation`` is checked, else not checked).
         world_size: simulated ranks (at least 2).
         steps: steps per run (at least 2: the resumed run loads the state saved halfway).
         shapes: the tensors by name (default :data:`DEFAULT_SHAPES`).
@@ -209,6 +315,8 @@ def check_algorithm(
             lose their rounding error: about 1e-3).
         reorder_buckets_on_resume: the resumed run gets the buckets in reverse order.
         seed: of the parameters and gradients.
+        separate_process: also replay the run in another Python process, with another ``PYTHONHASHSEED``,
+            and require the same updates (the configuration's class must be importable there).
 
     Raises:
         AssertionError: naming the first check that failed.
@@ -227,10 +335,30 @@ def check_algorithm(
         raise ValueError("check_algorithm: `buckets` must hold every name of `shapes` exactly once.")
     config = replace(config)
 
-    # 1, 3, 6: the straight run.
+    from lightning_dgc.state import algorithm_for
+
+    kind = algorithm_for(config).residual_kind
+    if lossless == "auto":
+        has_density = any(f.name == "density" for f in fields(config)) and config.density is not None
+        lossless = replace(config, density=1.0) if has_density and conservation else None  # type: ignore[call-arg]
+
+    # 1, 3, 6: the straight run (and the same run in another process).
     straight, memories, saved = _run(
         config, world_size, shapes, buckets, range(steps), seed, save_after=steps // 2 - 1
     )
+    if separate_process:
+        elsewhere = _replay_elsewhere(config, (config, world_size, shapes, buckets, range(steps), seed))
+        for t in range(steps):
+            for rank in range(world_size):
+                differ = _same_updates(straight[rank][t].updates, elsewhere[rank][t])
+                if differ:
+                    raise _fail(
+                        config, "ranks identical",
+                        f"step {t}, rank {rank}: the same run in another process (another PYTHONHASHSEED) decoded"
+                        f" other updates for {differ}. Real ranks are separate processes: they would diverge."
+                        " Draw from state.tensor_generator(name, device) or state.draw_generator(device); never"
+                        " seed or decide with Python's hash() of a str (salted per process), id() or set order.",
+                    )  # fmt: skip
     for t in range(steps):
         for rank in range(1, world_size):
             differ = _same_updates(straight[0][t].updates, straight[rank][t].updates)
@@ -253,9 +381,6 @@ def check_algorithm(
                     f" {result.bytes_handed}",
                 )  # fmt: skip
 
-    from lightning_dgc.state import algorithm_for
-
-    kind = algorithm_for(config).residual_kind
     if conservation and kind is not None:
         for name, shape in shapes.items():
             came_in = sum(
@@ -277,15 +402,34 @@ def check_algorithm(
 
     # 2: the lossless setting.
     if lossless is not None:
-        exact, _, _ = _run(replace(lossless), world_size, shapes, buckets, range(steps), seed)
+        exact, exact_memories, _ = _run(replace(lossless), world_size, shapes, buckets, range(steps), seed)
+        lossless_kind = algorithm_for(lossless).residual_kind
         for t in range(steps):
             grads = [_gradients(shapes, seed, rank, t) for rank in range(world_size)]
             for name in shapes:
                 mean = torch.stack([g[name].reshape(-1) for g in grads]).mean(0)
-                if not torch.allclose(exact[0][t].updates[name], mean, rtol=1e-5, atol=1e-6):
+                wrong = ~torch.isclose(exact[0][t].updates[name], mean, rtol=1e-5, atol=1e-6)
+                if bool(wrong.any()):
+                    where = wrong.nonzero().flatten()
                     raise _fail(
-                        config, "lossless", f"step {t}: {name}'s update is not the mean of the gradients"
-                    )
+                        config, "lossless",
+                        f"step {t}: {name}'s update is not the mean of the gradients at {where.numel()} of"
+                        f" {mean.numel()} positions (first: {where[:5].tolist()}); at the lossless setting every"
+                        " value must be sent in every step",
+                    )  # fmt: skip
+            # nothing may stay unsent: what the ranks hold back after the step is, on the mean, (numerically) 0
+            kept = [exact_memories[rank][t].get(lossless_kind or "", {}) for rank in range(world_size)]
+            for name in kept[0]:
+                held = torch.stack([by_name[name] for by_name in kept]).mean(0)
+                scale = 1e-5 * (1.0 + max(float(g[name].abs().max()) for g in grads)) if name in shapes else 1e-5
+                if float(held.abs().max()) > scale:
+                    where = (held.abs() > scale).nonzero().flatten()
+                    raise _fail(
+                        config, "lossless",
+                        f"step {t}: the mean {lossless_kind!r} memory of {name} holds back values at"
+                        f" {where.numel()} positions (first: {where[:5].tolist()}); at the lossless setting no"
+                        " value may stay unsent for a step",
+                    )  # fmt: skip
 
     # 4: resume halfway, from states that went through torch.save / torch.load(weights_only=True).
     rest = range(steps // 2, steps)

@@ -29,6 +29,45 @@ def test_check_algorithm_names_a_broken_contract() -> None:
         check_algorithm(leaky.LeakyConfig(density=0.1))
 
 
+def test_check_algorithm_rejects_draws_that_depend_on_the_process() -> None:
+    """Seeded with ``hash(name)``: simulated ranks (threads of one process) agree, separate processes do not."""
+    from tests.extending import hashseeded
+
+    config = hashseeded.HashSeededConfig(density=0.1)
+    check_algorithm(config, separate_process=False)  # what the ranks of one process cannot see
+    with pytest.raises(AssertionError, match=r"ranks identical: .*another process \(another PYTHONHASHSEED\)"):
+        check_algorithm(config)
+
+
+def test_check_algorithm_rejects_a_value_held_back_forever() -> None:
+    """Never sending one value of each tensor conserves the gradient; the lossless setting (density 1 by default)
+    shows it."""
+    from tests.extending import holdback
+
+    config = holdback.HoldBackConfig(density=0.1)
+    check_algorithm(config, lossless=None)  # conservation alone holds
+    with pytest.raises(AssertionError, match=r"lossless: step 0: encoder.weight's update .*first: \[0\]"):
+        check_algorithm(config)
+
+
+def test_check_algorithm_names_a_value_the_memory_holds_at_the_lossless_setting() -> None:
+    """An update that equals the mean while the memory keeps a copy of a value: held back, sent twice later."""
+    from tests.extending import holdback
+
+    with pytest.raises(AssertionError, match=r"lossless: step 0: the mean 'error' memory of .* holds back"):
+        check_algorithm(
+            holdback.KeepCopyConfig(density=0.1), conservation=False, lossless=holdback.KeepCopyConfig(density=1.0)
+        )
+
+
+def test_check_algorithm_needs_an_importable_algorithm_for_the_other_process(monkeypatch) -> None:
+    from tests.extending import hashseeded
+
+    monkeypatch.setattr(hashseeded.HashSeededConfig, "__module__", "__main__")  # as in a script
+    with pytest.raises(ValueError, match="another process cannot import HashSeededConfig.*separate_process=False"):
+        check_algorithm(hashseeded.HashSeededConfig(density=0.1))
+
+
 @pytest.mark.parametrize("first", ["lightning.pytorch", "tests.extending.randomk"])
 def test_strategy_name_registered_in_any_import_order(first: str) -> None:
     second = "tests.extending.randomk" if first == "lightning.pytorch" else "lightning.pytorch"
