@@ -155,8 +155,9 @@ def test_two_levels_send_a_fraction_across_nodes_of_what_flat_dgc_sends() -> Non
 
 @pytest.mark.parametrize("level", ["fail_at_node", "fail_at_across"])
 @pytest.mark.parametrize("index", [0, 1])
-def test_a_failed_collective_at_either_level_raises_on_every_rank(level: str, index: int) -> None:
-    """Inside the node the 0th collective is the reduce-scatter and the 1st the all-gather."""
+def test_a_failed_collective_at_either_level_raises_on_every_rank_naming_its_global_rank(level: str, index: int) -> None:
+    """Inside the node the 0th collective is the reduce-scatter and the 1st the all-gather. Each rank names
+    itself by its rank in the job, not by its rank in the group of that level."""
     config = algorithms.get("deft").config_class(density=0.05)
     errors: list[BaseException] = []
 
@@ -169,6 +170,7 @@ def test_a_failed_collective_at_either_level_raises_on_every_rank(level: str, in
         with pytest.raises((CollectiveError, RuntimeError), match=r"lightning_dgc: the .* failed on rank") as error:
             hook.exchange(state, params, torch.randn(sum(p.numel() for p in params))).wait()
         errors.append(error.value)
+        assert f"failed on rank {topology.node_rank * topology.per_node + topology.local_rank}:" in str(error.value)
         with pytest.raises((CollectiveError, RuntimeError), match="simulated failure"):
             state.finish_step()
 
