@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -216,6 +217,7 @@ def test_resume_on_another_topology_keeps_the_pending_update() -> None:
     """Saved as 2 nodes x 2, resumed as 2 x 2 (exact), 4 flat ranks and 1 node x 2 (the mean over nodes)."""
     ranks = _train(DGCConfig(density=0.05))
     saved = {
+        "algorithm": "dgc",
         "world_size": 4,
         "topology": ranks[0]["state"].topology_signature,
         "ranks": [r["state"].state_dict() for r in ranks],
@@ -240,6 +242,13 @@ def test_resume_on_another_topology_keeps_the_pending_update() -> None:
     back = shards.assemble([{"velocity": p} for p in pieces], numels)["velocity"]
     for name, value in owed.items():
         torch.testing.assert_close(back[name], value)
+
+    lost = next(iter(saved["ranks"][1]["memory"]["velocity"]))  # a piece of rank 1 and of rank 3
+    for r in (1, 3):
+        del saved["ranks"][r]["memory"]["velocity"][lost]
+    for topology in (saved["topology"], flat, two):  # refused, not restarted from zeros, whatever the topology
+        with pytest.raises(ValueError, match=rf"\['ranks'\]\[1\]\['memory'\] lacks buffers .*'velocity' of '{re.escape(lost)}'"):
+            state_for_topology(saved, topology, 0, shapes)
 
 
 def test_the_model_charges_the_inter_node_bytes_the_two_level_run_reports() -> None:
