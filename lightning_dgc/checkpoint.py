@@ -12,6 +12,8 @@ import glob
 import hashlib
 import json
 import os
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,37 @@ def save_atomically(checkpoint: dict[str, Any], filepath: Any) -> None:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def read_checkpoint(load: Callable[[], dict[str, Any]], path: Any) -> dict[str, Any]:
+    """``load()`` (a checkpoint I/O's read of ``path``); if it fails on a file that is not a whole checkpoint
+    archive (truncated: its writer was killed, the disk was full, a copy did not finish), a ``RuntimeError``
+    naming the file and the fix instead of torch's bare reader error. Other failures are raised as they are."""
+    try:
+        return load()
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except (RuntimeError, EOFError, OSError) as error:
+        if not _is_incomplete(path):
+            raise
+        raise RuntimeError(
+            f"The checkpoint {str(path)!r} is incomplete or damaged, not a whole checkpoint archive (its writer was"
+            " killed, the disk was full, or a copy did not finish), and cannot be resumed from"
+            f" ({type(error).__name__}: {error}). Resume from an earlier checkpoint (ckpt_path=<another file>), or"
+            " delete this file: with ckpt_path='last', Lightning then takes the newest other '*last*' checkpoint"
+            " of the folder, or starts afresh if there is none."
+        ) from error
+
+
+def _is_incomplete(path: Any) -> bool:
+    """Whether ``path`` exists but lacks the end of a zip archive (every ``torch.save`` file has it)."""
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    try:
+        with get_filesystem(path).open(str(path), "rb") as file:
+            return not zipfile.is_zipfile(file)
+    except OSError:
+        return False
 
 
 def remove_stale_partials(path: Path) -> list[Path]:
