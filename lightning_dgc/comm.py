@@ -26,7 +26,7 @@ import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ class CollectiveError(RuntimeError):
 
 
 def _failed(what: str, rank: int, error: BaseException) -> CollectiveError:
+    """The error of a failed collective; ``rank``: this process's rank in the whole job (global rank)."""
     return CollectiveError(
         f"lightning_dgc: the {what} failed on rank {rank}: {error}. A peer process died or stopped"
         " answering (or the network broke) within the process group's timeout, and training cannot go on"
@@ -55,7 +56,8 @@ def _failed(what: str, rank: int, error: BaseException) -> CollectiveError:
 
 @dataclass(frozen=True)
 class Pending:
-    """A started collective: what it is (named in errors), its future, and the tensor it fills."""
+    """A started collective: what it is (named in errors), its future, the tensor it fills, and the global rank
+    of the process that started it (named in errors: a sub-group's rank would name another process)."""
 
     what: str
     future: torch.futures.Future
@@ -87,6 +89,12 @@ class Collectives(ABC):
     world_size: int
     rank: int
 
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole job, which errors name; ``rank`` is its rank among these
+        collectives' ranks (a sub-group's, e.g. one level of a two-level exchange). The same by default."""
+        return self.rank
+
     @abstractmethod
     def all_reduce(self, tensor: Tensor, what: str) -> Pending: ...
 
@@ -101,7 +109,8 @@ class Collectives(ABC):
         """
         pending = self.all_reduce(tensor, what)
         block = tensor.numel() // self.world_size
-        return Pending(what, pending.future, tensor[self.rank * block : (self.rank + 1) * block], self.rank)
+        output = tensor[self.rank * block : (self.rank + 1) * block]
+        return Pending(what, pending.future, output, self.global_rank)
 
 
 class TorchCollectives(Collectives):
@@ -110,35 +119,40 @@ class TorchCollectives(Collectives):
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.world_size, self.rank = world_size_and_rank(group)
+        self._global_rank = world_size_and_rank()[1] if group is not None else self.rank
+
+    @property
+    def global_rank(self) -> int:
+        return self._global_rank
 
     def all_reduce(self, tensor: Tensor, what: str) -> Pending:
         if self.world_size == 1:
-            return _done(what, tensor, self.rank)
+            return _done(what, tensor, self.global_rank)
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
-        return Pending(what, work.get_future(), tensor, self.rank)
+        return Pending(what, work.get_future(), tensor, self.global_rank)
 
     def all_gather(self, tensor: Tensor, out: Tensor, what: str) -> Pending:
         if self.world_size == 1:
             out.copy_(tensor.reshape(-1))
-            return _done(what, out, self.rank)
+            return _done(what, out, self.global_rank)
         work = dist.all_gather_into_tensor(out, tensor, group=self.group, async_op=True)
-        return Pending(what, work.get_future(), out, self.rank)
+        return Pending(what, work.get_future(), out, self.global_rank)
 
 
     def reduce_scatter(self, tensor: Tensor, what: str) -> Pending:
         block = tensor.numel() // self.world_size
         if self.world_size == 1:
-            return _done(what, tensor[:block], self.rank)
+            return _done(what, tensor[:block], self.global_rank)
         out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
         work = dist.reduce_scatter_tensor(out, tensor, group=self.group, async_op=True)
         try:
-            return Pending(what, work.get_future(), out, self.rank)
+            return Pending(what, work.get_future(), out, self.global_rank)
         except RuntimeError:  # gloo's reduce-scatter has no future: wait here (the hook waits for it next)
             try:
                 work.wait()
             except Exception as error:
-                raise _failed(what, self.rank, error) from error
-            return _done(what, out, self.rank)
+                raise _failed(what, self.global_rank, error) from error
+            return _done(what, out, self.global_rank)
 
 
 def _done(what: str, output: Tensor, rank: int) -> Pending:
@@ -305,15 +319,20 @@ class LocalGroup:
 class LocalCollectives(Collectives):
     """One simulated rank of a :class:`LocalGroup` (see :func:`simulate`)."""
 
-    def __init__(self, group: LocalGroup, rank: int) -> None:
+    def __init__(self, group: LocalGroup, rank: int, global_rank: int | None = None) -> None:
         self.group = group
         self.world_size, self.rank = group.world_size, rank
+        self._global_rank = rank if global_rank is None else global_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self._global_rank
 
     def all_reduce(self, tensor: Tensor, what: str) -> Pending:
-        return self.group.meet(self.rank, "all_reduce", what, tensor.clone(), tensor)
+        return replace(self.group.meet(self.rank, "all_reduce", what, tensor.clone(), tensor), rank=self.global_rank)
 
     def all_gather(self, tensor: Tensor, out: Tensor, what: str) -> Pending:
-        return self.group.meet(self.rank, "all_gather", what, tensor.clone(), out)
+        return replace(self.group.meet(self.rank, "all_gather", what, tensor.clone(), out), rank=self.global_rank)
 
 
 def simulate(world_size: int, fn: Callable[[Collectives], Any], fail_at: int | None = None) -> list[Any]:
@@ -464,8 +483,8 @@ def simulate_nodes(
 
     def topology(rank: int) -> Topology:
         n, i = divmod(rank, per_node)
-        return Topology(nodes, per_node, n, i, LocalCollectives(node_groups[n], i),
-                        LocalCollectives(across_groups[i], n))  # fmt: skip
+        return Topology(nodes, per_node, n, i, LocalCollectives(node_groups[n], i, rank),
+                        LocalCollectives(across_groups[i], n, rank))  # fmt: skip
 
     return _run_ranks(nodes * per_node, lambda rank: fn(topology(rank)))
 

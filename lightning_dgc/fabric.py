@@ -43,6 +43,7 @@ from lightning_dgc.checkpoint import (
     check_entry,
     gather_exchange_state,
     is_local,
+    read_checkpoint,
     restore_exchange_state,
     save_atomically,
 )
@@ -257,13 +258,15 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
 
         The exchange memory is restored when ``state`` is a dictionary of objects to restore
         (``fabric.load(path, {"model": model, "optimizer": optimizer, ...})``); with no ``state`` the
-        checkpoint is returned in full, its exchange entry under ``"lightning_dgc"`` included.
+        checkpoint is returned in full, its exchange entry under ``"lightning_dgc"`` included. A truncated file
+        is an error naming it and the fix (:func:`~lightning_dgc.checkpoint.read_checkpoint`).
         """
+        load = super().load_checkpoint
         if self._state is None or not isinstance(state, dict) or not state:
-            return super().load_checkpoint(path, state, strict, weights_only)
+            return read_checkpoint(lambda: load(path, state, strict, weights_only), path)
         self._taken_over.restore(self._optimizers)  # as the checkpoint's optimizer state holds them
         try:
-            remainder = super().load_checkpoint(path, state, strict, weights_only)
+            remainder = read_checkpoint(lambda: load(path, state, strict, weights_only), path)
             entry = remainder.pop(CHECKPOINT_KEY, None)
             loads_optimizer = any(obj is opt for obj in state.values() for opt in self._optimizers)
             check_entry(entry, self.algorithm, type(self).__name__, loads_optimizer)

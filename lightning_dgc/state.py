@@ -468,7 +468,10 @@ class ExchangeState:
     def state_dict(self, memory: bool = True) -> dict[str, Any]:
         """This rank's state: config, step, memory and generators, loadable with ``weights_only=True``.
 
-        ``memory=False`` leaves the buffers out (a checkpoint gathers them tensor by tensor instead).
+        ``"buffers"`` lists the buffers the memory holds (``{kind: [parameter name, ...]}``), so that a state
+        that lost one on its way to the resume is refused (:func:`missing_buffers`) rather than restarted
+        from zeros. ``memory=False`` leaves the buffers themselves out (a checkpoint gathers them tensor by
+        tensor instead).
         """
         state = {
             "algorithm": self.algorithm.name,
@@ -480,6 +483,7 @@ class ExchangeState:
             "generator": self.generator.get_state(),
             "extra": self.algorithm.extra_state(),
             "topology": self.topology_signature,
+            "buffers": {kind: sorted(by_name) for kind, by_name in self.memory.committed.items()},
         }
         return state | {"memory": self.memory.state_dict()} if memory else state
 
@@ -491,7 +495,12 @@ class ExchangeState:
         and the saved settings that shape the memory (``Algorithm.state_settings``) against the run's.
         Call :meth:`register_parameters` first. Empty: it loads.
         """
-        problems = []
+        problems = [
+            f"the checkpoint has no {kind!r} buffer of parameter {name!r}, which the run that wrote it kept (it"
+            " would restart from zeros): the checkpoint was edited or damaged. To restart it from zeros on"
+            " purpose, delete the state's 'buffers' list."
+            for kind, name in missing_buffers(state)
+        ]
         saved_config = state.get("config")
         for setting in self.algorithm.state_settings if isinstance(saved_config, dict) else ():
             ours = getattr(self.config, setting)
@@ -581,13 +590,33 @@ def restore_error(problems: list[str]) -> str:
 CHECKPOINT_KEY = "lightning_dgc"
 
 
+def missing_buffers(state: dict[str, Any]) -> list[tuple[str, str]]:
+    """The ``(kind, parameter)`` buffers a rank's saved state lists under ``"buffers"`` (what the run that wrote
+    it kept, :meth:`ExchangeState.state_dict`) but its ``"memory"`` lacks: lost on the way to the resume.
+
+    The list is what the saving run held, so buffers it never made (a kind its algorithm or settings do not
+    use, tensors averaged dense, PowerSGD's ``q`` of tensors it does not factorise, every buffer before the
+    first step) are not asked for. A state without the list (written before it was kept) is not checked.
+    """
+    listed, memory = state.get("buffers"), state.get("memory")
+    if not isinstance(listed, dict) or not isinstance(memory, dict):
+        return []
+    return [
+        (kind, name)
+        for kind, names in listed.items()
+        for name in names
+        if not isinstance(memory.get(kind), dict) or name not in memory[kind]
+    ]
+
+
 def check_checkpoint_entry(entry: object) -> None:
     """Raise a ``ValueError`` naming the part of a checkpoint's ``"lightning_dgc"`` entry that is malformed.
 
     The entry is ``{"algorithm": name, "world_size": N, "ranks": [state_0, ..., state_N-1]}``, every state
     with a ``"step"`` and a ``"memory"`` of ``{kind: {parameter: tensor}}``, the same kinds, parameters and
     shapes on every rank (in a two-level exchange: on every rank of the same local rank; the strategies write
-    it so). The check is the same on every rank.
+    it so), and every buffer a state lists under ``"buffers"`` in its memory (:func:`missing_buffers`). The
+    check is the same on every rank.
     """
     key = f"checkpoint[{CHECKPOINT_KEY!r}]"
     fix = f" Resume from an unmodified checkpoint, or delete {key} to start the exchange with empty buffers."
@@ -611,12 +640,25 @@ def check_checkpoint_entry(entry: object) -> None:
         where = f"{key}['ranks'][{r}]"
         if not isinstance(state, dict) or not isinstance(state.get("memory"), dict) or "step" not in state:
             raise ValueError(f"{where} must be a dict with 'step' and 'memory' entries.{fix}")
-        memory = state["memory"]
+        memory, listed = state["memory"], state.get("buffers")
         if not all(
             isinstance(by_name, dict) and all(isinstance(t, Tensor) for t in by_name.values())
             for by_name in memory.values()
         ):
             raise ValueError(f"{where}['memory'] must map every buffer kind to {{parameter name: tensor}}.{fix}")
+        if listed is not None and not (
+            isinstance(listed, dict) and all(isinstance(names, list | tuple) for names in listed.values())
+        ):
+            raise ValueError(f"{where}['buffers'] must map every buffer kind to a list of parameter names.{fix}")
+        missing = missing_buffers(state)
+        if missing:
+            shown = ", ".join(f"{kind!r} of {name!r}" for kind, name in missing[:10])
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise ValueError(
+                f"{where}['memory'] lacks buffers that the run which wrote it kept ({where}['buffers'] lists"
+                f" them): {shown}{more}. The checkpoint was edited or damaged, and these would restart from zeros."
+                f"{fix} To restart only these buffers from zeros, delete 'buffers' from every state of {key}['ranks']."
+            )
         mine = {
             (kind, name): tuple(t.shape)
             for kind, by_name in memory.items()
@@ -624,8 +666,10 @@ def check_checkpoint_entry(entry: object) -> None:
         }
         first = layouts.setdefault(r % per_node, mine)
         if mine != first:
+            differ = sorted({key for key in mine.keys() | first.keys() if mine.get(key) != first.get(key)})
+            shown = ", ".join(f"{kind!r} of {name!r}" for kind, name in differ[:10])
             raise ValueError(
-                f"{where}['memory'] holds other buffers (or shapes) than rank {r % per_node}'s.{fix}"
+                f"{where}['memory'] holds other buffers (or shapes) than rank {r % per_node}'s: {shown}.{fix}"
             )
 
 
@@ -643,6 +687,7 @@ def state_for_topology(
     still owed to the model (the mean over nodes) is kept; buffers that are not one value per gradient
     value (PowerSGD's ``q``) restart. ``shapes``: every parameter's shape.
     """
+    check_checkpoint_entry(saved)
     world = topology["nodes"] * topology["per_node"]
     old = saved.get("topology") or {"hierarchical": False, "nodes": int(saved["world_size"]), "per_node": 1}
     if not old["hierarchical"] and not topology["hierarchical"]:
@@ -659,7 +704,7 @@ def state_for_topology(
     memory = shards.mean_memory(nodes)
     if topology["hierarchical"]:
         memory = shards.slice_memory(memory, shapes, topology["per_node"], rank % topology["per_node"])
-    merged = {k: v for k, v in ranks[0].items() if k not in ("memory", "generator", "rank")}
+    merged = {k: v for k, v in ranks[0].items() if k not in ("memory", "generator", "rank", "buffers")}
     merged["memory"] = memory
     merged["topology"] = topology
     return merged, True
@@ -682,7 +727,7 @@ def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[d
         kind: {name: torch.stack([r["memory"][kind][name] for r in ranks]).mean(0) for name in by_name}
         for kind, by_name in first["memory"].items()
     }
-    merged = {k: v for k, v in first.items() if k not in ("memory", "generator", "rank")}
+    merged = {k: v for k, v in first.items() if k not in ("memory", "generator", "rank", "buffers")}
     merged["memory"] = memory
     return merged, True
 

@@ -40,6 +40,7 @@ from lightning_dgc.checkpoint import (
     check_entry,
     gather_exchange_state,
     is_local,
+    read_checkpoint,
     restore_exchange_state,
     save_atomically,
 )
@@ -323,6 +324,12 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             save_atomically(checkpoint, filepath)  # Lightning's buffers the whole file in memory first
         else:
             self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's read of the file; a truncated one is an error naming it and the fix (:func:`read_checkpoint`)."""
+        load = super().load_checkpoint
+        return read_checkpoint(lambda: load(checkpoint_path, *args, **kwargs), checkpoint_path)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -297,3 +297,21 @@ def test_pending_wait_names_the_collective() -> None:
     trigger.set_result(None)
     with pytest.raises(comm.CollectiveError, match="all-reduce of DEFT's values failed .* Timed out"):
         pending.wait()
+
+
+def _sub_group_ranks(rank: int, world_size: int) -> tuple[int, int, int]:
+    """In a real process group: this process's ranks in the collectives of a group of rank 1 alone."""
+    import torch.distributed as dist
+
+    group = dist.new_group([1])  # every process creates every group
+    if rank != 1:
+        return -1, -1, -1
+    collectives = comm.TorchCollectives(group)
+    return collectives.rank, collectives.global_rank, collectives.all_reduce(torch.zeros(1), "x").rank
+
+
+def test_collectives_of_a_sub_group_name_the_process_by_its_global_rank() -> None:
+    """A two-level exchange's groups number their ranks from 0; an error must name the process in the job."""
+    from tests.distributed.launch import run_ranks
+
+    assert run_ranks(_sub_group_ranks, 2)[1] == (0, 1, 1)

@@ -186,7 +186,91 @@ def test_powersgd_without_warm_start_refuses_the_q_it_would_drop() -> None:
         state.load_state_dict(saved)
 
 
+# -- A checkpoint that lost buffers the run kept -------------------------------------------------------------------
+def _exchanged_entry(config, steps: int = 4, world: int = 2) -> dict:
+    """A checkpoint entry of ``world`` simulated ranks after ``steps`` real exchanges of a small MLP (biases and
+    the small last layer averaged dense; its middle layer unused in every step: its gradient stays ``None``)."""
+
+    def rank_run(collectives: comm.Collectives) -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 96), nn.Tanh(), nn.Linear(96, 96), nn.Linear(96, 4))
+        state = ExchangeState(config, collectives=collectives)
+        state.register_parameters(model.named_parameters())
+        params = list(model.parameters())
+        for step in range(steps):
+            g = torch.Generator().manual_seed(10 * step + collectives.rank)
+            for p in params:
+                p.grad = None if any(p is q for q in model[2].parameters()) else torch.zeros_like(p)
+            hook.exchange(state, params, torch.randn(sum(p.numel() for p in params), generator=g)).wait()
+            state.finish_step()
+        return state.state_dict()
+
+    ranks = comm.simulate(world, rank_run)
+    return {"algorithm": ranks[0]["algorithm"], "format": 2, "world_size": world, "ranks": ranks}
+
+
+def _fresh_state(config) -> ExchangeState:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 96), nn.Tanh(), nn.Linear(96, 96), nn.Linear(96, 4))
+    state = _state(config)
+    state.register_parameters(model.named_parameters())
+    return state
+
+
+_CONFIGS = {
+    "dgc-momentum": DGCConfig(density=0.05, momentum=0.9),
+    "dgc-no-momentum": DGCConfig(density=0.05),
+    "powersgd-compressing": PowerSGDConfig(matrix_approximation_rank=1, start_iter=2),
+    "powersgd-before-start": PowerSGDConfig(matrix_approximation_rank=1, start_iter=10),
+    "powersgd-cold-start": PowerSGDConfig(matrix_approximation_rank=1, start_iter=2, warm_start=False),
+}
+
+
+@pytest.mark.parametrize("config", _CONFIGS.values(), ids=_CONFIGS.keys())
+def test_what_a_run_keeps_resumes_whatever_buffers_it_never_made(config) -> None:
+    """Kinds never allocated (momentum at 0, PowerSGD before start_iter, q without warm start), tensors averaged
+    dense and unused parameters: the list names what the run held, so none of these is asked for."""
+    entry = _exchanged_entry(config)
+    check_checkpoint_entry(entry)
+    for world in (1, 2):  # the same ranks, and the mean on another world size
+        state = _fresh_state(config)
+        state.load_state_dict(state_for_rank(entry, world, 0)[0])
+        if world == 2:
+            assert state.state_dict()["buffers"] == entry["ranks"][0]["buffers"]
+
+
+@pytest.mark.parametrize("config", _CONFIGS.values(), ids=_CONFIGS.keys())
+def test_a_checkpoint_that_lost_a_parameters_buffers_is_refused_naming_them_and_the_fix(config) -> None:
+    entry = _exchanged_entry(config)
+    kept = {kind: names for kind, names in entry["ranks"][0]["buffers"].items() if "0.weight" in names}
+    if not kept:  # PowerSGD before start_iter keeps nothing: nothing can be lost
+        assert entry["ranks"][0]["buffers"] == {}
+        return
+    for state in entry["ranks"]:  # lost on every rank alike (a per-rank difference is refused anyway)
+        for kind in kept:
+            del state["memory"][kind]["0.weight"]
+    lost = ", ".join(f"'{kind}' of '0.weight'" for kind in kept)
+    with pytest.raises(ValueError, match=r"\['ranks'\]\[0\]\['memory'\] lacks buffers .*: " + lost) as error:
+        check_checkpoint_entry(entry)
+    assert "delete checkpoint['lightning_dgc'] to start the exchange with empty buffers" in str(error.value)
+    for world in (1, 2):
+        with pytest.raises(ValueError, match="lacks buffers"):
+            state_for_rank(entry, world, 0)
+    state = _fresh_state(config)  # one rank's state on its own
+    with pytest.raises(ValueError, match=f"no {next(iter(kept))!r} buffer of parameter '0.weight'") as error:
+        state.load_state_dict(entry["ranks"][0])
+    assert "delete the checkpoint's 'lightning_dgc' entry" in str(error.value)
+    for state in entry["ranks"]:  # the way out the message names: those buffers restart from zeros
+        del state["buffers"]
+    _fresh_state(config).load_state_dict(state_for_rank(entry, 2, 0)[0])
+
+
 # -- 5. A malformed checkpoint entry --------------------------------------------------------------------------
+def _unlisted(state: dict) -> dict:
+    """A rank's state without the list of its buffers (as written before the list was kept)."""
+    return {k: v for k, v in state.items() if k != "buffers"}
+
+
 def _entry() -> dict:
     _, saved = _saved(DGCConfig())
     return {"algorithm": "dgc", "format": 2, "world_size": 2, "ranks": [saved, dict(saved)]}
@@ -202,10 +286,16 @@ def _entry() -> dict:
         (lambda e: e | {"ranks": [e["ranks"][0], "x"]}, r"\['ranks'\]\[1\] must be a dict with 'step' and 'memory'"),
         (lambda e: e | {"ranks": [e["ranks"][0], e["ranks"][1] | {"memory": {"velocity": {"0.weight": 1.0}}}]},
          r"\['ranks'\]\[1\]\['memory'\] must map every buffer kind to \{parameter name: tensor\}"),
+        (lambda e: e | {"ranks": [e["ranks"][0], _unlisted(e["ranks"][1]) | {"memory": {"velocity": {}}}]},
+         r"\['ranks'\]\[1\]\['memory'\] holds other buffers \(or shapes\) than rank 0's: 'momentum' of"
+         r" '0.weight', 'momentum' of '2.weight', 'velocity' of '0.weight'"),
         (lambda e: e | {"ranks": [e["ranks"][0], e["ranks"][1] | {"memory": {"velocity": {}}}]},
-         r"\['ranks'\]\[1\]\['memory'\] holds other buffers \(or shapes\) than rank 0's"),
+         r"\['ranks'\]\[1\]\['memory'\] lacks buffers that the run which wrote it kept .*'momentum' of '0.weight'"),
+        (lambda e: e | {"ranks": [e["ranks"][0], e["ranks"][1] | {"buffers": ["velocity"]}]},
+         r"\['ranks'\]\[1\]\['buffers'\] must map every buffer kind to a list of parameter names"),
     ],
-    ids=["string", "no-ranks", "world-size-type", "fewer-ranks", "rank-not-dict", "not-tensor", "other-layout"],
+    ids=["string", "no-ranks", "world-size-type", "fewer-ranks", "rank-not-dict", "not-tensor", "other-layout",
+         "missing-on-one-rank", "buffers-not-dict"],
 )
 def test_a_malformed_checkpoint_entry_is_an_error_naming_the_entry(make, match) -> None:
     entry = make(_entry())

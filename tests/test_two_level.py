@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -155,8 +156,9 @@ def test_two_levels_send_a_fraction_across_nodes_of_what_flat_dgc_sends() -> Non
 
 @pytest.mark.parametrize("level", ["fail_at_node", "fail_at_across"])
 @pytest.mark.parametrize("index", [0, 1])
-def test_a_failed_collective_at_either_level_raises_on_every_rank(level: str, index: int) -> None:
-    """Inside the node the 0th collective is the reduce-scatter and the 1st the all-gather."""
+def test_a_failed_collective_at_either_level_raises_on_every_rank_naming_its_global_rank(level: str, index: int) -> None:
+    """Inside the node the 0th collective is the reduce-scatter and the 1st the all-gather. Each rank names
+    itself by its rank in the job, not by its rank in the group of that level."""
     config = algorithms.get("deft").config_class(density=0.05)
     errors: list[BaseException] = []
 
@@ -169,6 +171,7 @@ def test_a_failed_collective_at_either_level_raises_on_every_rank(level: str, in
         with pytest.raises((CollectiveError, RuntimeError), match=r"lightning_dgc: the .* failed on rank") as error:
             hook.exchange(state, params, torch.randn(sum(p.numel() for p in params))).wait()
         errors.append(error.value)
+        assert f"failed on rank {topology.node_rank * topology.per_node + topology.local_rank}:" in str(error.value)
         with pytest.raises((CollectiveError, RuntimeError), match="simulated failure"):
             state.finish_step()
 
@@ -214,6 +217,7 @@ def test_resume_on_another_topology_keeps_the_pending_update() -> None:
     """Saved as 2 nodes x 2, resumed as 2 x 2 (exact), 4 flat ranks and 1 node x 2 (the mean over nodes)."""
     ranks = _train(DGCConfig(density=0.05))
     saved = {
+        "algorithm": "dgc",
         "world_size": 4,
         "topology": ranks[0]["state"].topology_signature,
         "ranks": [r["state"].state_dict() for r in ranks],
@@ -238,6 +242,13 @@ def test_resume_on_another_topology_keeps_the_pending_update() -> None:
     back = shards.assemble([{"velocity": p} for p in pieces], numels)["velocity"]
     for name, value in owed.items():
         torch.testing.assert_close(back[name], value)
+
+    lost = next(iter(saved["ranks"][1]["memory"]["velocity"]))  # a piece of rank 1 and of rank 3
+    for r in (1, 3):
+        del saved["ranks"][r]["memory"]["velocity"][lost]
+    for topology in (saved["topology"], flat, two):  # refused, not restarted from zeros, whatever the topology
+        with pytest.raises(ValueError, match=rf"\['ranks'\]\[1\]\['memory'\] lacks buffers .*'velocity' of '{re.escape(lost)}'"):
+            state_for_topology(saved, topology, 0, shapes)
 
 
 def test_the_model_charges_the_inter_node_bytes_the_two_level_run_reports() -> None:

@@ -50,6 +50,36 @@ def test_each_rank_gets_its_own_memory_back_bit_for_bit(tmp_path, strategy: str)
         assert proc.returncode != 0 and "holds the exchange state of 'deft'" in proc.stderr
 
 
+def test_a_checkpoint_that_lost_one_parameters_buffers_is_refused_and_the_unmodified_one_resumes(tmp_path) -> None:
+    ckpt, damaged = tmp_path / "step6.ckpt", tmp_path / "damaged.ckpt"
+    run_script("fit_script.py", tmp_path / "first", "--max-steps", "6", "--save-ckpt", str(ckpt))
+    saved = torch.load(ckpt, weights_only=True)
+    for state in saved["lightning_dgc"]["ranks"]:
+        assert "net.2.weight" in state["memory"]["velocity"]
+        for by_name in state["memory"].values():
+            del by_name["net.2.weight"]
+    torch.save(saved, damaged)
+    proc = run_script("fit_script.py", tmp_path / "x", "--max-steps", "8", "--resume", str(damaged), check=False)
+    assert proc.returncode != 0
+    assert "['memory'] lacks buffers that the run which wrote it kept" in proc.stderr
+    assert "'velocity' of 'net.2.weight'" in proc.stderr and "'momentum' of 'net.2.weight'" in proc.stderr
+    assert "delete checkpoint['lightning_dgc'] to start the exchange with empty buffers" in proc.stderr
+    resumed = tmp_path / "resumed"
+    run_script("fit_script.py", resumed, "--max-steps", "8", "--resume", str(ckpt))
+    assert all(s["global_step"] == 8 for s in results(resumed))
+
+
+def test_resuming_from_a_truncated_checkpoint_is_an_error_naming_the_file_and_the_fix(tmp_path) -> None:
+    whole, cut = tmp_path / "whole.ckpt", tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"net.0.weight": torch.zeros(64, 32)}, "global_step": 4}, whole)
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])  # the end of the archive is lost
+    proc = run_script("fit_script.py", tmp_path / "x", "--devices", "1", "--max-steps", "6", "--resume", str(cut),
+                      check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert f"The checkpoint '{cut}' is incomplete or damaged" in proc.stderr
+    assert "Resume from an earlier checkpoint (ckpt_path=<another file>), or delete this file" in proc.stderr
+
+
 def test_resume_on_another_world_size_gives_every_rank_the_mean(tmp_path) -> None:
     first, single = tmp_path / "first", tmp_path / "single"
     ckpt = tmp_path / "two_ranks.ckpt"
