@@ -121,7 +121,7 @@ ABLATION_TEXT = {
     "deft_no_warmup": "no density warm-up",
     "deft_no_momentum_correction": "error feedback only (optimizer momentum)",
     "deft_all_selectors": "every rank selects k/N in every fragment (not only owners)",
-    "deft_link": "union fills DGC's link bytes (budget dgc_link, as deft.yaml now ships)",
+    "deft_link": "union fills DGC's link bytes (budget dgc_link, as deft.yaml ships)",
     "deft_all_selectors_link": "both of the above",
 }
 

@@ -1,5 +1,5 @@
-"""Issue 27: no silent stalls, no silent divergence. PowerSGD on zero and rank-deficient gradients, the
-checks of a checkpoint's exchange state, and the arguments that used to be accepted or fail late."""
+"""No silent stalls, no silent divergence: PowerSGD on zero and rank-deficient gradients, the checks of a
+checkpoint's exchange state, and arguments that must be refused at construction, not accepted or failing late."""
 
 from __future__ import annotations
 

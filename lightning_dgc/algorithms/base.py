@@ -146,10 +146,6 @@ class WireCost:
         return sum(volume[m.collective](m.nbytes, world_size) for m in self.messages)
 
 
-#: Dtypes a value may travel in.
-VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
-
-
 @dataclass
 class BucketPlan:
     """The least a plan holds (the hook and the statistics read both); an algorithm's plan may subclass

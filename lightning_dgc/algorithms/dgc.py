@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from lightning_dgc.algorithms.base import (
-    VALUE_DTYPES,
     Algorithm,
     AlgorithmConfig,
     BucketWork,
@@ -43,6 +42,7 @@ from lightning_dgc.algorithms.base import (
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.compression import codec, sampled_topk, topk_indices
 from lightning_dgc.compression.batched import SegmentLayout, batched_topk, segment_layout, to_device
+from lightning_dgc.compression.codec import VALUE_DTYPES
 from lightning_dgc.compression.dgc import DIRECT_NUMEL, sampled_topk_of
 from lightning_dgc.memory import (
     bucket_order_flat,

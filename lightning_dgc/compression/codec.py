@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+#: Dtypes a value may travel in (``value_dtype`` of the algorithms that send values).
 VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
 #: Bytes of one int32 index (DEFT still all-reduces its union indices as int32).
 INDEX_BYTES = 4

@@ -1,4 +1,4 @@
-"""Issue 27 on 2 real processes: a stalled run stops on every rank, and a checkpoint whose exchange state
+"""On 2 real processes: a stalled run stops on every rank, and a checkpoint whose exchange state
 does not fit the run is refused on every rank before the first step (never a silent reset or stall)."""
 
 from __future__ import annotations
