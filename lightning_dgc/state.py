@@ -14,10 +14,10 @@ from torch import Tensor
 
 from lightning_dgc import algorithms, comm, shards
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, WireCost
-from lightning_dgc.algorithms.base import allgather_volume
 from lightning_dgc.checks import check_density
 from lightning_dgc.comm import Collectives, Topology, TorchCollectives
 from lightning_dgc.memory import ResidualMemory, bucket_order_flat
+from lightning_dgc.two_level import TwoLevelPlan
 
 
 def algorithm_for(config: AlgorithmConfig) -> type[Algorithm[Any, Any, Any]]:
@@ -730,33 +730,3 @@ def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[d
     merged = {k: v for k, v in first.items() if k not in ("memory", "generator", "rank", "buffers")}
     merged["memory"] = memory
     return merged, True
-
-
-class TwoLevelPlan:
-    """A bucket's plan in a two-level exchange: its :class:`~lightning_dgc.shards.ShardLayout` for this
-    rank, the algorithm's plan of this rank's shard, and the buffers the two node-level collectives use."""
-
-    def __init__(self, shard: shards.ShardLayout, inner: Any, node: Tensor, gathered: Tensor) -> None:
-        self.shard = shard
-        self.inner = inner
-        self.node = node  # parts * shard_numel: the bucket in the node layout (padding stays 0)
-        self.gathered = gathered  # parts * shard_numel: every local rank's decoded shard
-        self.decoded = torch.zeros(shard.shard_numel, dtype=torch.float32, device=node.device)  # this rank's
-        self.layout = inner.layout if inner is not None else []
-        self.dense_bytes = inner.dense_bytes if inner is not None else 0
-
-    @classmethod
-    def make(cls, state: ExchangeState, layout: list[algorithms.TensorSpec], buffer: Tensor) -> TwoLevelPlan:
-        topology = state.topology
-        assert topology is not None
-        shard = shards.shard_layout(layout, topology.per_node, topology.local_rank, buffer.device)
-        node = torch.zeros(topology.per_node * shard.shard_numel, dtype=torch.float32, device=buffer.device)
-        # a rank that owns no piece of the bucket (tensors of fewer rows than ranks) only takes part in the
-        # node's collectives: its group across the nodes owns nothing either
-        inner = state.algorithm_plan(shard.pieces, node[: shard.numel]) if shard.pieces else None
-        return cls(shard, inner, node, torch.empty_like(node))
-
-    def node_link_bytes(self) -> float:
-        """Bytes this rank's link inside the node carries per step: the reduce-scatter and the all-gather."""
-        g, block = self.shard.parts, 4 * self.shard.shard_numel
-        return allgather_volume(block, g) * 2  # a ring reduce-scatter moves what an all-gather does
