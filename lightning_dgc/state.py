@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-import threading
 import warnings
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, Wir
 from lightning_dgc.checks import check_density
 from lightning_dgc.comm import Collectives, Topology, TorchCollectives
 from lightning_dgc.memory import ResidualMemory, bucket_order_flat
+from lightning_dgc.stats import ExchangeStatistics
 from lightning_dgc.two_level import TwoLevelPlan
 
 
@@ -35,35 +35,6 @@ class ParamSettings:
     momentum: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step put on the wire, per rank."""
-
-    payload_bytes: int = 0  # the compressed part: indices/codes, values or factors, padding, control
-    dense_exchange_bytes: int = 0  # tensors averaged dense
-    padding_bytes: int = 0
-    dense_bytes: int = 0  # what plain DDP would have sent for the same buckets
-    values_sent: int = 0
-    link_bytes: float = 0.0  # what each worker's link carries, every collective a ring (WireCost.link_bytes)
-    inter_node_bytes: float = 0.0  # the part of link_bytes that crosses nodes (all of it on a flat run)
-    numel: int = 0
-    selection_ms: float = 0.0
-    buckets: int = 0
-    density: float | None = None  # the density the step was compressed with (algorithms that have one)
-    control_bytes: int = 0  # DEFT: the norms (and selection times) exchanged to agree on a plan
-    k_target: int = 0  # values the density asks for (sum of k over compressed tensors)
-    union_values: int = 0  # distinct indices in the union of all ranks' selections
-    rank_selected: int = 0  # values this rank selected itself
-    buildup_requested: bool = False  # whether the step was asked to measure union_values (a host sync)
-    buildup_measured: bool = False  # whether the algorithm did (BucketWork.stats / add_union_values)
-    rank_selection_ms: list[float] = field(default_factory=list)  # DEFT: every rank's previous selection
-    plans: list[tuple[list[int], list[int]]] = field(default_factory=list)  # DEFT: (k, owner) per fragment
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.payload_bytes + self.dense_exchange_bytes
 
 
 class ExchangeState:
@@ -103,10 +74,10 @@ class ExchangeState:
         #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
         self.grad_scale = grad_scale
         self._finish_writes_grads = finish_writes_grads
-        #: Count the distinct indices of all ranks' selections (the build-up factor) in every step; it costs a
-        #: host synchronisation per bucket, so otherwise only in steps :meth:`request_buildup` asks for.
-        self.measure_buildup = measure_buildup
-        self._buildup_step = -1
+        #: What each step sent (``measure_buildup``: count the distinct indices of all ranks' selections, the
+        #: build-up factor, in every step; it costs a host synchronisation per bucket, so otherwise only in
+        #: steps :meth:`request_buildup` asks for).
+        self.stats = ExchangeStatistics(measure_buildup)
         self.generator = torch.Generator().manual_seed(int(self.config.seed) * 1_000_003 + self.rank)
         self._draw_generators: dict[torch.device, tuple[torch.Generator, int]] = {}
         self._tensor_generators: dict[torch.device, torch.Generator] = {}
@@ -118,17 +89,12 @@ class ExchangeState:
         self.skipped_steps = 0
         #: Non-finite steps in a row (reset by a finite one): what the strategies' stall detector reads.
         self.consecutive_skipped_steps = 0
-        self.last_selection_ms = 0.0  # this rank's selection time in the previous step (DEFT shares it)
         #: Parameters whose gradient in this backward pass adds to an optimizer step that an earlier pass
         #: already exchanged (several backward passes before one step): the exchange applies no momentum or
         #: weight decay to them again. Set by the front doors (:class:`lightning_dgc.front.GradientCarry`).
         self.continuing: frozenset[str] = frozenset()
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._planned_this_step: set[tuple[Any, ...]] = set()
-        self._current = StepStats()
-        self._last: StepStats | None = None
-        self._last_finite = True
-        self._stats_lock = threading.Lock()  # decode callbacks of different buckets may run at once
         self.algorithm = algorithm_for(self.config)(self.config, self)
 
     # -- parameters --------------------------------------------------------------------------------
@@ -321,48 +287,27 @@ class ExchangeState:
     # -- statistics ------------------------------------------------------------------------------------
     def request_buildup(self) -> None:
         """Measure the build-up factor in the coming step (``CompressionMonitor`` asks before it logs)."""
-        self._buildup_step = self.step
+        self.stats.request_buildup(self.step)
 
     @property
     def measures_buildup(self) -> bool:
         """Whether this step counts the union of all ranks' selections (see :meth:`request_buildup`)."""
-        return self.measure_buildup or self._buildup_step == self.step
+        return self.stats.measures_buildup(self.step)
 
     def record(self, cost: WireCost, work: BucketWork, selection_s: float, node_link_bytes: float = 0.0) -> None:
         """Add one bucket's wire cost and measured figures to this step's statistics (``node_link_bytes``: what
         a two-level exchange moves inside the node besides)."""
-        payload = cost.bytes_sent - cost.bytes_of("dense")
-        with self._stats_lock:
-            stats = self._current
-            stats.payload_bytes += payload
-            stats.control_bytes += cost.bytes_of("control")
-            stats.padding_bytes += cost.padding_bytes
-            stats.dense_exchange_bytes += cost.bytes_of("dense")
-            stats.dense_bytes += cost.dense_bytes
-            stats.values_sent += cost.values_sent
-            across = cost.link_bytes(self.world_size)
-            stats.link_bytes += across + node_link_bytes
-            stats.inter_node_bytes += across
-            stats.k_target += cost.k
-            stats.numel += cost.numel
-            stats.selection_ms += selection_s * 1e3
-            stats.buckets += 1
-            stats.density = self.density
-            stats.rank_selected += work.stats.get("rank_selected", 0)
-            stats.buildup_requested = self.measures_buildup
-            if "union_values" in work.stats:
-                stats.union_values += work.stats["union_values"]
-                stats.buildup_measured = True
-            if "rank_selection_ms" in work.stats:
-                stats.rank_selection_ms = work.stats["rank_selection_ms"]
-            if "plan" in work.stats:
-                stats.plans.append(work.stats["plan"])
+        self.stats.record(cost, work, selection_s, self.world_size, self.density, self.measures_buildup,
+                          node_link_bytes)  # fmt: skip
 
     def add_union_values(self, count: int) -> None:
         """Add to this step's union size (called from decode callbacks, which may run concurrently)."""
-        with self._stats_lock:
-            self._current.union_values += count
-            self._current.buildup_measured = True
+        self.stats.add_union_values(count)
+
+    @property
+    def last_selection_ms(self) -> float:
+        """This rank's selection time in the previous step (DEFT shares it)."""
+        return self.stats.last_selection_ms
 
     # -- step boundary -----------------------------------------------------------------------------
     @property
@@ -399,10 +344,7 @@ class ExchangeState:
         if not finite:
             self.skipped_steps += 1
         self.consecutive_skipped_steps = 0 if finite else self.consecutive_skipped_steps + 1
-        with self._stats_lock:
-            self.last_selection_ms = self._current.selection_ms
-            self._last, self._current = self._current, StepStats()
-        self._last_finite = finite
+        self.stats.close_step(finite)
         self.step += 1
         return finite
 
@@ -417,39 +359,7 @@ class ExchangeState:
         exchange the other figures describe this rank's shard, exchanged across the nodes (``dense_bytes``:
         the shard's), and ``link_bytes`` adds the reduce-scatter and all-gather inside the node.
         """
-        s = self._last
-        if s is None:
-            return {}
-        stats: dict[str, Any] = {
-            "algorithm": self.algorithm.name,
-            "bytes_sent": s.bytes_sent,
-            "payload_bytes": s.payload_bytes,
-            "dense_exchange_bytes": s.dense_exchange_bytes,
-            "padding_bytes": s.padding_bytes,
-            "dense_bytes": s.dense_bytes,
-            "compression_ratio": s.dense_bytes / s.bytes_sent if s.bytes_sent else float("inf"),
-            "link_bytes": s.link_bytes,
-            "inter_node_bytes": s.inter_node_bytes,
-            "values_sent": s.values_sent,
-            "numel": s.numel,
-            "selection_ms": s.selection_ms,
-            "control_bytes": s.control_bytes,
-            "k": s.k_target,
-            "rank_selected": s.rank_selected,
-            "buckets": s.buckets,
-            "step": self.step,
-            "finite": self._last_finite,
-        }
-        if s.density is not None:
-            stats["density"] = s.density
-        # Nothing selected: no build-up (1). Selected but not counted: not reported, rather than a false 0.
-        if s.buildup_measured or (s.buildup_requested and not s.k_target):
-            stats["union_values"] = s.union_values
-            stats["buildup_factor"] = s.union_values / s.k_target if s.k_target else 1.0
-        if s.rank_selection_ms:
-            stats["rank_selection_ms"] = list(s.rank_selection_ms)
-            stats["max_rank_selection_ms"] = max(s.rank_selection_ms)
-        return stats
+        return self.stats.report(self.algorithm.name, self.step)
 
     def residual_norm(self) -> float | None:
         """L2 norm of what the memory holds back (DGC's velocity, PowerSGD's error), for monitoring;

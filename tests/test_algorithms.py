@@ -231,7 +231,7 @@ def _train_deft_with_plans(config: algorithms.AlgorithmConfig, world: int = 4, s
                 p.grad = torch.zeros_like(p)
             updates.append(hook.exchange(state, params, local).wait().clone())
             state.finish_step()
-            plans.append(state._last.plans[0])  # type: ignore[union-attr]
+            plans.append(state.stats.last.plans[0])  # type: ignore[union-attr]
         return {"updates": updates, "local": sent, "plans": plans, "state": state}
 
     return comm.simulate(world, rank_run)

@@ -57,7 +57,7 @@ def _train(config: DEFTConfig, world: int, steps: int = 3, big: int | None = Non
             out["stats"].append(state.compression_stats())
             union = state.plans[0].union
             out["unions"].append(None if union is None else union.clone())
-            last = state._last.plans  # type: ignore[union-attr]
+            last = state.stats.last.plans  # type: ignore[union-attr]
             out["plans"].append(last[0] if last else None)
             out.setdefault("memory_before", []).append(memory)
             out.setdefault("memory_after", []).append(

@@ -128,7 +128,7 @@ def train(
             finite.append(ok)
             stats.append(state.compression_stats())
             memory.append(state.memory.state_dict())
-            plans = state._last.plans if state._last is not None else []
+            plans = state.stats.last.plans if state.stats.last is not None else []
             everyone: list[Any] = [None] * world_size
             dist.all_gather_object(everyone, plans)
             plans_agree.append(all(p == plans for p in everyone))
