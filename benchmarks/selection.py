@@ -27,7 +27,7 @@ Columns of the batched table (what the hook runs on a GPU, ``selection_backend="
 bucket, its compressed tensors as one flat buffer (the hook keeps their memory contiguous):
 
 * ``floor/bucket``: one ``torch.abs`` pass per bucket buffer: the floor of a batched selection;
-* ``DGC batched``: :func:`~lightning_dgc.compression.batched.batched_topk` per bucket, sample positions
+* ``DGC batched``: :func:`~lightning_dgc.selection.batched.batched_topk` per bucket, sample positions
   drawn on the device (a fixed number of kernels per bucket, one host synchronisation);
 * ``norms batched``: DEFT's fragment norms as one segmented reduction per bucket
   (``fragment_norms(..., backend="torch")``);
@@ -76,12 +76,18 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.shapes import MODELS, ParamShape, is_compressed, param_shapes
+from lightning_dgc.algorithms.deft_partition import (
+    Fragment,
+    allocate_k,
+    fragment_layers,
+    lpt_assign,
+    selection_cost,
+)
 from lightning_dgc.algorithms.dgc import values_per_step
-from lightning_dgc.compression import topk_indices
-from lightning_dgc.compression.batched import batched_topk, segment_layout, topk_in_ranges
-from lightning_dgc.compression.deft import deft_select, fragment_norms
-from lightning_dgc.compression.dgc import SelectionWorkspace, sampled_topk
-from lightning_dgc.partition import Fragment, allocate_k, fragment_layers, lpt_assign, selection_cost
+from lightning_dgc.selection import topk_indices
+from lightning_dgc.selection.batched import batched_topk, segment_layout, topk_in_ranges
+from lightning_dgc.selection.partitioned import deft_select, fragment_norms
+from lightning_dgc.selection.sampled import SelectionWorkspace, sampled_topk
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selection.json"
 RESULTS_CUDA = RESULTS.with_name("selection_cuda.json")  # ``--device cuda`` writes here by default

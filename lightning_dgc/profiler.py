@@ -98,7 +98,7 @@ def bucket_profiles(layout: list[list[tuple[str, Tensor]]]) -> list[BucketProfil
 
 def time_selection(numels: Sequence[int], config: DGCConfig, device: torch.device, repeats: int = 3) -> float:
     """Seconds DGC's selection (sampled threshold or exact top-k) takes on tensors of these sizes."""
-    from lightning_dgc.compression import sampled_topk, topk_indices
+    from lightning_dgc.selection import sampled_topk, topk_indices
 
     generator = torch.Generator(device=device).manual_seed(0) if device.type != "cpu" else torch.Generator()
     tensors = [torch.randn(n, device=device) for n in numels]

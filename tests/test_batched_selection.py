@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from lightning_dgc.compression.batched import (
+from lightning_dgc.selection.batched import (
     batched_topk,
     concatenated_ranges,
     segment_layout,

@@ -7,10 +7,9 @@ import random
 import pytest
 import torch
 
-from lightning_dgc import algorithms, comm
+from lightning_dgc import algorithms, codec, comm
 from lightning_dgc.algorithms.dgc import DGC, DGCConfig
-from lightning_dgc.compression import codec
-from lightning_dgc.compression.codec import (
+from lightning_dgc.codec import (
     CODE_BYTES,
     FILLER_SPAN,
     pack_into,

@@ -61,7 +61,7 @@ def test_a_continuing_pass_applies_momentum_once_per_optimizer_step(
 ) -> None:
     if backend == "numpy_chunks":  # the CPU's selection from chunks of v', never made whole
         from lightning_dgc.algorithms import dgc as dgc_algorithm
-        from lightning_dgc.compression import dgc as dgc_selection
+        from lightning_dgc.selection import sampled as dgc_selection
 
         monkeypatch.setattr(dgc_algorithm, "DIRECT_NUMEL", 1_000)
         monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 1_000)

@@ -1,13 +1,19 @@
-"""DEFT's partitioned selection (lightning_dgc.compression.deft) on one CPU tensor, all ranks simulated."""
+"""DEFT's partitioned selection (lightning_dgc.selection.partitioned) on one CPU tensor, all ranks simulated."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_dgc.compression.deft import deft_select, fragment_norms
-from lightning_dgc.compression.dgc import sampled_topk
-from lightning_dgc.partition import Fragment, allocate_k, fragment_layers, lpt_assign, selection_cost
+from lightning_dgc.algorithms.deft_partition import (
+    Fragment,
+    allocate_k,
+    fragment_layers,
+    lpt_assign,
+    selection_cost,
+)
+from lightning_dgc.selection.partitioned import deft_select, fragment_norms
+from lightning_dgc.selection.sampled import sampled_topk
 
 WORLD_SIZE = 4
 

@@ -13,12 +13,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_dgc import comm, hook
+from lightning_dgc import codec, comm, hook
 from lightning_dgc.algorithms.base import WireCost, layout_of
 from lightning_dgc.algorithms.deft import DEFT, DEFTConfig
 from lightning_dgc.algorithms.dgc import DGC, DGCConfig
 from lightning_dgc.comm import LocalCollectives
-from lightning_dgc.compression import codec
 from lightning_dgc.state import ExchangeState
 from lightning_dgc.testing import CountingCollectives, check_algorithm
 

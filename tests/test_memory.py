@@ -6,8 +6,8 @@ import pickle
 
 import torch
 
-from lightning_dgc.compression import sampled_topk
 from lightning_dgc.memory import ResidualMemory, clip_by_norm_, momentum_correction
+from lightning_dgc.selection import sampled_topk
 
 
 def _compensate(

@@ -1,4 +1,4 @@
-"""DEFT's plan (lightning_dgc.partition): fragments, k per fragment, LPT assignment, loads."""
+"""DEFT's plan (lightning_dgc.algorithms.deft_partition): fragments, k per fragment, LPT assignment, loads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from lightning_dgc.partition import (
+from lightning_dgc.algorithms.deft_partition import (
     FRAGMENT_COST,
     SELECTED_COST,
     Fragment,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_dgc.compression.codec import payload_size
-from lightning_dgc.partition import fragment_count, fragment_layers
+from lightning_dgc.algorithms.deft_partition import fragment_count, fragment_layers
+from lightning_dgc.codec import payload_size
 from lightning_dgc.perfmodel import (
     METHODS,
     BucketProfile,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dgc.compression import dgc as dgc_selection
-from lightning_dgc.compression import sampled_topk, topk_among, topk_indices
+from lightning_dgc.selection import sampled as dgc_selection
+from lightning_dgc.selection import sampled_topk, topk_among, topk_indices
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -1,6 +1,7 @@
-"""Compression algorithms, one file each: ``dgc.py``, ``deft.py``, ``powersgd.py``, ...
+"""Compression algorithms, one file each: ``dgc.py``, ``deft.py``, ``powersgd.py``, ... (``deft_partition.py``
+is DEFT's partitioning of a bucket among the ranks, beside it).
 
-Every module of this package is imported here, and each registers its :class:`Algorithm` with
+Every module of this package is imported here, and each algorithm registers its :class:`Algorithm` with
 :func:`register`, so that adding an algorithm is adding a file: the strategy names
 (``Trainer(strategy="<name>")``), the statistics and the performance model pick it up by name.
 """

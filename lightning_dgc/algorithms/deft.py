@@ -4,7 +4,7 @@ Steps 2 and 5 as DGC (:mod:`lightning_dgc.algorithms.dgc`): error feedback, or D
 correction with ``momentum_correction=True``; then, per bucket:
 
 3. **norms**: the L2 norm of every fragment of the compensated gradient (a layer larger than 1/N of
-   the bucket is cut into N pieces, :func:`lightning_dgc.partition.fragment_layers`);
+   the bucket is cut into N pieces, :func:`lightning_dgc.algorithms.deft_partition.fragment_layers`);
 4. **exchange**:
    a. the norms' squares are all-reduced, with every rank's previous selection time in the same small
       vector, so every rank holds identical norms and derives the same plan without a leader or a
@@ -30,7 +30,16 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
+from lightning_dgc import codec
 from lightning_dgc.algorithms.base import Message, TensorSpec, WireCost, register
+from lightning_dgc.algorithms.deft_partition import (
+    Fragment,
+    allocate_k_list,
+    fragment_count,
+    fragment_layers,
+    lpt_assign,
+    selection_cost,
+)
 from lightning_dgc.algorithms.dgc import (
     DGC,
     DGCConfig,
@@ -44,17 +53,8 @@ from lightning_dgc.algorithms.dgc import (
     split_layout,
 )
 from lightning_dgc.checks import flag
-from lightning_dgc.compression import codec
-from lightning_dgc.compression.batched import concatenated_ranges, to_device, topk_in_ranges
-from lightning_dgc.compression.deft import deft_select, fragment_norms
-from lightning_dgc.partition import (
-    Fragment,
-    allocate_k_list,
-    fragment_count,
-    fragment_layers,
-    lpt_assign,
-    selection_cost,
-)
+from lightning_dgc.selection.batched import concatenated_ranges, to_device, topk_in_ranges
+from lightning_dgc.selection.partitioned import deft_select, fragment_norms
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
@@ -96,7 +96,7 @@ class DEFTConfig(DGCConfig):
     wire: ``"allreduce"`` (as published): the union's indices merged by an int32 all-reduce (sum) of the
         disjoint selections, the values all-reduced in ``value_dtype``: about ``2 (N-1)/N (4 + b)``
         bytes per union value on each link (``b``: the value's bytes). ``"compact"``: every rank's own
-        selections as 2-byte delta codes (DGC's, :mod:`lightning_dgc.compression.codec`), one
+        selections as 2-byte delta codes (DGC's, :mod:`lightning_dgc.codec`), one
         all-gather of a row per rank padded to the largest rank's count (every rank knows every count
         from the shared plan), then the values all-reduced in fp16 whatever ``value_dtype`` (which
         still sets the tensors averaged dense, and the DGC that ``budget="dgc_link"`` matches),
@@ -164,7 +164,7 @@ class DEFTConfig(DGCConfig):
 
 def union_size(k_total: int, fragments: int) -> int:
     """Values in DEFT's union for a density's ``k_total``: every fragment selects at least one
-    (:func:`~lightning_dgc.partition.allocate_k_list`'s lower bound), so never fewer than the fragments."""
+    (:func:`~lightning_dgc.algorithms.deft_partition.allocate_k_list`'s lower bound), so never fewer than the fragments."""
     return max(k_total, fragments) if k_total else 0
 
 
@@ -425,7 +425,7 @@ class DEFT(DGC):
 
     def _select_batched(self, plan: DEFTPlan, work: DEFTWork, tasks: list[tuple[int, int, int]]) -> None:
         """This rank's selections at once: its fragments gathered into one buffer (a 1/N share of the
-        bucket when owners select), a batched selection (:func:`~lightning_dgc.compression.batched.batched_topk`),
+        bucket when owners select), a batched selection (:func:`~lightning_dgc.selection.batched.batched_topk`),
         one write into the union."""
         assert plan.union is not None and plan.fragment_shift is not None
         device = work.flat.device

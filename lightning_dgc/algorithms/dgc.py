@@ -6,7 +6,7 @@ Per bucket and step:
    (``u' = m u + g``, ``v' = v + u'``; Nesterov ``u' = m (u + g)``, ``v' = v + u' + g``);
 3. **select** exactly ``k = ceil(density * numel)`` values of every compressed tensor from ``v'``
    (sampled threshold or exact top-k), clear them from ``v'`` (and, with momentum factor masking,
-   from ``u'``), and pack them into the bucket's fixed-size payload (:mod:`lightning_dgc.compression.codec`);
+   from ``u'``), and pack them into the bucket's fixed-size payload (:mod:`lightning_dgc.codec`);
 4. **exchange**: one all-gather of the payloads; one all-reduce of the tensors averaged dense;
 5. **decode**: scatter-add every rank's values, divide by the world size; SGD momentum of the tensors
    averaged dense;
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from lightning_dgc import codec
 from lightning_dgc.algorithms.base import (
     Algorithm,
     AlgorithmConfig,
@@ -40,10 +41,7 @@ from lightning_dgc.algorithms.base import (
     register,
 )
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
-from lightning_dgc.compression import codec, sampled_topk, topk_indices
-from lightning_dgc.compression.batched import SegmentLayout, batched_topk, segment_layout, to_device
-from lightning_dgc.compression.codec import VALUE_DTYPES
-from lightning_dgc.compression.dgc import DIRECT_NUMEL, sampled_topk_of
+from lightning_dgc.codec import VALUE_DTYPES
 from lightning_dgc.memory import (
     bucket_order_flat,
     clip_each_by_norm_,
@@ -51,6 +49,9 @@ from lightning_dgc.memory import (
     momentum_correction_each_,
     trim_before,
 )
+from lightning_dgc.selection import sampled_topk, topk_indices
+from lightning_dgc.selection.batched import SegmentLayout, batched_topk, segment_layout, to_device
+from lightning_dgc.selection.sampled import DIRECT_NUMEL, sampled_topk_of
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
@@ -71,7 +72,7 @@ class DGCConfig(AlgorithmConfig):
         selection: ``"sampled"`` (DGC's threshold sampling, exact k guaranteed) or ``"exact"``.
         selection_backend: how the sampled selection runs. ``"torch"``: the bucket's compressed tensors
             together, a fixed number of kernels and one host synchronisation per bucket
-            (:mod:`lightning_dgc.compression.batched`), with sample positions drawn on the tensors'
+            (:mod:`lightning_dgc.selection.batched`), with sample positions drawn on the tensors'
             device, seeded identically on every rank; ``"numpy"``: tensor by tensor on zero-copy numpy
             views (CPU only); ``"auto"`` (default): numpy for CPU float32 buckets, torch elsewhere.
         min_compress_numel: tensors with fewer values, and every 1-D tensor (biases, norms), are
@@ -609,7 +610,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
         return torch.cat(indices), torch.cat(values)
 
     def _select_batched(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
-        """All compressed tensors at once (:func:`~lightning_dgc.compression.batched.batched_topk`)."""
+        """All compressed tensors at once (:func:`~lightning_dgc.selection.batched.batched_topk`)."""
         assert work.velocity is not None
         device = work.velocity.device
         if plan.segments is None:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_dgc import DGCConfig, ExchangeState, algorithms, exchange_hook
-from lightning_dgc.compression import topk_indices
+from lightning_dgc.selection import topk_indices
 
 
 class ConvNet(nn.Module):

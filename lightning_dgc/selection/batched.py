@@ -1,6 +1,6 @@
 """DGC's sampled top-k for many tensors at once: a fixed number of kernels per bucket, one host sync.
 
-The per-tensor selection (:func:`lightning_dgc.compression.dgc.sampled_topk`) launches a dozen
+The per-tensor selection (:func:`lightning_dgc.selection.sampled.sampled_topk`) launches a dozen
 kernels per tensor and synchronises with the host about twice per tensor; on a GPU a bucket of
 ResNet-50's 54 compressed tensors then costs more than exact ``torch.topk``. Here the tensors of a
 bucket are *segments* of one flat buffer (their memory lives contiguously,
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_dgc.compression.dgc import MIN_SAMPLES, THRESHOLD_MARGIN
+from lightning_dgc.selection.sampled import MIN_SAMPLES, THRESHOLD_MARGIN
 
 __all__ = [
     "SegmentLayout",

@@ -24,10 +24,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from lightning_dgc.selection.partitioned import Fragment
 
 __all__ = [
     "FRAGMENT_COST",
@@ -41,28 +42,6 @@ __all__ = [
     "rank_loads",
     "selection_cost",
 ]
-
-
-@dataclass(frozen=True)
-class Fragment:
-    """A contiguous slice of the flat gradient that lies inside a single layer.
-
-    Attributes:
-        name: Name of the layer (parameter) the slice belongs to.
-        offset: Start of the slice in the flat gradient vector.
-        numel: Number of elements in the slice (always positive).
-        layer_offset: Start of the slice inside its layer; 0 unless the layer was split.
-    """
-
-    name: str
-    offset: int
-    numel: int
-    layer_offset: int = 0
-
-    @property
-    def stop(self) -> int:
-        """End of the slice in the flat gradient vector (exclusive)."""
-        return self.offset + self.numel
 
 
 def fragment_layers(names: Sequence[str], numels: Sequence[int], world_size: int) -> list[Fragment]:
@@ -271,7 +250,7 @@ def selection_cost(sizes: Sequence[int] | Tensor, ks: Sequence[int] | Tensor) ->
     """Estimated work of selecting the top ``k_l`` of a fragment of ``n_l`` elements, in elements.
 
     The model is ``n_l + FRAGMENT_COST + SELECTED_COST * k_l``: the selection DEFT runs by default
-    (DGC's sampled threshold, :func:`lightning_dgc.compression.dgc.sampled_topk`) makes one pass over
+    (DGC's sampled threshold, :func:`lightning_dgc.selection.sampled.sampled_topk`) makes one pass over
     the fragment, pays a fixed cost per call, and a little per selected value. The fixed cost matters:
     a bucket holds many small compressed tensors (1x1 convolutions, small layers: one fragment each),
     and a cost of ``n_l`` alone would pile dozens of them on the rank with the fewest elements, which

@@ -1,6 +1,6 @@
 """DEFT's partitioned top-k selection: each worker selects only inside the fragments it owns.
 
-With the plan from :mod:`lightning_dgc.partition` (fragments, their owners and a ``k_l`` per fragment),
+With the plan from :mod:`lightning_dgc.algorithms.deft_partition` (fragments, their owners and a ``k_l`` per fragment),
 every gradient element is examined by exactly one worker, so the selection work per worker shrinks by
 about the number of workers, and the selections of different workers never overlap: the union of all
 workers' indices has exactly ``sum(k_l)`` distinct elements, with no duplicates to merge after the
@@ -16,16 +16,38 @@ and there a torch call costs several times a numpy one, enough to matter next to
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_dgc.compression.batched import to_device
-from lightning_dgc.partition import Fragment
+from lightning_dgc.selection.batched import to_device
 
 __all__ = ["deft_select", "fragment_norms"]
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """A contiguous slice of the flat gradient that lies inside a single layer.
+
+    Attributes:
+        name: Name of the layer (parameter) the slice belongs to.
+        offset: Start of the slice in the flat gradient vector.
+        numel: Number of elements in the slice (always positive).
+        layer_offset: Start of the slice inside its layer; 0 unless the layer was split.
+    """
+
+    name: str
+    offset: int
+    numel: int
+    layer_offset: int = 0
+
+    @property
+    def stop(self) -> int:
+        """End of the slice in the flat gradient vector (exclusive)."""
+        return self.offset + self.numel
 
 
 def _as_int_list(values: Sequence[int] | Tensor) -> list[int]:
@@ -111,9 +133,9 @@ def deft_select(
 
     Args:
         velocity_flat: The flat, error-compensated gradient (DGC's velocity) of the bucket, 1-D.
-        fragments: The fragments tiling it, from :func:`lightning_dgc.partition.fragment_layers`.
-        owners: Owning rank of each fragment, from :func:`lightning_dgc.partition.lpt_assign`.
-        ks: Elements to select per fragment, from :func:`lightning_dgc.partition.allocate_k`; a
+        fragments: The fragments tiling it, from :func:`lightning_dgc.algorithms.deft_partition.fragment_layers`.
+        owners: Owning rank of each fragment, from :func:`lightning_dgc.algorithms.deft_partition.lpt_assign`.
+        ks: Elements to select per fragment, from :func:`lightning_dgc.algorithms.deft_partition.allocate_k`; a
             ``k_l`` of 0 selects nothing.
         rank: The rank doing the selection.
         workspace: Optional scratch of ``velocity_flat``'s dtype and device with at least as many
@@ -191,7 +213,7 @@ def fragment_norms(
     """L2 norm of ``velocity_flat`` inside each fragment, the input of DEFT's k allocation.
 
     On CPU (float32/float64, no workspace) each norm is one BLAS dot product: a read-only pass.
-    Elsewhere, when the fragments are consecutive (as :func:`lightning_dgc.partition.fragment_layers`
+    Elsewhere, when the fragments are consecutive (as :func:`lightning_dgc.algorithms.deft_partition.fragment_layers`
     makes them) the norms take one elementwise square and one segmented sum, whatever the number of
     fragments; otherwise one norm per fragment. Squares are accumulated in float32 (float64 for a float64
     vector) so that half-precision gradients do not overflow.

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_dgc.compression.topk import topk_among, topk_indices
+from lightning_dgc.selection.topk import topk_among, topk_indices
 
 __all__ = [
     "CHUNK",

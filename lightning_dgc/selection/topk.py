@@ -1,7 +1,7 @@
 """Exact top-k selection by magnitude.
 
 The reference selection: it is exact but slow on CPU (``torch.topk`` runs at a fraction of memory
-bandwidth), so :func:`lightning_dgc.compression.dgc.sampled_topk` is the default on the hot path; it
+bandwidth), so :func:`lightning_dgc.selection.sampled.sampled_topk` is the default on the hot path; it
 calls these functions for tensors too small for sampling to pay off, and falls back to them when
 sampling cannot guarantee exactly ``k`` values.
 """
