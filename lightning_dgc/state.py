@@ -171,7 +171,7 @@ class ExchangeState:
     def continues(self, name: str) -> bool:
         """Whether parameter ``name`` (or the parameter of a piece) is in another backward pass of an optimizer
         step whose momentum an earlier pass applied (:attr:`continuing`; see
-        :func:`lightning_dgc.memory.continuation_factors`)."""
+        :func:`lightning_dgc.momentum.continuation_factors`)."""
         return bool(self.continuing) and self._parent(name) in self.continuing
 
     def is_dense(self, name: str) -> bool:

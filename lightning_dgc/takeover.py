@@ -22,7 +22,8 @@ from torch.optim import Optimizer
 
 from lightning_dgc import comm, shards
 from lightning_dgc.checks import whole_number
-from lightning_dgc.memory import bucket_order_flat, momentum_from_sgd, momentum_to_sgd
+from lightning_dgc.memory import bucket_order_flat
+from lightning_dgc.momentum import momentum_from_sgd, momentum_to_sgd
 from lightning_dgc.state import ExchangeState, ParamSettings
 
 

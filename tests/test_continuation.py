@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from lightning_dgc import algorithms, comm, hook
-from lightning_dgc.memory import continuation_factors
+from lightning_dgc.momentum import continuation_factors
 from lightning_dgc.state import ExchangeState
 
 

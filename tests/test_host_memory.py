@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from lightning_dgc import algorithms, hook
+from lightning_dgc import algorithms, heap, hook
 from lightning_dgc import memory as memory_module
-from lightning_dgc.memory import ResidualMemory, return_free_host_memory
+from lightning_dgc.heap import return_free_host_memory
+from lightning_dgc.memory import ResidualMemory
 from lightning_dgc.state import ExchangeState
 
 
@@ -62,8 +63,9 @@ def _updates(monkeypatch: pytest.MonkeyPatch, trim_before_bytes: int) -> tuple[t
     """Three steps of DGC (momentum, CPU tensor-by-tensor selection); the updates and how often the heap
     was trimmed (before a compressed tensor's v' was made, and at the end of every step)."""
     calls = []
-    monkeypatch.setattr(memory_module, "TRIM_BEFORE_BYTES", trim_before_bytes)
-    monkeypatch.setattr(memory_module, "return_free_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(heap, "TRIM_BEFORE_BYTES", trim_before_bytes)
+    for module in (heap, memory_module):  # before a large temporary; at the end of a step
+        monkeypatch.setattr(module, "return_free_host_memory", lambda: calls.append(1) or True)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(256, 64)) for _ in range(4)]
     state = ExchangeState(algorithms.get("dgc").config_class(density=0.01, momentum=0.9))

@@ -6,7 +6,8 @@ import pickle
 
 import torch
 
-from lightning_dgc.memory import ResidualMemory, clip_by_norm_, momentum_correction
+from lightning_dgc.memory import ResidualMemory
+from lightning_dgc.momentum import clip_by_norm_, momentum_correction
 from lightning_dgc.selection import sampled_topk
 
 

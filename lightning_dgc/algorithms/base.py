@@ -198,7 +198,7 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
             Such an algorithm applies them once per optimizer step: in a backward pass that adds to a step an
             earlier pass already exchanged, ``state.continues(name)`` is true, and the pass's gradient is
             added without a second momentum decay or weight decay
-            (:func:`lightning_dgc.memory.continuation_factors`).
+            (:func:`lightning_dgc.momentum.continuation_factors`).
         memory_kinds: the per-parameter buffers it keeps (the checkpoint's ``"memory"`` keys).
         residual_kind: the memory kind that holds back gradient not yet sent (DGC's ``"velocity"``,
             an error-feedback algorithm's ``"error"``): ``state.residual_norm()`` reports its norm.

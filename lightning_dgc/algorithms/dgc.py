@@ -42,13 +42,9 @@ from lightning_dgc.algorithms.base import (
 )
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.codec import VALUE_DTYPES
-from lightning_dgc.memory import (
-    bucket_order_flat,
-    clip_each_by_norm_,
-    compensated_velocity_each,
-    momentum_correction_each_,
-    trim_before,
-)
+from lightning_dgc.heap import trim_before
+from lightning_dgc.memory import bucket_order_flat
+from lightning_dgc.momentum import clip_each_by_norm_, compensated_velocity_each, momentum_correction_each_
 from lightning_dgc.selection import sampled_topk, topk_indices
 from lightning_dgc.selection.batched import SegmentLayout, batched_topk, segment_layout, to_device
 from lightning_dgc.selection.sampled import DIRECT_NUMEL, sampled_topk_of
@@ -428,7 +424,7 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
 
     def replay(self, plan: DGCPlan, work: DGCWork, skip: Callable[[str], bool]) -> None:
         """Commit this bucket's step to the memory, in place: momentum correction with the very operations
-        that made the velocity selected from (:func:`~lightning_dgc.memory.momentum_correction_each_`), then
+        that made the velocity selected from (:func:`~lightning_dgc.momentum.momentum_correction_each_`), then
         what was sent cleared (and tensors sent whole emptied). ``skip``: parameters unused in the step."""
         memory, device = self.state.memory, work.flat.device
         grads = work.grads if work.local is None else work.local.split([s.numel for s in plan.layout])
