@@ -90,6 +90,8 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
         assert config["trainer"]["strategy"]["init_args"]["density"] == 0.001
     if algorithm not in (None, "ddp"):
         assert config["trainer"]["strategy"]["init_args"]["hierarchical"] == "auto"
+        # the strategies' default, as in Python (DDP's own default is False)
+        assert config["trainer"]["strategy"]["init_args"]["gradient_as_bucket_view"] is True
 
 
 @pytest.mark.parametrize("algorithm", [None, *ALGORITHMS], ids=lambda a: a or "plain")
@@ -105,6 +107,8 @@ def test_cpu_config_pair_instantiates(task: str, algorithm: str | None, tmp_path
     assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == task
     if algorithm is not None:
         assert isinstance(cli.trainer.strategy, DDPStrategy)
+        if algorithm != "ddp":
+            assert cli.trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is True
         callbacks = {type(callback).__name__ for callback in cli.trainer.callbacks}
         assert (
             lightning_dgc_names(algorithm) - {"CompressionStrategy", "DGCStrategy", "DEFTStrategy"}
@@ -126,3 +130,12 @@ def test_default_logger_without_a_task_logger(tmp_path: Path) -> None:
     cli = main(["--config", str(path)], run=False)
     assert isinstance(cli.trainer.logger, TensorBoardLogger)
     assert Path(cli.trainer.logger.save_dir).name == "lightning_logs"
+
+
+@pytest.mark.parametrize("algorithm", ["dgc", "deft", "powersgd"])
+def test_an_explicit_gradient_as_bucket_view_false_is_honoured(algorithm: str, tmp_path: Path) -> None:
+    args = ["--config", "configs/ptb_lstm_cpu.yaml", "--config", f"configs/algo/{algorithm}.yaml"]
+    args += ["--trainer.strategy.init_args.gradient_as_bucket_view=false", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    cli = main(args, run=False)
+    assert cli.trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is False
+
