@@ -98,15 +98,25 @@ def test_builtin_names_resolve_from_any_folder(
     assert Path(resolve_config(value)).resolve() == (CONFIGS / expected).resolve()
 
 
-def test_an_existing_file_wins_and_anything_else_is_left_to_the_cli(
+def test_an_existing_file_wins_and_inline_yaml_is_left_to_the_cli(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "algo").mkdir()
     (tmp_path / "algo" / "dgc.yaml").write_text("trainer: {}\n")
     assert resolve_config("algo/dgc.yaml") == "algo/dgc.yaml"  # the user's own file
-    assert resolve_config("no_such_config") == "no_such_config"  # LightningCLI reports it
     assert resolve_config("trainer: {max_epochs: 1}") == "trainer: {max_epochs: 1}"  # inline YAML
+    assert resolve_config("{}") == "{}"
+
+
+@pytest.mark.parametrize(("value", "closest"), [("cifar10_resnet21", "cifar10_resnet20"), ("algo/dgcc", "algo/dgc")])
+def test_an_unknown_config_name_lists_the_builtin_names(
+    value: str, closest: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"no such file.*Did you mean `{closest}`") as error:
+        resolve_config(value)
+    assert all(f" {name}," in str(error.value) or f" {name}." in str(error.value) for name in builtin_configs())
 
 
 def test_powersgd_config_is_exported() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -139,3 +141,15 @@ def test_an_explicit_gradient_as_bucket_view_false_is_honoured(algorithm: str, t
     cli = main(args, run=False)
     assert cli.trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is False
 
+
+@pytest.mark.parametrize(("value", "closest"), [("cifar10_resnet21", "cifar10_resnet20"), ("algo/dgcc", "algo/dgc")])
+def test_an_unknown_config_name_lists_the_builtin_names_on_the_command_line(value: str, closest: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes", "fit", "--config", value, "--print_config"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"`--config {value}`: no such file" in proc.stderr and f"Did you mean `{closest}`?" in proc.stderr
+    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_warmup" in proc.stderr
+    assert "Traceback" not in proc.stderr and "File does not exist" not in proc.stderr
