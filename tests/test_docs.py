@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.parity import mean_std_text
-from recipes.__main__ import main as cli
+from lightning_dgc_recipes.__main__ import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(
@@ -227,7 +227,7 @@ def _cli_commands() -> list[tuple[str, list[str]]]:
     found = []
     for path in PAGES:
         for argv in commands(path):
-            if "-m" in argv and argv[argv.index("-m") + 1] == "recipes":  # python -m recipes, torchrun -m recipes
+            if "-m" in argv and argv[argv.index("-m") + 1] == "lightning_dgc_recipes":  # python -m lightning_dgc_recipes, torchrun -m lightning_dgc_recipes
                 found.append((rel(path), argv[argv.index("-m") + 2 :]))
             elif "lightning-dgc" in argv:
                 found.append((rel(path), argv[argv.index("lightning-dgc") + 1 :]))
@@ -235,13 +235,13 @@ def _cli_commands() -> list[tuple[str, list[str]]]:
 
 
 def _module_commands() -> list[tuple[str, str, list[str]]]:
-    """(page, module, arguments) of every ``python -m benchmarks.*`` / ``recipes.demo`` command shown."""
+    """(page, module, arguments) of every ``python -m benchmarks.*`` / ``lightning_dgc_recipes.demo`` command shown."""
     found = []
     for path in PAGES:
         for argv in commands(path):
             if "-m" in argv:
                 module = argv[argv.index("-m") + 1]
-                if module.startswith("benchmarks.") or module == "recipes.demo":
+                if module.startswith("benchmarks.") or module == "lightning_dgc_recipes.demo":
                     found.append((rel(path), module, argv[argv.index("-m") + 2 :]))
     return found
 

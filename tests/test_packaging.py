@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import lightning_dgc
-from recipes.__main__ import builtin_configs, resolve_config
+from lightning_dgc_recipes.__main__ import builtin_configs, resolve_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,18 +25,18 @@ def test_every_package_directory_is_listed_for_the_wheel() -> None:
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
     found = {
         ".".join(init.parent.relative_to(ROOT).parts)
-        for top in ("lightning_dgc", "recipes")
+        for top in ("lightning_dgc", "lightning_dgc_recipes")
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
-    assert {"recipes.configs", "recipes.configs.algo"} <= listed
+    assert {"lightning_dgc_recipes.configs", "lightning_dgc_recipes.configs.algo"} <= listed
 
 
 def test_the_configs_are_package_data() -> None:
     setuptools = PYPROJECT["tool"]["setuptools"]
-    assert setuptools["package-dir"]["recipes.configs"] == "configs"
-    assert setuptools["package-data"]["recipes.configs"] == ["*.yaml"]
-    assert setuptools["package-data"]["recipes.configs.algo"] == ["*.yaml"]
+    assert setuptools["package-dir"]["lightning_dgc_recipes.configs"] == "configs"
+    assert setuptools["package-data"]["lightning_dgc_recipes.configs"] == ["*.yaml"]
+    assert setuptools["package-data"]["lightning_dgc_recipes.configs.algo"] == ["*.yaml"]
     assert {p.parent for p in CONFIGS.rglob("*.yaml")} == {CONFIGS, CONFIGS / "algo"}
 
 

@@ -270,9 +270,9 @@ def test_a_hook_of_ones_own_is_refused_by_name() -> None:
 
 @pytest.mark.slow
 def test_the_readme_loop_trains_and_saves_every_ranks_memory(tmp_path) -> None:
-    """``recipes/fabric_loop.py``, the README's Fabric loop, run as users run it."""
+    """``lightning_dgc_recipes/fabric_loop.py``, the README's Fabric loop, run as users run it."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "fabric_loop.py")],
+        [sys.executable, str(ROOT / "lightning_dgc_recipes" / "fabric_loop.py")],
         env=_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]

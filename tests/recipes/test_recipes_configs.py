@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 
-from recipes.__main__ import main
+from lightning_dgc_recipes.__main__ import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TASKS = sorted(path.stem for path in (REPO_ROOT / "configs").glob("*.yaml"))
@@ -60,7 +60,7 @@ def test_the_expected_configs_exist() -> None:
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
 def test_every_yaml_starts_with_its_launch_command(path: Path) -> None:
     first_line = path.read_text().splitlines()[0]
-    assert first_line.startswith("# python -m recipes fit --config configs/")
+    assert first_line.startswith("# python -m lightning_dgc_recipes fit --config configs/")
     assert f"configs/{path.relative_to(REPO_ROOT / 'configs')}" in first_line
     assert isinstance(yaml.safe_load(path.read_text()), dict)
 
@@ -81,8 +81,8 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
         main([*args, "--print_config"])
     assert exit_info.value.code == 0
     config = yaml.safe_load(out.getvalue())
-    assert config["model"]["class_path"].startswith("recipes.")
-    assert config["data"]["class_path"].startswith("recipes.")
+    assert config["model"]["class_path"].startswith("lightning_dgc_recipes.")
+    assert config["data"]["class_path"].startswith("lightning_dgc_recipes.")
     if algorithm == "ddp":
         assert config["trainer"]["strategy"] == "ddp"
     elif (
@@ -146,7 +146,7 @@ def test_an_explicit_gradient_as_bucket_view_false_is_honoured(algorithm: str, t
 def test_an_unknown_config_name_lists_the_builtin_names_on_the_command_line(value: str, closest: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "recipes", "fit", "--config", value, "--print_config"],
+        [sys.executable, "-m", "lightning_dgc_recipes", "fit", "--config", value, "--print_config"],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -28,7 +28,7 @@ def _run_cli(
     env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO_ROOT))
     env[ddp_probe.ENV] = str(tmp_path / "ddp")
     cmd = [
-        sys.executable, "-m", "recipes", "fit",
+        sys.executable, "-m", "lightning_dgc_recipes", "fit",
         "--config", f"configs/{task}.yaml", "--config", f"configs/algo/{algorithm}.yaml",
         *TINY_OVERRIDES[task], f"--data.root={data_root}",
         "--trainer.fast_dev_run=2", "--trainer.enable_progress_bar=false",

@@ -1,4 +1,4 @@
-"""Command-line entry point: ``lightning-dgc`` (or ``python -m recipes``), a LightningCLI.
+"""Command-line entry point: ``lightning-dgc`` (or ``python -m lightning_dgc_recipes``), a LightningCLI.
 
 A run stacks a task YAML and, optionally, an algorithm YAML; later files and flags override
 earlier ones::
@@ -51,7 +51,7 @@ class RecipeCLI(LightningCLI):
 
 
 def _configs_dir() -> Path:
-    """The built-in configs: ``recipes/configs`` in an installed wheel, ``configs/`` in a checkout."""
+    """The built-in configs: ``lightning_dgc_recipes/configs`` in an installed wheel, ``configs/`` in a checkout."""
     installed = Path(__file__).resolve().parent / "configs"
     return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "configs"
 
