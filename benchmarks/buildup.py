@@ -30,11 +30,11 @@ GLOBAL_BATCH = 128
 
 
 def images(data_root: Path | None) -> tuple[torch.Tensor, torch.Tensor]:
-    from recipes.vision import load_cifar_batch
+    from lightning_dgc_recipes.vision import load_cifar_batch
 
     if data_root is not None and (data_root / "cifar10-subset").is_dir():
         return load_cifar_batch(data_root / "cifar10-subset" / "cifar-10-batches-py" / "data_batch_1")
-    from recipes.demo import write_synthetic_cifar
+    from lightning_dgc_recipes.demo import write_synthetic_cifar
 
     with tempfile.TemporaryDirectory() as tmp:
         write_synthetic_cifar(Path(tmp), train_per_class=100, test_per_class=1)
@@ -47,7 +47,7 @@ def measure(
     """The mean ``buildup_factor`` of ``steps`` exchanges of ResNet-20 gradients on ``world`` ranks."""
     from lightning_dgc import algorithms, comm, hook
     from lightning_dgc.state import ExchangeState
-    from recipes.vision import ImageClassifier
+    from lightning_dgc_recipes.vision import ImageClassifier
 
     x_all, y_all = data
     per_rank = GLOBAL_BATCH // world

@@ -394,14 +394,14 @@ def build_workload(
 
     g = torch.Generator().manual_seed(seed)
     if model in ("resnet20", "resnet110"):
-        from recipes.vision import ImageClassifier
+        from lightning_dgc_recipes.vision import ImageClassifier
 
         module = ImageClassifier(arch=model, num_classes=10)
         images = torch.randn(batch_size, 3, 32, 32, generator=g)
         labels = torch.randint(0, 10, (batch_size,), generator=g)
         return module, _repeated_batch_loader((images, labels), batches), {}
     if model == "lstm":
-        from recipes.language import WordLanguageModel
+        from lightning_dgc_recipes.language import WordLanguageModel
 
         class SpeedLanguageModel(WordLanguageModel):
             """The recipe's LSTM with plain SGD (its plateau scheduler needs a validation loop)."""
@@ -523,7 +523,7 @@ def train_steps(
 class RunRecorder(L.Callback):
     """Write a recipe run's validation metrics and exchange counters to ``path`` (global rank 0).
 
-    Added by :mod:`benchmarks.parity` to ``python -m recipes fit`` through a generated config, so the
+    Added by :mod:`benchmarks.parity` to ``python -m lightning_dgc_recipes fit`` through a generated config, so the
     recipes need no hook of their own. After every validation (not the sanity check) the floats in
     ``trainer.callback_metrics`` are appended to ``history``; every optimizer step's
     ``compression_stats()`` (when the strategy has them) is summed, so the reported compression

@@ -9,7 +9,7 @@ Each run is the recipes' Lightning CLI in a subprocess, two processes on the CPU
 and so the optimizer steps, stay the config's; ``--threads T`` compute threads each), same seed (the
 configs' ``seed_everything: 42``) and same budget for every algorithm::
 
-    python -m recipes fit --config configs/<task>_cpu.yaml --config configs/algo/<algo>.yaml \\
+    python -m lightning_dgc_recipes fit --config configs/<task>_cpu.yaml --config configs/algo/<algo>.yaml \\
         --config <generated callbacks.yaml> --data.root <data> --trainer.max_epochs E \\
         --trainer.limit_train_batches N ...
 
@@ -290,7 +290,7 @@ def command(
         + callbacks_yaml(algo, record.relative_to(common.REPO), epochs)
     )
     argv = [
-        common.python(), "-m", "recipes", "fit",
+        common.python(), "-m", "lightning_dgc_recipes", "fit",
         "--config", task.config, "--config", algo_config(algo), "--config", str(generated.relative_to(common.REPO)),
         "--data.root", str(data_root / task.data_subdir), *task.overrides, *ALGO_SPECS[algo][1],
         "--trainer.max_epochs", str(epochs),

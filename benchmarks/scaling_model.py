@@ -128,7 +128,7 @@ def _images(size: int, classes: int) -> Callable[[int], tuple[Any, ...]]:
 
 def _classifier(arch: str, classes: int) -> Callable[[], Any]:
     def build() -> Any:
-        from recipes.vision import ImageClassifier
+        from lightning_dgc_recipes.vision import ImageClassifier
 
         return ImageClassifier(arch=arch, num_classes=classes)
 
@@ -158,7 +158,7 @@ def _alexnet_module() -> Any:
 def _lstm_module() -> Any:
     import torch
 
-    from recipes.language import WordLanguageModel
+    from lightning_dgc_recipes.language import WordLanguageModel
 
     class ProfiledLanguageModel(WordLanguageModel):
         def configure_optimizers(self) -> Any:  # no validation here, so no ReduceLROnPlateau
@@ -175,7 +175,7 @@ def _tokens(batch: int, bptt: int = 35) -> tuple[Any, ...]:
 
 
 def _speech_module() -> Any:
-    from recipes.speech import SpeechRecognizer
+    from lightning_dgc_recipes.speech import SpeechRecognizer
 
     return SpeechRecognizer(n_mels=80, rnn_hidden=1200, rnn_layers=7)  # the paper's 7 x 1200 GRU
 
@@ -279,22 +279,22 @@ def gradient_sizes() -> list[dict[str, Any]]:
     """Parameters and fp32 gradient size of the paper's models and the configurations around them."""
     import torch
 
-    from recipes.language import WordLanguageModel
-    from recipes.resnet import ResNet50
+    from lightning_dgc_recipes.language import WordLanguageModel
+    from lightning_dgc_recipes.resnet import ResNet50
 
     def count(module: Any) -> int:
         return sum(p.numel() for p in module.parameters())
 
     rows: list[tuple[str, str, int]] = []
     with torch.device("meta"):
-        rows.append(("resnet50", "ResNet-50, 1000 classes (recipes.resnet.ResNet50)", count(ResNet50())))
+        rows.append(("resnet50", "ResNet-50, 1000 classes (lightning_dgc_recipes.resnet.ResNet50)", count(ResNet50())))
         rows.append(("alexnet", "AlexNet, original two-GPU (grouped conv2/4/5)", count(alexnet(True))))
         rows.append(("alexnet", "AlexNet, torchvision single-GPU variant", count(alexnet(False))))
         for tied in (True, False):
             lm = WordLanguageModel(vocab_size=PTB_VOCAB, tie_weights=tied)
             rows.append(("lstm", f"PTB LSTM 2 x 1500, 10k words, {'tied' if tied else 'untied'}", count(lm)))
         try:
-            from recipes.speech import DeepSpeech
+            from lightning_dgc_recipes.speech import DeepSpeech
 
             for mels, what in ((80, "80 mel bands (recipe)"), (161, "161 STFT bins (20 ms window)"),
                                (264, "264 input bands (fitted to the paper's size)")):  # fmt: skip

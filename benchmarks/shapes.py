@@ -8,9 +8,9 @@ than one dimension and at least ``min_compress_numel`` values) and how many it s
 The models are built on the ``meta`` device: shapes and names are exact, no memory is allocated and
 no initialisation runs, so even the 66 M-parameter LSTM costs a few milliseconds.
 
-* ``resnet110``: :class:`recipes.resnet.CIFARResNet` of depth 110, option-A shortcuts, 10 classes (1.7 M).
-* ``resnet50``: :class:`recipes.resnet.ResNet50` with 1000 classes (25.6 M).
-* ``lstm``: :class:`recipes.language.WordLanguageModel` as in the paper's PTB experiment: 2 layers of
+* ``resnet110``: :class:`lightning_dgc_recipes.resnet.CIFARResNet` of depth 110, option-A shortcuts, 10 classes (1.7 M).
+* ``resnet50``: :class:`lightning_dgc_recipes.resnet.ResNet50` with 1000 classes (25.6 M).
+* ``lstm``: :class:`lightning_dgc_recipes.language.WordLanguageModel` as in the paper's PTB experiment: 2 layers of
   1500 units, a 10 000-word vocabulary, embedding and decoder *not* tied (66 M; the recipe's default
   ties them, which leaves 51 M).
 """
@@ -48,19 +48,19 @@ class ParamShape:
 
 
 def _resnet110() -> nn.Module:
-    from recipes.resnet import CIFARResNet
+    from lightning_dgc_recipes.resnet import CIFARResNet
 
     return CIFARResNet(depth=110, num_classes=10, shortcut="A")
 
 
 def _resnet50() -> nn.Module:
-    from recipes.resnet import ResNet50
+    from lightning_dgc_recipes.resnet import ResNet50
 
     return ResNet50(num_classes=1000)
 
 
 def _lstm() -> nn.Module:
-    from recipes.language import WordLanguageModel
+    from lightning_dgc_recipes.language import WordLanguageModel
 
     return WordLanguageModel(vocab_size=PTB_VOCAB, embedding_dim=1500, hidden_size=1500, num_layers=2,
                              tie_weights=False)  # fmt: skip

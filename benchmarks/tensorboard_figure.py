@@ -4,7 +4,7 @@
     python -m benchmarks.tensorboard_figure --logdir lightning_logs/cifar10_resnet20_cpu/version_0
 
 Without ``--logdir`` it runs the CIFAR-10 recipe under DGC with the paper's warm-up, as a user would
-(``python -m recipes fit --config configs/cifar10_resnet20_cpu.yaml --config
+(``python -m lightning_dgc_recipes fit --config configs/cifar10_resnet20_cpu.yaml --config
 configs/algo/dgc_warmup.yaml``, 2 CPU processes, ``--epochs`` epochs, ``CompressionMonitor`` every 10
 steps), on ``<data-root>/cifar10-subset`` or, with ``--data-root`` absent, on the demo's generated
 CIFAR-10-format data. It then reads the TensorBoard event file with TensorBoard's own reader and plots
@@ -35,14 +35,14 @@ FIGURE = "tensorboard_compression.png"
 def run_recipe(data_root: Path | None, epochs: int, workdir: Path) -> Path:
     """Train the CIFAR-10 recipe under DGC with the warm-up; the folder of its TensorBoard events."""
     if data_root is None:
-        from recipes.demo import write_synthetic_cifar
+        from lightning_dgc_recipes.demo import write_synthetic_cifar
 
         data = workdir / "data"
         write_synthetic_cifar(data, train_per_class=500, test_per_class=100)
     else:
         data = data_root / "cifar10-subset"
     argv = [
-        common.python(), "-m", "recipes", "fit",
+        common.python(), "-m", "lightning_dgc_recipes", "fit",
         "--config", "configs/cifar10_resnet20_cpu.yaml", "--config", "configs/algo/dgc_warmup.yaml",
         "--data.root", str(data), "--data.download", "false", "--trainer.max_epochs", str(epochs),
         "--trainer.log_every_n_steps", "10", "--trainer.enable_progress_bar", "false",

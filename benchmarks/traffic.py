@@ -2,7 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE python -m benchmarks.traffic [--quick]
 
-For every model of :mod:`benchmarks.shapes` (real modules from ``recipes/``, on the CPU; ``--quick``
+For every model of :mod:`benchmarks.shapes` (real modules from ``lightning_dgc_recipes/``, on the CPU; ``--quick``
 skips the LSTM): DGC and DEFT at densities 0.01 and 0.001 with values in fp32 and fp16, and their peer
 PowerSGD at ranks 1, 2 and 4 (Vogels et al. 2019; compressing from the third step). A one-process gloo
 group, the model wrapped in ``DistributedDataParallel`` (default buckets: 1 MB, then 25 MB) with an

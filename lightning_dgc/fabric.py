@@ -48,7 +48,7 @@ from lightning_dgc.checkpoint import (
     save_atomically,
 )
 from lightning_dgc.checks import drop_foreign_hook_arguments
-from lightning_dgc.front import ExchangeAccess, GradientCarry
+from lightning_dgc.front import ExchangeAccess, GradientCarry, config_from_arguments
 from lightning_dgc.state import ExchangeState, sparse_gradient_message
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
@@ -75,14 +75,17 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         algorithm: a registered algorithm's name (``"dgc"``, ``"deft"``, ``"powersgd"``, ...) or its
             configuration object (``DGCConfig(density=0.01)``).
         options: the configuration's fields, with an algorithm given by name
-            (``FabricCompressionStrategy("dgc", {"density": 0.01})``).
+            (``FabricCompressionStrategy("dgc", {"density": 0.01})``); they may be given as keyword
+            arguments instead, as to the Trainer's strategies
+            (``FabricCompressionStrategy("dgc", density=0.01)``).
         max_consecutive_skips: the stall detector, as the Trainer strategy's.
         check_ranks_every: compare a checksum of the ranks' parameters every this many optimizer steps, as the
             Trainer strategy's (:class:`~lightning_dgc.CompressionStrategy`); ``None`` or 0 turns it off.
-        **kwargs: every argument of Fabric's ``DDPStrategy`` (``process_group_backend``, ``timeout``,
-            ``start_method``, and DDP's own: ``find_unused_parameters``, ``static_graph``, ...).
-            ``gradient_as_bucket_view`` defaults to ``True`` (the parameters' ``.grad`` are views into
+        gradient_as_bucket_view: DDP's argument, ``True`` here (the parameters' ``.grad`` are views into
             DDP's buckets: one model size less); pass ``False`` for separate ``.grad`` tensors.
+        **kwargs: the configuration's fields (with an algorithm given by name), and every other argument of
+            Fabric's ``DDPStrategy`` and of DDP (``find_unused_parameters``, ``static_graph``, ...). Any other
+            name is an error that lists the configuration's fields.
     """
 
     set_up_by = "`fabric.setup(model, ...)`"
@@ -101,14 +104,14 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
+        gradient_as_bucket_view: bool = True,  # .grad and the bucket: one model size, not two
         **kwargs: Any,
     ) -> None:
         #: Raise after this many consecutive steps skipped for non-finite gradients (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         self.check_ranks_every = check_ranks_every_value(check_ranks_every)
         drop_foreign_hook_arguments(kwargs, type(self).__name__, "Fabric's `DDPStrategy`")
-        kwargs.setdefault("gradient_as_bucket_view", True)  # .grad and the bucket: one model size, not two
-        self._config = algorithms.config_of(algorithm, options)
+        self._config = config_from_arguments(type(self).__name__, algorithm, options, kwargs, DDPStrategy)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -118,13 +121,14 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            gradient_as_bucket_view=gradient_as_bucket_view,
             **kwargs,
         )
         self._state: ExchangeState | None = None
         self._module: DistributedDataParallel | None = None
         self._optimizers: list[Optimizer] = []  # set up through this strategy, in order
         self._taken_over = OptimizerTakeOver(
-            type(self).__name__, lambda name, value: f"{type(self).__name__}({self.algorithm!r}, {{{name!r}: {value}}})"
+            type(self).__name__, lambda name, value: f"{type(self).__name__}({self.algorithm!r}, {name}={value})"
         )
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
         self._carry = GradientCarry()  # one momentum per optimizer step, however many backward passes

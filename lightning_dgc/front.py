@@ -1,8 +1,12 @@
 """What both front doors offer: the Trainer's strategy (:mod:`lightning_dgc.strategy`) and Fabric's
-(:mod:`lightning_dgc.fabric`) expose the exchange the same way, through :class:`ExchangeAccess`."""
+(:mod:`lightning_dgc.fabric`) take the algorithm's settings the same way (:func:`config_from_arguments`)
+and expose the exchange the same way, through :class:`ExchangeAccess`."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import inspect
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -17,6 +21,69 @@ from lightning_dgc.checks import check_density
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.state import ExchangeState, algorithm_for
 from lightning_dgc.takeover import skip_non_finite_step
+
+
+def config_from_arguments(
+    owner: str,
+    algorithm: str | AlgorithmConfig,
+    options: dict[str, Any] | None,
+    kwargs: dict[str, Any],
+    base: type,
+) -> AlgorithmConfig:
+    """A front door's algorithm configuration, from its arguments; ``kwargs`` keeps DDP's arguments only.
+
+    The algorithm's settings may come as keyword arguments (``density=0.01``), as ``options``
+    (``{"density": 0.01}``) or in a configuration object (``DGCConfig(density=0.01)``; keyword arguments
+    replace its fields), through the Trainer's strategy and Fabric's alike. The arguments of
+    ``DistributedDataParallel`` and of the ``DDPStrategy`` ``base`` stay in ``kwargs`` (a name both take
+    goes to DDP); any other name is an error that lists the settings and suggests the closest name.
+    """
+    ddp = _ddp_arguments(base)
+    if isinstance(algorithm, AlgorithmConfig):
+        config_class: type[AlgorithmConfig] = type(algorithm)
+    else:
+        config_class = algorithms.get(algorithm).config_class
+    fields = [field.name for field in dataclasses.fields(config_class) if field.init]
+    given = {name: kwargs.pop(name) for name in list(kwargs) if name in fields and name not in ddp}
+    unknown = [name for name in kwargs if name not in ddp]
+    if unknown:
+        raise TypeError(_unknown_argument_message(owner, unknown[0], algorithm, config_class.__name__, fields, ddp))
+    twice = sorted(set(given) & set(options or {}))
+    if twice:
+        raise ValueError(
+            f"{owner}: {', '.join(f'`{name}`' for name in twice)} given both as a keyword argument and in"
+            " `options`: give each setting once."
+        )
+    if isinstance(algorithm, AlgorithmConfig) and given:
+        algorithm = dataclasses.replace(algorithm, **given)  # validated again
+        given = {}
+    return algorithms.config_of(algorithm, {**(options or {}), **given} if options or given else None)
+
+
+def _unknown_argument_message(
+    owner: str, name: str, algorithm: str | AlgorithmConfig, config_name: str, fields: list[str], ddp: set[str]
+) -> str:
+    """What a front door says of a keyword argument that is neither a configuration field nor DDP's."""
+    close = difflib.get_close_matches(name, [*fields, *sorted(ddp)], n=1)
+    message = f"{owner} got an unknown argument `{name}`" + (f" (did you mean `{close[0]}`?)" if close else "")
+    message += (
+        f": it is neither a setting of {config_name} ({', '.join(fields) or 'none'}) nor an argument of"
+        " DistributedDataParallel."
+    )
+    example = close[0] if close and close[0] in fields else (fields[0] if fields else None)
+    if example is not None:
+        first = f"{algorithm!r}, " if isinstance(algorithm, str) else "..., "
+        message += f" Pass the algorithm's settings as keyword arguments: {owner}({first}{example}=...)."
+    return message
+
+
+def _ddp_arguments(base: type) -> set[str]:
+    """The keyword arguments a ``DDPStrategy`` ``base`` takes: its own and ``DistributedDataParallel``'s."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = {*inspect.signature(DistributedDataParallel.__init__).parameters}
+    names |= {*inspect.signature(base.__init__).parameters}
+    return names - {"self", "module", "kwargs"}
 
 
 class ExchangeAccess:

@@ -45,7 +45,7 @@ from lightning_dgc.checkpoint import (
     save_atomically,
 )
 from lightning_dgc.checks import drop_foreign_hook_arguments
-from lightning_dgc.front import ExchangeAccess, GradientCarry
+from lightning_dgc.front import ExchangeAccess, GradientCarry, config_from_arguments
 from lightning_dgc.state import ExchangeState, sparse_gradient_message
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
@@ -99,7 +99,8 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         algorithm: a registered algorithm's name (``"dgc"``, ``"deft"``, ``"powersgd"``, ...) or its
             configuration object (``DGCConfig(...)``, ``PowerSGDConfig(...)``).
         options: the configuration's fields, with an algorithm given by name
-            (``CompressionStrategy("powersgd", {"matrix_approximation_rank": 2})``).
+            (``CompressionStrategy("powersgd", {"matrix_approximation_rank": 2})``); they may be given as
+            keyword arguments instead (``CompressionStrategy("powersgd", matrix_approximation_rank=2)``).
         max_consecutive_skips: the stall detector: after this many optimizer steps in a row that the strategy
             skipped for non-finite gradients (on any rank), ``fit`` raises on every rank instead of training
             on without moving the model. ``None`` or 0 turns it off. Steps a GradScaler skips (mixed
@@ -114,13 +115,14 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             check gathers 16 bytes per rank and reads the parameters once. The settings (``density``) are compared
             before every step's exchange in any case (16 bytes per rank), so a setting changed on one rank only
             raises on every rank instead of blocking the exchange.
-        **kwargs: every argument of ``DDPStrategy`` (``find_unused_parameters``, ``static_graph``,
-            ``process_group_backend``, ``timeout``, ``start_method``, ...). DDP's ``gradient_as_bucket_view``
-            defaults to ``True`` here (``False`` under Lightning's ``DDPStrategy``): the parameters'
-            ``.grad`` are views into DDP's buckets, into which the exchange writes the averaged update
-            anyway, so the gradients take no memory of their own (one model size less). Pass
-            ``gradient_as_bucket_view=False`` for separate ``.grad`` tensors (code that calls
+        gradient_as_bucket_view: DDP's argument, ``True`` here (``False`` under Lightning's ``DDPStrategy``),
+            from Python and from the CLI alike: the parameters' ``.grad`` are views into DDP's buckets,
+            into which the exchange writes the averaged update anyway, so the gradients take no memory of
+            their own (one model size less). Pass ``False`` for separate ``.grad`` tensors (code that calls
             ``.grad.detach_()`` or ``.grad.requires_grad_()`` needs them).
+        **kwargs: the configuration's fields (with an algorithm given by name), and every other argument of
+            ``DDPStrategy`` and of DDP (``find_unused_parameters``, ``static_graph``, ...). Any other name
+            is an error that lists the configuration's fields.
     """
 
     set_up_by = "`trainer.fit`"
@@ -140,6 +142,7 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         hierarchical: Literal["auto"] | bool = "auto",
         check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
+        gradient_as_bucket_view: bool = True,  # .grad and the bucket: one model size, not two
         **kwargs: Any,
     ) -> None:
         #: Raise after this many consecutive steps skipped by the strategy (0: never).
@@ -147,9 +150,8 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         self.check_ranks_every = check_ranks_every_value(check_ranks_every)
         self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
         drop_foreign_hook_arguments(kwargs, type(self).__name__, "`DDPStrategy`")
-        kwargs.setdefault("gradient_as_bucket_view", True)  # .grad and the bucket: one model size, not two
         # Validate before anything else, so a bad value fails at construction, on the launching process.
-        self._config = algorithms.config_of(algorithm, options)
+        self._config = config_from_arguments(type(self).__name__, algorithm, options, kwargs, DDPStrategy)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -159,6 +161,7 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
             start_method=start_method,
+            gradient_as_bucket_view=gradient_as_bucket_view,
             **kwargs,
         )
         self._state: ExchangeState | None = None
@@ -390,9 +393,9 @@ class DGCStrategy(CompressionStrategy):
 
     ``CompressionStrategy(DGCConfig(...))`` with DGC's settings as arguments (each one is described
     in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector),
-    ``hierarchical`` (the two-level exchange across nodes) and ``check_ranks_every`` (the parameter check across
-    ranks), described in :class:`CompressionStrategy`,
-    plus every ``DDPStrategy`` argument.
+    ``hierarchical`` (the two-level exchange across nodes), ``check_ranks_every`` (the parameter check across
+    ranks) and ``gradient_as_bucket_view`` (``True``), all described in :class:`CompressionStrategy`, plus every
+    ``DDPStrategy`` argument.
     """
 
     def __init__(
@@ -411,6 +414,7 @@ class DGCStrategy(CompressionStrategy):
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         hierarchical: Literal["auto"] | bool = "auto",
         check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
+        gradient_as_bucket_view: bool = True,
         **kwargs: Any,
     ) -> None:
         options = {
@@ -422,7 +426,8 @@ class DGCStrategy(CompressionStrategy):
         }  # fmt: skip
         super().__init__(
             self.config_class(**options, **self._more_options()), max_consecutive_skips=max_consecutive_skips,
-            hierarchical=hierarchical, check_ranks_every=check_ranks_every, **kwargs,
+            hierarchical=hierarchical, check_ranks_every=check_ranks_every,
+            gradient_as_bucket_view=gradient_as_bucket_view, **kwargs,
         )  # fmt: skip
 
     #: The configuration the arguments fill.

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.parity import mean_std_text
-from recipes.__main__ import main as cli
+from lightning_dgc_recipes.__main__ import main as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(
@@ -228,7 +228,7 @@ def _cli_commands() -> list[tuple[str, list[str]]]:
     found = []
     for path in PAGES:
         for argv in commands(path):
-            if "-m" in argv and argv[argv.index("-m") + 1] == "recipes":  # python -m recipes, torchrun -m recipes
+            if "-m" in argv and argv[argv.index("-m") + 1] == "lightning_dgc_recipes":  # python -m lightning_dgc_recipes, torchrun -m lightning_dgc_recipes
                 found.append((rel(path), argv[argv.index("-m") + 2 :]))
             elif "lightning-dgc" in argv:
                 found.append((rel(path), argv[argv.index("lightning-dgc") + 1 :]))
@@ -236,13 +236,13 @@ def _cli_commands() -> list[tuple[str, list[str]]]:
 
 
 def _module_commands() -> list[tuple[str, str, list[str]]]:
-    """(page, module, arguments) of every ``python -m benchmarks.*`` / ``recipes.demo`` command shown."""
+    """(page, module, arguments) of every ``python -m benchmarks.*`` / ``lightning_dgc_recipes.demo`` command shown."""
     found = []
     for path in PAGES:
         for argv in commands(path):
             if "-m" in argv:
                 module = argv[argv.index("-m") + 1]
-                if module.startswith("benchmarks.") or module == "recipes.demo":
+                if module.startswith("benchmarks.") or module == "lightning_dgc_recipes.demo":
                     found.append((rel(path), module, argv[argv.index("-m") + 2 :]))
     return found
 
@@ -647,7 +647,7 @@ def test_task_config_headers_warm_dgc_up(path: Path, monkeypatch: pytest.MonkeyP
     """Each task config's first line, the command that launches it, runs DGC with the warm-up the docs
     call necessary, and parses."""
     args = shlex.split(path.read_text().splitlines()[0].lstrip("# "))
-    assert args[:3] == ["python", "-m", "recipes"]
+    assert args[:3] == ["python", "-m", "lightning_dgc_recipes"]
     assert "configs/algo/dgc.yaml" not in args and "configs/algo/dgc_warmup.yaml" in args
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["lightning-dgc"])
@@ -686,12 +686,12 @@ def test_records_are_scrubbed_when_written(tmp_path: Path) -> None:
 
     record = {
         "argv": [str(common.REPO / "benchmarks" / "parity.py"), "--data-root", "/work/shared/data"],
-        "command": f"{sys.executable} -m recipes fit --data.root /home/me/data/ptb --trainer.default_root_dir"
+        "command": f"{sys.executable} -m lightning_dgc_recipes fit --data.root /home/me/data/ptb --trainer.default_root_dir"
         f" {tempfile.gettempdir()}/run7/root",
         "nested": [{"data_root": Path("/mnt/x/data")}, {"where": "/opt/cache/x", "ratio": "(N-1)/N x 4 r"}],
     }
     assert common.scrub(record) == {
         "argv": ["benchmarks/parity.py", "--data-root", "<data>"],
-        "command": "python -m recipes fit --data.root <data>/ptb --trainer.default_root_dir <tmp>/run7/root",
+        "command": "python -m lightning_dgc_recipes fit --data.root <data>/ptb --trainer.default_root_dir <tmp>/run7/root",
         "nested": [{"data_root": "<data>"}, {"where": "<path>", "ratio": "(N-1)/N x 4 r"}],
     }

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import lightning_dgc
-from recipes.__main__ import builtin_configs, resolve_config
+from lightning_dgc_recipes.__main__ import builtin_configs, resolve_config
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,18 +25,18 @@ def test_every_package_directory_is_listed_for_the_wheel() -> None:
     listed = set(PYPROJECT["tool"]["setuptools"]["packages"])
     found = {
         ".".join(init.parent.relative_to(ROOT).parts)
-        for top in ("lightning_dgc", "recipes")
+        for top in ("lightning_dgc", "lightning_dgc_recipes")
         for init in (ROOT / top).rglob("__init__.py")
     }
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
-    assert {"recipes.configs", "recipes.configs.algo"} <= listed
+    assert {"lightning_dgc_recipes.configs", "lightning_dgc_recipes.configs.algo"} <= listed
 
 
 def test_the_configs_are_package_data() -> None:
     setuptools = PYPROJECT["tool"]["setuptools"]
-    assert setuptools["package-dir"]["recipes.configs"] == "configs"
-    assert setuptools["package-data"]["recipes.configs"] == ["*.yaml"]
-    assert setuptools["package-data"]["recipes.configs.algo"] == ["*.yaml"]
+    assert setuptools["package-dir"]["lightning_dgc_recipes.configs"] == "configs"
+    assert setuptools["package-data"]["lightning_dgc_recipes.configs"] == ["*.yaml"]
+    assert setuptools["package-data"]["lightning_dgc_recipes.configs.algo"] == ["*.yaml"]
     assert {p.parent for p in CONFIGS.rglob("*.yaml")} == {CONFIGS, CONFIGS / "algo"}
 
 
@@ -98,15 +98,25 @@ def test_builtin_names_resolve_from_any_folder(
     assert Path(resolve_config(value)).resolve() == (CONFIGS / expected).resolve()
 
 
-def test_an_existing_file_wins_and_anything_else_is_left_to_the_cli(
+def test_an_existing_file_wins_and_inline_yaml_is_left_to_the_cli(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "algo").mkdir()
     (tmp_path / "algo" / "dgc.yaml").write_text("trainer: {}\n")
     assert resolve_config("algo/dgc.yaml") == "algo/dgc.yaml"  # the user's own file
-    assert resolve_config("no_such_config") == "no_such_config"  # LightningCLI reports it
     assert resolve_config("trainer: {max_epochs: 1}") == "trainer: {max_epochs: 1}"  # inline YAML
+    assert resolve_config("{}") == "{}"
+
+
+@pytest.mark.parametrize(("value", "closest"), [("cifar10_resnet21", "cifar10_resnet20"), ("algo/dgcc", "algo/dgc")])
+def test_an_unknown_config_name_lists_the_builtin_names(
+    value: str, closest: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"no such file.*Did you mean `{closest}`") as error:
+        resolve_config(value)
+    assert all(f" {name}," in str(error.value) or f" {name}." in str(error.value) for name in builtin_configs())
 
 
 def test_powersgd_config_is_exported() -> None:

@@ -15,7 +15,7 @@ def test_run_key_follows_settings_not_comments_or_the_scratch_folder(tmp_path: P
     config.write_text("trainer:\n  strategy: dgc\n")
 
     def argv(scratch: str, *extra: str) -> list[str]:
-        return ["python", "-m", "recipes", "fit", "--config", str(config), "--trainer.default_root_dir",
+        return ["python", "-m", "lightning_dgc_recipes", "fit", "--config", str(config), "--trainer.default_root_dir",
                 f"{scratch}/root", *extra]  # fmt: skip
 
     key = parity.run_key(argv("/tmp/a"), Path("/tmp/a"))

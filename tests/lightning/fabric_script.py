@@ -78,7 +78,7 @@ def main() -> None:
     results = {
         "ddp": _loop("ddp"),
         "dgc_density_1": _loop(FabricCompressionStrategy("dgc", {"density": 1.0})),
-        "dgc": _loop(FabricCompressionStrategy("dgc", compressed)),
+        "dgc": _loop(FabricCompressionStrategy("dgc", **compressed)),  # the same settings as keywords
     }
     ckpt = Path(f"{out}.dgc.ckpt")
     results["dgc_first_half"] = _loop(FabricCompressionStrategy("dgc", compressed), stop=SAVE_AT, save=ckpt)

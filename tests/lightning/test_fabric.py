@@ -111,6 +111,68 @@ def test_a_wrong_density_gives_the_trainers_error() -> None:
         assert "density" in str(fabric.value)
 
 
+def test_the_algorithms_settings_are_keyword_arguments_through_both_doors() -> None:
+    """``density=0.01`` works as the Trainer's ``DGCStrategy(density=0.01)`` does, through the class Fabric
+    registers too; the ``options`` dict and a configuration object still work, and give the same settings."""
+    registered = STRATEGY_REGISTRY["deft"]
+    deft = registered["strategy"](**registered["init_params"], density=0.01, rotation=False)
+    assert deft.config == DEFTStrategy(density=0.01, rotation=False).config
+    assert deft.config == FabricCompressionStrategy("deft", {"density": 0.01, "rotation": False}).config
+    dgc = FabricCompressionStrategy(density=0.01, momentum=0.9, find_unused_parameters=True)
+    assert dgc.config == DGCStrategy(density=0.01, momentum=0.9).config == DGCConfig(density=0.01, momentum=0.9)
+    assert dgc._ddp_kwargs == {"gradient_as_bucket_view": True, "find_unused_parameters": True}
+    assert FabricCompressionStrategy(DGCConfig(density=0.5), seed=3).config == DGCConfig(density=0.5, seed=3)
+    powersgd = lightning_dgc.CompressionStrategy("powersgd", matrix_approximation_rank=2)
+    assert powersgd.config == FabricCompressionStrategy("powersgd", matrix_approximation_rank=2).config
+    assert powersgd.config.matrix_approximation_rank == 2
+    # a setting is checked as the Trainer's strategy checks it
+    with pytest.raises(ValueError) as trainer:
+        DGCStrategy(density=1.5)
+    with pytest.raises(ValueError) as fabric:
+        FabricCompressionStrategy(density=1.5)
+    assert str(fabric.value) == str(trainer.value)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: FabricCompressionStrategy(densty=0.01), "FabricCompressionStrategy('dgc', density=...)"),
+        (lambda: STRATEGY_REGISTRY["dgc"]["strategy"](**STRATEGY_REGISTRY["dgc"]["init_params"], densty=0.01),
+         "FabricCompressionStrategy('dgc', density=...)"),
+        (lambda: DGCStrategy(densty=0.01), "DGCStrategy(..., density=...)"),
+        (lambda: lightning_dgc.CompressionStrategy("dgc", densty=0.01), "CompressionStrategy('dgc', density=...)"),
+    ],
+    ids=["fabric", "fabric-registered", "trainer-dgc", "trainer"],
+)
+def test_a_misspelt_setting_names_the_right_one_and_the_form(make, message: str) -> None:
+    with pytest.raises(TypeError, match="unknown argument `densty` \\(did you mean `density`\\?\\)") as error:
+        make()
+    assert "neither a setting of DGCConfig (density, sample_ratio," in str(error.value)
+    assert str(error.value).endswith(f"Pass the algorithm's settings as keyword arguments: {message}.")
+
+
+def test_a_setting_given_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="`density` given both as a keyword argument and in `options`"):
+        FabricCompressionStrategy("dgc", {"density": 0.1}, density=0.2)
+
+
+def test_fabric_trains_with_a_setting_given_as_a_keyword_argument() -> None:
+    strategy = FabricCompressionStrategy(density=0.01, min_compress_numel=64)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+    try:
+        model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        optimizer.zero_grad()
+        fabric.backward(model(torch.randn(8, 32)).square().mean())
+        optimizer.step()
+        stats = strategy.compression_stats()
+        assert strategy.hook_calls == 1 and stats["density"] == 0.01
+        assert 20 < stats["k"] < 30, "1% of the 2048 + 256 weights (0.1%, the default, sends 4)"
+    finally:
+        lightning_dgc.destroy_process_group()
+
+
 def _fabric_setup(strategy: FabricCompressionStrategy, optimizer) -> None:  # type: ignore[no-untyped-def]
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
     fabric.launch()
@@ -143,8 +205,8 @@ def test_a_wrong_optimizer_gives_the_trainers_error(trainer_strategy, algorithm,
         _fabric_setup(FabricCompressionStrategy(config), optimizer)
     owner, name = type(trainer_strategy()).__name__, "FabricCompressionStrategy"
     algorithm = "deft" if algorithm == "deft_mc" else "dgc"
-    # the same message, with the fix spelled for Fabric's strategy: its settings are the `options` dict
-    expected = re.sub(rf"{owner}\(momentum=([^)]*)\)", rf"{name}('{algorithm}', {{'momentum': \1}})", str(trainer.value))
+    # the same message, with the fix spelled for Fabric's strategy, which names the algorithm
+    expected = re.sub(rf"{owner}\(momentum=([^)]*)\)", rf"{name}('{algorithm}', momentum=\1)", str(trainer.value))
     assert str(fabric.value) == expected.replace(owner, name)
 
 
@@ -208,9 +270,9 @@ def test_a_hook_of_ones_own_is_refused_by_name() -> None:
 
 @pytest.mark.slow
 def test_the_readme_loop_trains_and_saves_every_ranks_memory(tmp_path) -> None:
-    """``recipes/fabric_loop.py``, the README's Fabric loop, run as users run it."""
+    """``lightning_dgc_recipes/fabric_loop.py``, the README's Fabric loop, run as users run it."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "fabric_loop.py")],
+        [sys.executable, str(ROOT / "lightning_dgc_recipes" / "fabric_loop.py")],
         env=_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -8,7 +8,7 @@ dozen steps. They are plain functions so that multi-process tests can use them t
     from tests.recipes.fake_datasets import TINY_OVERRIDES, write_all
 
     roots = write_all(tmp_path)
-    subprocess.run([sys.executable, "-m", "recipes", "fit",
+    subprocess.run([sys.executable, "-m", "lightning_dgc_recipes", "fit",
                     "--config", "configs/ptb_lstm_cpu.yaml", "--config", "configs/algo/dgc.yaml",
                     *TINY_OVERRIDES["ptb_lstm_cpu"], f"--data.root={roots['ptb_lstm_cpu']}",
                     "--trainer.max_steps=4", "--trainer.limit_val_batches=2",

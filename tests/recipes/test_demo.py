@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from recipes import demo
+from lightning_dgc_recipes import demo
 
 
 @pytest.mark.slow

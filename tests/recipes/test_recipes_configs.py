@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy
 
-from recipes.__main__ import main
+from lightning_dgc_recipes.__main__ import main
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TASKS = sorted(path.stem for path in (REPO_ROOT / "configs").glob("*.yaml"))
@@ -58,7 +60,7 @@ def test_the_expected_configs_exist() -> None:
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
 def test_every_yaml_starts_with_its_launch_command(path: Path) -> None:
     first_line = path.read_text().splitlines()[0]
-    assert first_line.startswith("# python -m recipes fit --config configs/")
+    assert first_line.startswith("# python -m lightning_dgc_recipes fit --config configs/")
     assert f"configs/{path.relative_to(REPO_ROOT / 'configs')}" in first_line
     assert isinstance(yaml.safe_load(path.read_text()), dict)
 
@@ -79,8 +81,8 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
         main([*args, "--print_config"])
     assert exit_info.value.code == 0
     config = yaml.safe_load(out.getvalue())
-    assert config["model"]["class_path"].startswith("recipes.")
-    assert config["data"]["class_path"].startswith("recipes.")
+    assert config["model"]["class_path"].startswith("lightning_dgc_recipes.")
+    assert config["data"]["class_path"].startswith("lightning_dgc_recipes.")
     if algorithm == "ddp":
         assert config["trainer"]["strategy"] == "ddp"
     elif (
@@ -90,6 +92,8 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
         assert config["trainer"]["strategy"]["init_args"]["density"] == 0.001
     if algorithm not in (None, "ddp"):
         assert config["trainer"]["strategy"]["init_args"]["hierarchical"] == "auto"
+        # the strategies' default, as in Python (DDP's own default is False)
+        assert config["trainer"]["strategy"]["init_args"]["gradient_as_bucket_view"] is True
 
 
 @pytest.mark.parametrize("algorithm", [None, *ALGORITHMS], ids=lambda a: a or "plain")
@@ -105,6 +109,8 @@ def test_cpu_config_pair_instantiates(task: str, algorithm: str | None, tmp_path
     assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == task
     if algorithm is not None:
         assert isinstance(cli.trainer.strategy, DDPStrategy)
+        if algorithm != "ddp":
+            assert cli.trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is True
         callbacks = {type(callback).__name__ for callback in cli.trainer.callbacks}
         assert (
             lightning_dgc_names(algorithm) - {"CompressionStrategy", "DGCStrategy", "DEFTStrategy"}
@@ -126,3 +132,24 @@ def test_default_logger_without_a_task_logger(tmp_path: Path) -> None:
     cli = main(["--config", str(path)], run=False)
     assert isinstance(cli.trainer.logger, TensorBoardLogger)
     assert Path(cli.trainer.logger.save_dir).name == "lightning_logs"
+
+
+@pytest.mark.parametrize("algorithm", ["dgc", "deft", "powersgd"])
+def test_an_explicit_gradient_as_bucket_view_false_is_honoured(algorithm: str, tmp_path: Path) -> None:
+    args = ["--config", "configs/ptb_lstm_cpu.yaml", "--config", f"configs/algo/{algorithm}.yaml"]
+    args += ["--trainer.strategy.init_args.gradient_as_bucket_view=false", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    cli = main(args, run=False)
+    assert cli.trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is False
+
+
+@pytest.mark.parametrize(("value", "closest"), [("cifar10_resnet21", "cifar10_resnet20"), ("algo/dgcc", "algo/dgc")])
+def test_an_unknown_config_name_lists_the_builtin_names_on_the_command_line(value: str, closest: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_dgc_recipes", "fit", "--config", value, "--print_config"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"`--config {value}`: no such file" in proc.stderr and f"Did you mean `{closest}`?" in proc.stderr
+    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_warmup" in proc.stderr
+    assert "Traceback" not in proc.stderr and "File does not exist" not in proc.stderr

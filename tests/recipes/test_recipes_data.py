@@ -16,12 +16,18 @@ import soundfile
 import torch
 from torch.utils.data import DistributedSampler
 
-from recipes import language, speech, vision
-from recipes.demo import write_synthetic_cifar
-from recipes.download import DatasetNotFoundError, download_file
-from recipes.language import EOS, BPTTWindows, PTBDataModule
-from recipes.speech import LibriSpeechDataModule, encode_transcript, find_utterances
-from recipes.vision import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, load_cifar_batch, load_cifar_pickle
+from lightning_dgc_recipes import language, speech, vision
+from lightning_dgc_recipes.demo import write_synthetic_cifar
+from lightning_dgc_recipes.download import DatasetNotFoundError, download_file
+from lightning_dgc_recipes.language import EOS, BPTTWindows, PTBDataModule
+from lightning_dgc_recipes.speech import LibriSpeechDataModule, encode_transcript, find_utterances
+from lightning_dgc_recipes.vision import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    CIFAR10DataModule,
+    load_cifar_batch,
+    load_cifar_pickle,
+)
 from tests.recipes import fake_datasets
 
 UNREACHABLE = "http://127.0.0.1:9/unreachable"  # the discard port: connection refused at once

@@ -8,9 +8,9 @@ import lightning as L
 import pytest
 import torch
 
-from recipes.language import WordLanguageModel
-from recipes.resnet import CIFARResNet, build_resnet
-from recipes.speech import (
+from lightning_dgc_recipes.language import WordLanguageModel
+from lightning_dgc_recipes.resnet import CIFARResNet, build_resnet
+from lightning_dgc_recipes.speech import (
     CHARACTERS,
     DeepSpeech,
     LibriSpeechDataModule,
@@ -18,7 +18,7 @@ from recipes.speech import (
     encode_transcript,
     greedy_decode,
 )
-from recipes.vision import ImageClassifier
+from lightning_dgc_recipes.vision import ImageClassifier
 
 
 def parameters(module: torch.nn.Module) -> int:

@@ -21,9 +21,9 @@ import lightning as L
 import pytest
 import torch
 
-from recipes.language import PTBDataModule, WordLanguageModel
-from recipes.speech import LibriSpeechDataModule, SpeechRecognizer, find_utterances
-from recipes.vision import CIFAR10DataModule, ImageClassifier
+from lightning_dgc_recipes.language import PTBDataModule, WordLanguageModel
+from lightning_dgc_recipes.speech import LibriSpeechDataModule, SpeechRecognizer, find_utterances
+from lightning_dgc_recipes.vision import CIFAR10DataModule, ImageClassifier
 from tests.recipes.test_recipes_training import LossHistory
 
 DATA = os.environ.get("LIGHTNING_DGC_DATA")

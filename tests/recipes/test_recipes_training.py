@@ -13,10 +13,10 @@ import torch
 from lightning.pytorch.callbacks import Callback, RichProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from recipes.__main__ import main
-from recipes.language import PTBDataModule, WordLanguageModel
-from recipes.speech import LibriSpeechDataModule, SpeechRecognizer
-from recipes.vision import CIFAR10DataModule, ImageClassifier
+from lightning_dgc_recipes.__main__ import main
+from lightning_dgc_recipes.language import PTBDataModule, WordLanguageModel
+from lightning_dgc_recipes.speech import LibriSpeechDataModule, SpeechRecognizer
+from lightning_dgc_recipes.vision import CIFAR10DataModule, ImageClassifier
 from tests.recipes import fake_datasets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +94,7 @@ def test_loss_falls(
 def test_cli_trains_each_cpu_config(
     config: str, fake_data_roots: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``python -m recipes fit`` on the CPU YAML, shrunk to a few steps on one process."""
+    """``python -m lightning_dgc_recipes fit`` on the CPU YAML, shrunk to a few steps on one process."""
     monkeypatch.chdir(REPO_ROOT)  # the YAML paths in the docs are relative to the repository root
     monkeypatch.setattr(sys, "argv", ["recipes"])  # pytest's own flags are not the CLI's
     args = [

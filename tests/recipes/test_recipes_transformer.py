@@ -14,8 +14,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from recipes.language import PTBDataModule
-from recipes.transformer import TransformerLanguageModel, WarmupCosine
+from lightning_dgc_recipes.language import PTBDataModule
+from lightning_dgc_recipes.transformer import TransformerLanguageModel, WarmupCosine
 from tests.recipes.fake_datasets import TINY_OVERRIDES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -180,7 +180,7 @@ def test_cpu_config_fast_dev_run_with_two_processes(algorithm: str, ptb_root: Pa
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO_ROOT))
     cmd = [
-        sys.executable, "-m", "recipes", "fit",
+        sys.executable, "-m", "lightning_dgc_recipes", "fit",
         "--config", "configs/ptb_transformer_cpu.yaml", "--config", f"configs/algo/{algorithm}.yaml",
         *TINY_OVERRIDES["ptb_transformer_cpu"], f"--data.root={ptb_root}",
         "--trainer.fast_dev_run=2", "--trainer.enable_progress_bar=false",

@@ -1,4 +1,4 @@
-"""Your own training loop with Fabric and DGC, on 2 CPU processes: ``python recipes/fabric_loop.py``."""
+"""Your own training loop with Fabric and DGC, on 2 CPU processes: ``python lightning_dgc_recipes/fabric_loop.py``."""
 
 import lightning as L
 import torch

@@ -3,7 +3,7 @@
 The workload most users train today: a causal transformer with AdamW, a linear learning-rate
 warm-up and cosine decay, and bf16 autocast where the accelerator has it (``trainer.precision:
 bf16-mixed`` in the GPU config). Data: the word-level PTB files through
-:class:`recipes.language.PTBDataModule`, the same windows as the LSTM recipe; each BPTT window is an
+:class:`lightning_dgc_recipes.language.PTBDataModule`, the same windows as the LSTM recipe; each BPTT window is an
 independent sequence (no state is carried from one window to the next), so a token's context is
 the tokens before it in its window.
 
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.text import Perplexity
 
-from recipes.language import setup_vocabulary
+from lightning_dgc_recipes.language import setup_vocabulary
 
 __all__ = ["TransformerLanguageModel", "WarmupCosine"]
 

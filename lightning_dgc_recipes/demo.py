@@ -1,6 +1,6 @@
 """The demo: the same small ResNet trained with 2 CPU processes under ``ddp``, ``dgc`` and ``deft``.
 
-    python -m recipes.demo [--steps 350] [--density 0.001] [--algos ddp dgc deft] [--plot loss.png]
+    python -m lightning_dgc_recipes.demo [--steps 350] [--density 0.001] [--algos ddp dgc deft] [--plot loss.png]
 
 It runs offline: a small CIFAR-10-format dataset (the original pickle layout, read by the real
 ``CIFAR10DataModule``) is generated into a temporary folder, with a class signal the network can
@@ -102,7 +102,7 @@ def _worker(algo: str, root: str, steps: int, density: float, out: str) -> None:
     import torch
 
     import lightning_dgc
-    from recipes.vision import CIFAR10DataModule, ImageClassifier
+    from lightning_dgc_recipes.vision import CIFAR10DataModule, ImageClassifier
 
     torch.set_num_threads(1)
 
@@ -202,7 +202,7 @@ def run(algos: list[str], steps: int, density: float, console: Any) -> list[dict
             cmd = [
                 sys.executable,
                 "-m",
-                "recipes.demo",
+                "lightning_dgc_recipes.demo",
                 "--worker",
                 algo,
                 "--root",

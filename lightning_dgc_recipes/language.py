@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from torchmetrics.text import Perplexity
 
-from recipes.download import DatasetNotFoundError, download_file
+from lightning_dgc_recipes.download import DatasetNotFoundError, download_file
 
 __all__ = ["BPTTWindows", "PTBDataModule", "Vocabulary", "WordLanguageModel"]
 

@@ -30,7 +30,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_se
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.text import CharErrorRate, WordErrorRate
 
-from recipes.download import DatasetNotFoundError
+from lightning_dgc_recipes.download import DatasetNotFoundError
 
 __all__ = ["CHARACTERS", "DeepSpeech", "LibriSpeechDataModule", "SpeechRecognizer", "greedy_decode"]
 

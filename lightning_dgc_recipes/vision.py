@@ -25,8 +25,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from recipes.download import DatasetNotFoundError, download_file, extract_tar
-from recipes.resnet import build_resnet
+from lightning_dgc_recipes.download import DatasetNotFoundError, download_file, extract_tar
+from lightning_dgc_recipes.resnet import build_resnet
 
 __all__ = ["CIFAR10DataModule", "CIFAR10_MEAN", "CIFAR10_STD", "ImageClassifier", "ImageNetDataModule"]
 

@@ -1,4 +1,4 @@
-"""Command-line entry point: ``lightning-dgc`` (or ``python -m recipes``), a LightningCLI.
+"""Command-line entry point: ``lightning-dgc`` (or ``python -m lightning_dgc_recipes``), a LightningCLI.
 
 A run stacks a task YAML and, optionally, an algorithm YAML; later files and flags override
 earlier ones::
@@ -18,6 +18,7 @@ progress bar or disables it with ``--trainer.enable_progress_bar false``).
 
 from __future__ import annotations
 
+import difflib
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ class RecipeCLI(LightningCLI):
 
 
 def _configs_dir() -> Path:
-    """The built-in configs: ``recipes/configs`` in an installed wheel, ``configs/`` in a checkout."""
+    """The built-in configs: ``lightning_dgc_recipes/configs`` in an installed wheel, ``configs/`` in a checkout."""
     installed = Path(__file__).resolve().parent / "configs"
     return installed if installed.is_dir() else Path(__file__).resolve().parent.parent / "configs"
 
@@ -65,14 +66,23 @@ def resolve_config(value: str) -> str:
     """The file a ``--config`` value names: an existing file as given, else a built-in config's path.
 
     Built-in names are accepted with or without ``.yaml`` and with or without a leading ``configs/``.
-    Anything else (a missing file, or a YAML string given inline) is returned unchanged, for
-    LightningCLI to parse or to report.
+    A YAML string given inline is returned unchanged, for LightningCLI to parse. Any other value is a
+    ``ValueError`` that lists the built-in names and suggests the closest one.
     """
-    if Path(value).is_file() or "\n" in value or ":" in value:
+    if Path(value).exists() or "\n" in value or ":" in value or value.lstrip().startswith(("{", "[")):
         return value
     name = value.removeprefix("configs/").removesuffix(".yaml").removesuffix(".yml")
     candidate = _configs_dir() / f"{name}.yaml"
-    return str(candidate) if candidate.is_file() else value
+    if candidate.is_file():
+        return str(candidate)
+    names = builtin_configs()
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else ""
+    raise ValueError(
+        f"`--config {value}`: no such file, and no built-in config of that name.{hint} The built-in configs:"
+        f" {', '.join(names)}. Pass one of these names (`--config cifar10_resnet20_cpu --config algo/dgc`)"
+        " or the path of a YAML file."
+    )
 
 
 def _resolve_config_args(args: list[str]) -> list[str]:
@@ -90,10 +100,14 @@ def main(args: list[str] | None = None, run: bool = True) -> RecipeCLI:
 
     Built-in config names given to ``--config`` are resolved first (see :func:`resolve_config`).
     """
-    if args is None:  # the command line: resolved in place, so LightningCLI reads it as usual
-        sys.argv[1:] = _resolve_config_args(sys.argv[1:])
-    else:
-        args = _resolve_config_args(args)
+    try:
+        if args is None:  # the command line: resolved in place, so LightningCLI reads it as usual
+            sys.argv[1:] = _resolve_config_args(sys.argv[1:])
+        else:
+            args = _resolve_config_args(args)
+    except ValueError as error:  # reported as LightningCLI reports a bad argument
+        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     cli = RecipeCLI(
         LightningModule,
         LightningDataModule,

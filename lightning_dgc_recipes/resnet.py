@@ -176,7 +176,7 @@ def _cifar(depth: int) -> Callable[..., nn.Module]:
     return build
 
 
-#: Architecture names accepted by :class:`recipes.vision.ImageClassifier`. ``resnet8`` is the
+#: Architecture names accepted by :class:`lightning_dgc_recipes.vision.ImageClassifier`. ``resnet8`` is the
 #: smallest member of the CIFAR family, for tests and smoke runs.
 ARCHITECTURES: dict[str, Callable[..., nn.Module]] = {
     **{f"resnet{depth}": _cifar(depth) for depth in (8, 20, 32, 44, 56, 110)},
