@@ -21,8 +21,6 @@ from lightning_dgc.perfmodel import (
     allgather_volume,
     doubling_allgather_time,
     doubling_allreduce_time,
-    measured_records,
-    parse_bandwidth,
     predict,
     ring_allreduce_time,
     ring_allreduce_volume,
@@ -33,6 +31,7 @@ from lightning_dgc.perfmodel import (
     validate,
     wire_bytes,
 )
+from lightning_dgc.perfmodel.prediction import measured_records, parse_bandwidth
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
