@@ -2,6 +2,7 @@
 
     python -m benchmarks.checkpoint_memory                      # the 33.7M-parameter MLP, 2 processes
     python -m benchmarks.checkpoint_memory --params 4e6 --strategies ddp,ddp_bucket_view,dgc
+    python -m benchmarks.checkpoint_memory --files 2,4,8 --params 4e6    # the files at 2, 4 and 8 processes
 
 Each strategy runs in 2 fresh processes (gloo, one per "node", as torchrun starts them; on the CPU,
 or with ``--accelerator cuda`` one GPU each): an MLP of about ``--params`` parameters trains a few
@@ -149,6 +150,7 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
 
     torch.set_num_threads(1)
     rank = int(os.environ.get("NODE_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", str(WORLD)))
     cuda = accelerator == "cuda"
     baseline = _resident_bytes()
     net = _mlp(params)
@@ -185,7 +187,7 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
     model_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     trainer = L.Trainer(
         strategy=_make_strategy(strategy_name), accelerator=accelerator, devices=1,
-        num_nodes=WORLD, max_steps=steps, logger=False, enable_checkpointing=False,
+        num_nodes=world, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[last],
     )  # fmt: skip
     data = DataLoader(TensorDataset(torch.randn(8 * steps, width)), batch_size=4)
@@ -200,8 +202,12 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
     if cuda:
         cuda_before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+    trainer.strategy.barrier()
     with PeakMemory() as peak:
-        trainer.save_checkpoint(path)
+        started = time.perf_counter()
+        trainer.save_checkpoint(path)  # ends with a barrier: every rank's file is written
+        save_seconds = time.perf_counter() - started
+    rank_files = sorted(Path(f"{path}.exchange").glob(f"rank-{rank:05d}.*.pt"))
     result = {
         "strategy": strategy_name,
         "rank": rank,
@@ -217,18 +223,23 @@ def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator
             (torch.cuda.max_memory_allocated() - cuda_before) / model_bytes if cuda else None
         ),
         "checkpoint_bytes": path.stat().st_size if rank == 0 else None,
+        "rank_file_bytes": rank_files[0].stat().st_size if rank_files else None,
+        "save_seconds": save_seconds,
+        "world_size": world,
     }
     out.with_name(f"{out.stem}.rank{rank}.json").write_text(json.dumps(result))
+    trainer.strategy.barrier()
     if rank == 0:
-        path.unlink()
+        trainer.strategy.remove_checkpoint(path)
 
 
 def measure(
-    strategy: str, params: float, steps: int, folder: Path, timeout_s: float = 900, accelerator: str = "cpu"
+    strategy: str, params: float, steps: int, folder: Path, timeout_s: float = 900, accelerator: str = "cpu",
+    world: int = WORLD,
 ) -> list[dict[str, Any]]:
-    """Run ``strategy`` on :data:`WORLD` fresh processes; every rank's figures."""
+    """Run ``strategy`` on ``world`` fresh processes; every rank's figures."""
     port = common.free_port()
-    out = folder / f"{strategy}"
+    out = folder / f"{strategy}.n{world}"
     procs = [
         common.start(
             [
@@ -247,18 +258,51 @@ def measure(
                 accelerator,
             ],
             common.distributed_env(
-                rank, WORLD, "127.0.0.1", port, **({"CUDA_VISIBLE_DEVICES": str(rank)} if accelerator == "cuda" else {})
+                rank, world, "127.0.0.1", port, **({"CUDA_VISIBLE_DEVICES": str(rank)} if accelerator == "cuda" else {})
             ),
-            folder / f"{strategy}.rank{rank}.log",
+            folder / f"{strategy}.n{world}.rank{rank}.log",
         )  # fmt: skip
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     codes = common.wait_all(procs, timeout_s)
     if any(code != 0 for code in codes):
         raise RuntimeError(
-            f"{strategy} failed ({codes}):\n{common.tail(folder / f'{strategy}.rank0.log', 40)}"
+            f"{strategy} failed ({codes}):\n{common.tail(folder / f'{strategy}.n{world}.rank0.log', 40)}"
         )
-    return [json.loads(out.with_name(f"{out.stem}.rank{r}.json").read_text()) for r in range(WORLD)]
+    return [json.loads(out.with_name(f"{out.stem}.rank{r}.json").read_text()) for r in range(world)]
+
+
+FILES_STRATEGIES = ("ddp", "dgc", "deft", "powersgd")
+
+
+def measure_files(params: float, steps: int, worlds: list[int], strategies: list[str], record: str) -> int:
+    """The checkpoint's files at every world size: rank 0's file, each rank's file, the save's time and rank 0's
+    peak memory during the save; written to ``record``."""
+    folder = common.RESULTS / "logs" / "checkpoint_files"
+    folder.mkdir(parents=True, exist_ok=True)
+    rows, table = [], []
+    for world in worlds:
+        for name in strategies:
+            ranks = measure(name, params, steps, folder, world=world)
+            rank0 = ranks[0]
+            files = [r["rank_file_bytes"] for r in ranks]
+            row = {
+                "world_size": world, "strategy": name, "model_bytes": rank0["model_bytes"], "params": rank0["params"],
+                "checkpoint_bytes": rank0["checkpoint_bytes"], "rank_file_bytes": files,
+                "save_seconds": rank0["save_seconds"], "save_peak_model_sizes": rank0["save_peak_model_sizes"],
+                "other_ranks_save_peak_model_sizes": max((r["save_peak_model_sizes"] for r in ranks[1:]), default=0),
+            }  # fmt: skip
+            rows.append(row)
+            table.append([world, name, row["checkpoint_bytes"] / 1e6, (max(files) / 1e6) if files[0] else None,
+                          row["save_seconds"], row["save_peak_model_sizes"]])  # fmt: skip
+    common.print_table(
+        f"Checkpoint files, MLP of {rows[0]['params'] / 1e6:.1f}M parameters",
+        ["N", "strategy", "rank 0's file MB", "rank file MB", "save s", "save peak, rank 0"], table,
+        caption="rank file: the largest of the ranks' exchange-state files; save s: trainer.save_checkpoint on rank"
+        " 0 (to the barrier at its end); save peak: rank 0's resident memory during the save, in model sizes",
+    )  # fmt: skip
+    common.write_json(record, {"params": rows[0]["params"], "steps": steps, "rows": rows})
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         help="cpu (default), cuda (one GPU per rank: reports CUDA peak memory too), auto: cuda when there"
         " is a GPU per rank",
     )  # fmt: skip
+    parser.add_argument(
+        "--files", default=None, metavar="N,N,...",
+        help="measure the checkpoint's files at these world sizes (e.g. 2,4,8) instead, into checkpoint_files.json",
+    )  # fmt: skip
+    parser.add_argument("--record", default="checkpoint_files.json", help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -284,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker, args.params, args.steps, args.out, accelerator)
         return 0
+    if args.files:
+        strategies = args.strategies.split(",") if args.strategies != ",".join(STRATEGIES) else list(FILES_STRATEGIES)
+        return measure_files(args.params, args.steps, [int(n) for n in args.files.split(",")], strategies, args.record)
 
     folder = common.RESULTS / "logs" / "checkpoint_memory"
     folder.mkdir(parents=True, exist_ok=True)

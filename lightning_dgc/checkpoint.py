@@ -20,13 +20,25 @@ from typing import Any
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from lightning_dgc import comm
+from lightning_dgc import comm, rank_files, shards
+from lightning_dgc.rank_files import FileIO, check_manifest
 from lightning_dgc.state import CHECKPOINT_KEY, ExchangeState, check_checkpoint_entry
 
-__all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_KEY", "check_entry", "gather_exchange_state", "restore_exchange_state"]
-#: Version of that entry. 2: the checkpoint's optimizer state holds the user's SGD hyper-parameters and
-#: momentum (absent: written before, with the take-over's zeros there).
-CHECKPOINT_FORMAT = 2
+__all__ = [
+    "CHECKPOINT_FORMAT", "CHECKPOINT_KEY", "FileIO", "check_entry", "inline_exchange_state", "restore_exchange_state",
+    "save_exchange_state",
+]  # fmt: skip
+#: Version of that entry. 3: a manifest; every rank's state is in its own file beside the checkpoint
+#: (:mod:`lightning_dgc.rank_files`). 2: every rank's state in the entry (``"ranks"``), the optimizer state with
+#: the user's SGD hyper-parameters and momentum. Absent: as 2, with the take-over's zeros in the optimizer state.
+CHECKPOINT_FORMAT = 3
+#: The format of an entry that holds every rank's state itself (:func:`inline_exchange_state`).
+SINGLE_FILE_FORMAT = 2
+
+
+def is_manifest(entry: Any) -> bool:
+    """Whether a checkpoint's exchange entry is a manifest of rank files (format 3), not the states themselves."""
+    return isinstance(entry, dict) and "ranks" not in entry and isinstance(entry.get("format"), int) and entry["format"] >= 3
 
 
 # Lightning is imported where it is used: importing it registers the strategy names, whose modules import this
@@ -121,62 +133,97 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def gather_exchange_state(
-    state: ExchangeState, algorithm: str, world_size: int, owner: str, copy_own: bool = True
+def save_exchange_state(
+    state: ExchangeState,
+    algorithm: str,
+    path: Any,
+    io: FileIO,
+    owner: str,
+    with_memory: bool = True,
 ) -> dict[str, Any] | None:
-    """Every rank's exchange state, gathered into rank 0 tensor by tensor (all ranks call this).
+    """Every rank writes its exchange state into its own file beside checkpoint ``path`` (all ranks call this).
 
-    Returns the checkpoint entry on rank 0, ``None`` on the other ranks (their buffers were sent as
-    they are, without copies). ``owner`` is the strategy's class name, used in messages. ``copy_own=False``:
-    rank 0's own CPU buffers go into the entry as they are (for a file written before training goes on).
+    Returns the manifest on rank 0 (``None`` elsewhere), once every rank's file is written: rank 0 writes it
+    into its checkpoint file last. ``with_memory=False``: no rank files, a manifest without ``"files"`` (a resume
+    then starts the exchange with empty buffers). ``owner`` is the strategy's class name, used in messages.
     """
     committed = state.memory.committed
-    keys = sorted((kind, name) for kind, by_name in committed.items() for name in by_name)
-    layout = [(kind, name, list(committed[kind][name].shape)) for kind, name in keys]
+    layout = sorted((kind, name, list(t.shape)) for kind, by_name in committed.items() for name, t in by_name.items())
     digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
-    if state.topology is not None:
-        return _gather_two_level_state(state, algorithm, world_size, owner, digest)
-    if len(set(comm.all_gather_object(digest))) != 1:
+    local = state.topology.local_rank if state.topology is not None else 0
+    tag = f"{state.step:08d}-{os.urandom(4).hex()}"  # a new name at every save; rank 0's is taken
+    agreed = comm.all_gather_object((local, digest, tag))
+    per_node = state.topology.per_node if state.topology is not None else 1
+    if len({(r[0], r[1]) for r in agreed}) != per_node:  # type: ignore[index]
         raise RuntimeError(
             f"{owner}: the ranks hold memory for different parameters and cannot write one"
             " checkpoint; every rank must train the same model."
         )
-    metadata = comm.gather_object(state.state_dict(memory=False))
-    gathered = comm.gather_tensors([committed[kind][name] for kind, name in keys], copy_own=copy_own)
-    if metadata is None or gathered is None:
+    tag = agreed[0][2]  # type: ignore[index]
+    folder = rank_files.folder_of(path)
+    record = None
+    if with_memory:
+        record = io.save(state.state_dict(), rank_files.join(folder, rank_files.rank_file_name(state.global_rank, tag)))
+    records = comm.gather_object(record)  # every rank's file is written once rank 0 has its record
+    if records is None:
         return None
-    ranks = []
-    for r, meta in enumerate(metadata):
-        memory: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in committed}
-        for (kind, name), copies in zip(keys, gathered, strict=True):
-            memory[kind][name] = copies[r]
-        ranks.append({**meta, "memory": memory})  # type: ignore[dict-item]
-    return _entry(state, algorithm, world_size, ranks)
-
-
-def _entry(state: ExchangeState, algorithm: str, world_size: int, ranks: list[Any]) -> dict[str, Any]:
     return {
         "algorithm": algorithm,
         "format": CHECKPOINT_FORMAT,
-        "world_size": world_size,
+        "world_size": len(records),
         "topology": state.topology_signature,
-        "ranks": ranks,
+        "step": state.step,
+        "folder": os.path.basename(folder.rstrip("/")),
+        "files": records if with_memory else None,
     }
 
 
-def _gather_two_level_state(
-    state: ExchangeState, algorithm: str, world_size: int, owner: str, digest: str
-) -> dict[str, Any] | None:
-    """:func:`gather_exchange_state` of a two-level exchange, whose ranks hold different pieces: the ranks
-    sharing a local rank must agree, and each rank's state travels as one object."""
-    assert state.topology is not None
-    if len(set(comm.all_gather_object((state.topology.local_rank, digest)))) != state.topology.per_node:
-        raise RuntimeError(
-            f"{owner}: the ranks hold memory for different parameters and cannot write one"
-            " checkpoint; every rank must train the same model."
-        )
-    ranks = comm.gather_object(state.state_dict())
-    return None if ranks is None else _entry(state, algorithm, world_size, ranks)
+def finish_save(path: Any, manifest: dict[str, Any], io: FileIO) -> None:
+    """After rank 0 wrote the checkpoint at ``path``: delete the rank files of earlier saves to it."""
+    folder = rank_files.folder_of(path)
+    if manifest.get("files") is None:
+        io.remove(folder)
+    else:
+        io.remove_unnamed(folder, {record["name"] for record in manifest["files"]})
+
+
+def remove_rank_files(path: Any, io: FileIO) -> None:
+    """Delete the rank files of checkpoint ``path`` (rank 0, when the checkpoint itself is removed)."""
+    io.remove(rank_files.folder_of(path))
+
+
+def mean_momentum(state: ExchangeState) -> dict[str, torch.Tensor] | None:
+    """The mean over ranks of the exchange's momentum (two-level: over nodes, each node's pieces put together),
+    by parameter name, flat in bucket order, on rank 0's CPU (``None`` on the other ranks).
+
+    All ranks call this. One all-reduce per parameter: no rank holds more than one parameter's copy beyond
+    rank 0's result (what DDP's checkpoint holds as SGD's momentum buffers).
+    """
+    committed = state.memory.committed.get("momentum", {})
+    topology = state.topology
+    first = state.global_rank == 0
+    out: dict[str, torch.Tensor] = {}
+    if topology is None:
+        for name in sorted(committed):
+            mean = comm.average(committed[name].detach().clone())
+            if first:
+                out[name] = mean.cpu()
+        return out if first else None
+    mine = {shards.parse_piece(n)[0] if shards.parse_piece(n) else n for n in committed}  # type: ignore[index]
+    parents = sorted({n for names in comm.all_gather_object(sorted(mine)) for n in names})  # type: ignore[attr-defined]
+    numels = state.parameter_numels()
+    for parent in parents:
+        full = torch.zeros(numels[parent], dtype=torch.float32, device=state.param(parent).device)
+        for name, tensor in committed.items():
+            piece = shards.parse_piece(name)
+            if name == parent:  # a whole parameter, the same on every rank of the node
+                full.copy_(tensor.reshape(-1)).div_(topology.per_node)
+            elif piece is not None and piece[0] == parent:
+                full[piece[1] : piece[2]] = tensor.reshape(-1)
+        comm.average(full).mul_(topology.per_node)  # the sum over every rank / nodes
+        if first:
+            out[parent] = full.cpu()
+    return out if first else None
 
 
 def check_entry(entry: dict[str, Any] | None, algorithm: str, owner: str, has_optimizer_state: bool) -> bool:
@@ -187,7 +234,9 @@ def check_entry(entry: dict[str, Any] | None, algorithm: str, owner: str, has_op
     checkpoint kept the user's SGD hyper-parameters (a "legacy" checkpoint). A malformed entry is an error
     that names the part (:func:`lightning_dgc.state.check_checkpoint_entry`).
     """
-    if entry is not None:
+    if is_manifest(entry):
+        check_manifest(entry)  # type: ignore[arg-type]
+    elif entry is not None:
         check_checkpoint_entry(entry)
     if entry is None and has_optimizer_state:
         rank_zero_warn(
@@ -210,12 +259,31 @@ def check_entry(entry: dict[str, Any] | None, algorithm: str, owner: str, has_op
     return False
 
 
-def restore_exchange_state(state: ExchangeState, entry: dict[str, Any], device: torch.device) -> None:
+def restore_exchange_state(
+    state: ExchangeState, entry: dict[str, Any], device: torch.device, path: Any = None, io: FileIO | None = None
+) -> None:
     """Load this rank's part of a checkpoint entry into ``state`` (the mean of all ranks' on another world size).
 
     A collective: every rank checks what it loads (:meth:`ExchangeState.restore`), and a problem on any rank
-    is raised on every rank before the first step, never a silent reset.
+    is raised on every rank before the first step, never a silent reset. A manifest (format 3) is resolved
+    against the rank files beside ``path``: on the same topology each rank reads its own file only; on another
+    one every rank reads every file (they are redistributed).
     """
+    if is_manifest(entry):
+        if entry.get("files") is None:
+            state.step = int(entry["step"])
+            rank_zero_warn(
+                "The checkpoint was saved without the exchange memory (save_exchange_state=False): the residuals"
+                " start from zero, and momentum continues from the optimizer's SGD buffers (the mean over ranks)."
+            )
+            return
+        same = entry["topology"] == state.topology_signature
+        states = read_rank_states(entry, [state.global_rank] if same else range(entry["world_size"]), path, io)
+        if same:
+            state.restore_rank_state(states[state.global_rank], device)
+            return
+        entry = {k: v for k, v in entry.items() if k not in ("files", "folder", "step")}
+        entry["format"], entry["ranks"] = SINGLE_FILE_FORMAT, [states[r] for r in range(entry["world_size"])]
     if not state.restore(entry, device):
         return
     saved, topology = entry.get("topology"), state.topology_signature
@@ -231,3 +299,44 @@ def restore_exchange_state(state: ExchangeState, entry: dict[str, Any], device: 
             " every rank starts from the mean of the saved momentum and residual buffers, which keeps the"
             " pending update of the whole group and drops per-rank detail."
         )
+
+
+def read_rank_states(
+    entry: dict[str, Any], ranks: Any, path: Any, io: FileIO | None = None, collective: bool = True
+) -> dict[int, dict[str, Any]]:
+    """The saved states of ``ranks`` from the rank files a manifest names, each checked against its record
+    (``collective``: a missing, truncated or foreign file on any rank is an error on every rank, naming it)."""
+    io = io or FileIO(None)
+    folder = rank_files.sibling(path, entry["folder"])
+    files = {r: rank_files.join(folder, entry["files"][r]["name"]) for r in ranks}
+    problems = [p for r, f in files.items() if (p := rank_files.check_file(f, entry["files"][r])) is not None]
+    if collective:
+        problems = [p for mine in comm.all_gather_object(problems) for p in mine]  # type: ignore[attr-defined]
+    everyone = sorted(set(problems))
+    if everyone:
+        shown = "\n  ".join(everyone[:20]) + (f"\n  ... and {len(everyone) - 20} more" if len(everyone) > 20 else "")
+        raise RuntimeError(
+            f"The checkpoint {str(path)!r} names {entry['world_size']} rank files of exchange state in {folder!r}"
+            f" that cannot be resumed from:\n  {shown}\nThe folder must sit beside the checkpoint, as the save left"
+            " it: copy or move it with the file. Or resume from another checkpoint, or delete the checkpoint's"
+            f" {CHECKPOINT_KEY!r} entry to resume the model and optimizer with empty exchange buffers."
+        )
+    return {r: io.load(f) for r, f in files.items()}
+
+
+def inline_exchange_state(path: Any, io: FileIO | None = None) -> dict[str, Any]:
+    """The checkpoint at ``path`` with every rank's exchange state read from its file into the entry: the
+    single-file form (format 2, ``checkpoint["lightning_dgc"]["ranks"]``), which every version resumes.
+
+    To inspect a checkpoint's exchange state, or to move it as one file (``torch.save(inline_exchange_state(p),
+    q)``). A checkpoint already in that form, or saved without exchange memory, is returned as it is.
+    """
+    io = io or FileIO(None)
+    checkpoint = io.load(str(path))
+    entry = checkpoint.get(CHECKPOINT_KEY)
+    if is_manifest(entry) and entry.get("files") is not None:
+        check_manifest(entry)
+        states = read_rank_states(entry, range(entry["world_size"]), path, io, collective=False)
+        inlined = {k: v for k, v in entry.items() if k not in ("files", "folder", "step")}
+        checkpoint[CHECKPOINT_KEY] = inlined | {"format": SINGLE_FILE_FORMAT, "ranks": [states[r] for r in sorted(states)]}
+    return checkpoint

@@ -11,7 +11,7 @@ with the same optimizer take-over (:mod:`lightning_dgc.takeover`) and the same c
 * ``fabric.backward(loss)`` runs the exchange, bucket by bucket, and closes its step (commit the memory,
   or keep it as it was when a gradient was not finite on some rank);
 * ``optimizer.step()`` steps, or skips the step on every rank when a gradient was not finite;
-* ``fabric.save(path, state)`` adds every rank's memory (gathered into rank 0) and writes the user's SGD
+* ``fabric.save(path, state)`` writes every rank's memory into its own file beside ``path`` and the user's SGD
   hyper-parameters and momentum into the optimizer's state; ``fabric.load(path, state)`` restores them.
 
 Every algorithm is registered in Fabric's strategy registry under its name, and ``"<name>_spawn"``.
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision, TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.utilities.types import Optimizable
@@ -40,12 +40,13 @@ from lightning_dgc.agreement import DEFAULT_CHECK_RANKS_EVERY, check_ranks_every
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checkpoint import (
     CHECKPOINT_KEY,
+    FileIO,
     check_entry,
-    gather_exchange_state,
-    is_local,
+    finish_save,
+    mean_momentum,
     read_checkpoint,
     restore_exchange_state,
-    save_atomically,
+    save_exchange_state,
 )
 from lightning_dgc.checks import drop_foreign_hook_arguments
 from lightning_dgc.front import ExchangeAccess, GradientCarry, config_from_arguments
@@ -81,6 +82,8 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         max_consecutive_skips: the stall detector, as the Trainer strategy's.
         check_ranks_every: compare a checksum of the ranks' parameters every this many optimizer steps, as the
             Trainer strategy's (:class:`~lightning_dgc.CompressionStrategy`); ``None`` or 0 turns it off.
+        save_exchange_state: write every rank's exchange memory beside each checkpoint, as the Trainer strategy's;
+            ``False``: model and optimizer only (a resume starts the residuals from zero, with a warning).
         gradient_as_bucket_view: DDP's argument, ``True`` here (the parameters' ``.grad`` are views into
             DDP's buckets: one model size less); pass ``False`` for separate ``.grad`` tensors.
         **kwargs: the configuration's fields (with an algorithm given by name), and every other argument of
@@ -105,8 +108,11 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
         gradient_as_bucket_view: bool = True,  # .grad and the bucket: one model size, not two
+        save_exchange_state: bool = True,
         **kwargs: Any,
     ) -> None:
+        #: Write every rank's exchange memory beside each checkpoint (``False``: model and optimizer only).
+        self.save_exchange_state = bool(save_exchange_state)
         #: Raise after this many consecutive steps skipped for non-finite gradients (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         self.check_ranks_every = check_ranks_every_value(check_ranks_every)
@@ -217,7 +223,8 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """Write ``state`` with every rank's exchange memory gathered into it (all ranks call this).
+        """Write ``state``, and every rank's exchange memory into its own file beside ``path`` (all ranks call this;
+        the layout of the Trainer strategy, :mod:`lightning_dgc.rank_files`).
 
         Each optimizer set up through this strategy is written with the user's SGD hyper-parameters and,
         as SGD's ``momentum_buffer``, the mean over ranks of the exchange's momentum (as the Trainer
@@ -232,10 +239,15 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
                 " the exchange state; rename that entry of `state`."
             )
         converted = self._convert_stateful_objects_in_state(state, filter=(filter or {}))
-        entry = gather_exchange_state(self._state, self.algorithm, self.world_size, type(self).__name__)
-        if entry is None:  # not rank 0: its buffers went to rank 0
+        io = FileIO(self.checkpoint_io, storage_options)
+        manifest = save_exchange_state(
+            self._state, self.algorithm, path, io, type(self).__name__, with_memory=self.save_exchange_state
+        )
+        optimizers = [key for key, obj in state.items() if any(obj is opt for opt in self._optimizers)]
+        momenta = mean_momentum(self._state) if optimizers and self._taken_over.needs_momentum() else None
+        if manifest is None:  # not rank 0: its own file is written
             return
-        converted[CHECKPOINT_KEY] = entry
+        converted[CHECKPOINT_KEY] = manifest
         packed = {
             index: converted[key]
             for key, obj in state.items()
@@ -244,11 +256,9 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         }
         assert self._module is not None
         params = dict(self._module.module.named_parameters())
-        self._taken_over.write_user_optimizer_state(self._state, packed, entry, params)
-        if type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local(path):
-            save_atomically(converted, path)  # Lightning's buffers the whole file in memory first
-        else:
-            self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+        self._taken_over.write_user_optimizer_state(self._state, packed, momenta or {}, params)
+        io.save(converted, path, record=False)  # local: straight to disk (Lightning's buffers the whole file first)
+        finish_save(path, manifest, io)
 
     @override
     def load_checkpoint(
@@ -275,7 +285,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
             loads_optimizer = any(obj is opt for obj in state.values() for opt in self._optimizers)
             check_entry(entry, self.algorithm, type(self).__name__, loads_optimizer)
             if entry is not None:
-                restore_exchange_state(self._state, entry, self.root_device)
+                restore_exchange_state(self._state, entry, self.root_device, path, FileIO(self.checkpoint_io))
         finally:
             self._take_over()  # the loaded SGD hyper-parameters and momentum buffers, taken over again
         return remainder

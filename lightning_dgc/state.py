@@ -449,14 +449,23 @@ class ExchangeState:
         Call it on every rank of the process group at once (it is a collective). Returns whether the
         state was redistributed (another world size, or another topology: :func:`state_for_topology`).
         """
+        state, redistributed = state_for_topology(entry, self.topology_signature, self.global_rank, self.parameter_shapes())
+        self.restore_rank_state(state, device)
+        return redistributed
+
+    def restore_rank_state(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Load this rank's saved state (:meth:`state_dict`, e.g. from its own rank file), checked first on every
+        rank (:meth:`check_state_dict`, a collective): any rank's problem is raised on every rank."""
         rank = self.global_rank
-        state, redistributed = state_for_topology(entry, self.topology_signature, rank, self.parameter_shapes())
-        problems = [f"rank {rank}: {p}" for p in self.check_state_dict(state)]
+        try:
+            check_checkpoint_entry({"algorithm": self.algorithm.name, "world_size": 1, "ranks": [state]})
+            problems = [f"rank {rank}: {p}" for p in self.check_state_dict(state)]
+        except ValueError as error:
+            problems = [f"rank {rank}: {error}"]
         everyone = [p for rank_problems in comm.all_gather_object(problems) for p in rank_problems]  # type: ignore[union-attr]
         if everyone:
             raise ValueError(restore_error(everyone))
         self._load(state, device)
-        return redistributed
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         """Restore memory, step and generators, checked by :meth:`check_state_dict` (a ``ValueError`` names what

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -37,12 +37,14 @@ from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend,
 from lightning_dgc.checkpoint import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
+    FileIO,
     check_entry,
-    gather_exchange_state,
-    is_local,
+    finish_save,
+    mean_momentum,
     read_checkpoint,
+    remove_rank_files,
     restore_exchange_state,
-    save_atomically,
+    save_exchange_state,
 )
 from lightning_dgc.checks import drop_foreign_hook_arguments
 from lightning_dgc.front import ExchangeAccess, GradientCarry, config_from_arguments
@@ -115,6 +117,10 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             check gathers 16 bytes per rank and reads the parameters once. The settings (``density``) are compared
             before every step's exchange in any case (16 bytes per rank), so a setting changed on one rank only
             raises on every rank instead of blocking the exchange.
+        save_exchange_state: write every rank's exchange memory (momentum, residuals) beside each checkpoint, in
+            its own file (``<checkpoint>.exchange/``), so that a resume continues it exactly. ``False``: the
+            checkpoint holds the model and the optimizer only (with the mean momentum as SGD's buffers); a resume
+            starts the residuals from zero, with a warning.
         gradient_as_bucket_view: DDP's argument, ``True`` here (``False`` under Lightning's ``DDPStrategy``),
             from Python and from the CLI alike: the parameters' ``.grad`` are views into DDP's buckets,
             into which the exchange writes the averaged update anyway, so the gradients take no memory of
@@ -143,8 +149,11 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         hierarchical: Literal["auto"] | bool = "auto",
         check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
         gradient_as_bucket_view: bool = True,  # .grad and the bucket: one model size, not two
+        save_exchange_state: bool = True,
         **kwargs: Any,
     ) -> None:
+        #: Write every rank's exchange memory beside each checkpoint (``False``: model and optimizer only).
+        self.save_exchange_state = bool(save_exchange_state)
         #: Raise after this many consecutive steps skipped by the strategy (0: never).
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         self.check_ranks_every = check_ranks_every_value(check_ranks_every)
@@ -166,6 +175,7 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         )
         self._state: ExchangeState | None = None
         self._checkpoint_entry: dict[str, Any] | None = None  # restored in setup(), once the state exists
+        self._checkpoint_path: Any = None  # the file it came from: its rank files sit beside it
         # the SGD groups whose momentum the exchange applies
         self._taken_over = OptimizerTakeOver(type(self).__name__)
         self._legacy_checkpoint = (
@@ -295,43 +305,47 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        """Gather every rank's memory into the checkpoint that rank 0 writes (all ranks call this).
+        """Every rank writes its exchange memory into its own file beside ``filepath``, then rank 0 writes the
+        checkpoint with the manifest that names those files (all ranks call this; :mod:`lightning_dgc.rank_files`).
 
         The checkpoint also holds the user's SGD hyper-parameters and, as SGD's ``momentum_buffer``, the
-        mean over ranks of the exchange's momentum, so that plain DDP (or any strategy) resumes it with
-        momentum applied once and nothing lost. Memory: every buffer is gathered tensor by tensor into
-        rank 0 (``2 x world_size`` model sizes there, plus one for the SGD buffers, as DDP's own
-        checkpoint holds); rank 0's own buffers are not copied on the CPU; the other ranks send their
-        buffers as they are, without copies.
+        mean over ranks of the exchange's momentum (an all-reduce, parameter by parameter), so that plain DDP
+        (or any strategy) resumes it with momentum applied once and nothing lost. Rank 0's file is DDP's size
+        plus a few kB; no rank holds a copy of another rank's memory.
         """
         if self._state is None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        synchronous = (
-            type(self.checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local(filepath)
+        io = FileIO(self.checkpoint_io, storage_options)
+        state = self.exchange_state
+        manifest = save_exchange_state(
+            state, self.algorithm, filepath, io, type(self).__name__, with_memory=self.save_exchange_state
         )
-        entry = gather_exchange_state(
-            self.exchange_state, self.algorithm, self.world_size, type(self).__name__, copy_own=not synchronous
-        )
-        if entry is None:  # not rank 0: its buffers went to rank 0
+        writes_momentum = "optimizer_states" in checkpoint and self._taken_over.needs_momentum()
+        momenta = mean_momentum(state) if writes_momentum else None
+        if manifest is None:  # not rank 0: its own file is written
             return
-        checkpoint[CHECKPOINT_KEY] = entry
+        checkpoint[CHECKPOINT_KEY] = manifest
         if "optimizer_states" in checkpoint:
             self._taken_over.write_user_optimizer_state(
-                self.exchange_state,
-                dict(enumerate(checkpoint["optimizer_states"])),
-                entry,
+                state, dict(enumerate(checkpoint["optimizer_states"])), momenta or {},
                 dict(self.lightning_module.named_parameters()),
-            )
-        if synchronous:
-            save_atomically(checkpoint, filepath)  # Lightning's buffers the whole file in memory first
-        else:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            )  # fmt: skip
+        io.save(checkpoint, filepath, record=False)  # local: straight to disk (Lightning's buffers the whole file in memory)
+        finish_save(filepath, manifest, io)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint and the folder of its rank files (``ModelCheckpoint``'s rotation, ``last.ckpt``)."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_rank_files(filepath, FileIO(self.checkpoint_io))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's read of the file; a truncated one is an error naming it and the fix (:func:`read_checkpoint`)."""
         load = super().load_checkpoint
+        self._checkpoint_path = checkpoint_path  # the rank files are read in setup(), beside it
         return read_checkpoint(lambda: load(checkpoint_path, *args, **kwargs), checkpoint_path)
 
     @override
@@ -369,7 +383,9 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         entry, self._checkpoint_entry = self._checkpoint_entry, None
         if entry is None:
             return
-        restore_exchange_state(self.exchange_state, entry, self.root_device)
+        restore_exchange_state(
+            self.exchange_state, entry, self.root_device, self._checkpoint_path, FileIO(self.checkpoint_io)
+        )
 
     @classmethod
     @override
@@ -394,8 +410,8 @@ class DGCStrategy(CompressionStrategy):
     ``CompressionStrategy(DGCConfig(...))`` with DGC's settings as arguments (each one is described
     in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector),
     ``hierarchical`` (the two-level exchange across nodes), ``check_ranks_every`` (the parameter check across
-    ranks) and ``gradient_as_bucket_view`` (``True``), all described in :class:`CompressionStrategy`, plus every
-    ``DDPStrategy`` argument.
+    ranks), ``gradient_as_bucket_view`` (``True``) and ``save_exchange_state`` (the exchange memory in
+    checkpoints), all described in :class:`CompressionStrategy`, plus every ``DDPStrategy`` argument.
     """
 
     def __init__(
@@ -415,6 +431,7 @@ class DGCStrategy(CompressionStrategy):
         hierarchical: Literal["auto"] | bool = "auto",
         check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
         gradient_as_bucket_view: bool = True,
+        save_exchange_state: bool = True,
         **kwargs: Any,
     ) -> None:
         options = {
@@ -427,7 +444,7 @@ class DGCStrategy(CompressionStrategy):
         super().__init__(
             self.config_class(**options, **self._more_options()), max_consecutive_skips=max_consecutive_skips,
             hierarchical=hierarchical, check_ranks_every=check_ranks_every,
-            gradient_as_bucket_view=gradient_as_bucket_view, **kwargs,
+            gradient_as_bucket_view=gradient_as_bucket_view, save_exchange_state=save_exchange_state, **kwargs,
         )  # fmt: skip
 
     #: The configuration the arguments fill.

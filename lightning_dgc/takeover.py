@@ -184,16 +184,15 @@ class OptimizerTakeOver:
         self,
         state: ExchangeState,
         optimizer_states: Mapping[int, dict[str, Any]],
-        entry: dict[str, Any],
+        momenta: Mapping[str, torch.Tensor],
         params: Mapping[str, torch.Tensor],
     ) -> None:
         """The user's hyper-parameters and the mean momentum as SGD buffers, into the checkpoint's copy.
 
-        ``optimizer_states``: the packed ``state_dict()`` of each optimizer, by its index; ``entry``: the
-        gathered exchange state (:func:`lightning_dgc.checkpoint.gather_exchange_state`).
+        ``optimizer_states``: the packed ``state_dict()`` of each optimizer, by its index; ``momenta``: the mean
+        over ranks of the exchange's momentum by parameter name, flat
+        (:func:`lightning_dgc.checkpoint.mean_momentum`).
         """
-        numels = {name: p.numel() for name, p in params.items()}
-        momenta = momenta_by_unit(entry["ranks"], entry.get("topology"), numels)
         for taken in self.groups:
             packed = optimizer_states.get(taken.optimizer)
             if packed is None:
@@ -203,15 +202,15 @@ class OptimizerTakeOver:
             if not taken.user.momentum:
                 continue
             for index, name in zip(group["params"], taken.names, strict=True):
-                if name not in momenta[0]:
+                if name not in momenta:
                     continue
-                mean = momenta[0][name].clone()  # summed rank by rank: one buffer, not world_size
-                for m in momenta[1:]:
-                    mean.add_(m[name])
-                mean.div_(len(momenta))
-                buffer = sgd_momentum(state, name, mean, params[name].detach().cpu()).to(params[name].dtype)
+                buffer = sgd_momentum(state, name, momenta[name], params[name].detach().cpu()).to(params[name].dtype)
                 # A new dict: the packed state's values are the optimizer's live per-parameter dicts.
                 packed["state"][index] = {**packed["state"].get(index, {}), "momentum_buffer": buffer}
+
+    def needs_momentum(self) -> bool:
+        """Whether a checkpoint's optimizer state gets the exchange's momentum (some group has the user's)."""
+        return any(taken.user.momentum for taken in self.groups)
 
     def hand_back_momentum(self, state: ExchangeState, optimizers: Sequence[Optimizer]) -> None:
         """Give SGD the mean over ranks of the exchange's momentum as its ``momentum_buffer`` (all ranks call

@@ -205,6 +205,8 @@ def main() -> None:
     p.add_argument("--fit-twice", type=int, default=0, help="fit to this many steps, then on to --max-steps")
     p.add_argument("--options", default=None, help="JSON: CompressionStrategy(--strategy, options)")
     p.add_argument("--grad-copy", action="store_true", help="DGCStrategy(gradient_as_bucket_view=False)")
+    p.add_argument("--no-exchange-state", action="store_true", help="CompressionStrategy(save_exchange_state=False)")
+    p.add_argument("--top-k", type=int, default=-1, help="ModelCheckpoint's save_top_k")
     args = p.parse_args()
 
     L.seed_everything(0)
@@ -222,6 +224,9 @@ def main() -> None:
     if args.max_skips is not None:
         assert isinstance(strategy, str), "--max-skips takes --strategy NAME only"
         strategy = lightning_dgc.CompressionStrategy(strategy, max_consecutive_skips=args.max_skips)
+    if args.no_exchange_state:
+        assert isinstance(strategy, str), "--no-exchange-state takes --strategy NAME only"
+        strategy = lightning_dgc.CompressionStrategy(strategy, save_exchange_state=False)
     if args.timeout is not None:
         kinds = {"dgc": lightning_dgc.DGCStrategy, "deft": lightning_dgc.DEFTStrategy, "ddp": DDPStrategy}
         strategy = kinds[args.strategy](timeout=timedelta(seconds=args.timeout))
@@ -233,7 +238,7 @@ def main() -> None:
                 dirpath=f"{args.out}.ckpts",
                 every_n_train_steps=args.ckpt_every,
                 save_last=True,
-                save_top_k=-1,
+                save_top_k=args.top_k,
             )
         )
     if args.dump_memory:

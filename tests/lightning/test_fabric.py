@@ -22,6 +22,7 @@ from torch import nn
 import lightning_dgc
 from lightning_dgc import DEFTStrategy, DGCStrategy, FabricCompressionStrategy
 from lightning_dgc.algorithms.dgc import DGCConfig
+from lightning_dgc.checkpoint import inline_exchange_state
 from tests.lightning.run import ROOT, _environment, run_script
 from tests.lightning.test_optimizers import _fit
 
@@ -73,7 +74,10 @@ def test_save_at_five_and_load_to_ten_equals_a_straight_ten(fabric_run) -> None:
     for run in ranks:
         assert torch.equal(run["dgc_resumed"]["params"], run["dgc"]["params"])
     ckpt = torch.load(f"{out}.dgc.ckpt", weights_only=True)
-    entry = ckpt[lightning_dgc.strategy.CHECKPOINT_KEY]
+    manifest = ckpt[lightning_dgc.strategy.CHECKPOINT_KEY]  # rank 0's file names a file per rank, beside it
+    assert manifest["format"] == 3 and [f["name"][:10] for f in manifest["files"]] == ["rank-00000", "rank-00001"]
+    assert sorted(p.name for p in Path(f"{out}.dgc.ckpt.exchange").iterdir()) == [f["name"] for f in manifest["files"]]
+    entry = inline_exchange_state(f"{out}.dgc.ckpt")[lightning_dgc.strategy.CHECKPOINT_KEY]
     assert entry["algorithm"] == "dgc" and entry["world_size"] == 2 and len(entry["ranks"]) == 2
     assert entry["ranks"][0]["memory"]["momentum"], "every rank's momentum is in the checkpoint"
     assert not torch.equal(
@@ -278,5 +282,5 @@ def test_the_readme_loop_trains_and_saves_every_ranks_memory(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-6000:]
     losses = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("epoch ")]
     assert len(losses) == 4 and losses[-1] < losses[0], proc.stdout
-    ckpt = torch.load(tmp_path / "fabric_dgc.ckpt", weights_only=True)
+    ckpt = inline_exchange_state(tmp_path / "fabric_dgc.ckpt")
     assert ckpt["epoch"] == 3 and len(ckpt["lightning_dgc"]["ranks"]) == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_dgc.checkpoint import CHECKPOINT_FORMAT
 from tests.lightning.run import params, results, run_script
 
 pytestmark = pytest.mark.slow
@@ -53,7 +54,7 @@ def test_dgc_checkpoint_resumed_under_ddp_keeps_the_users_momentum(tmp_path, ddp
     group = saved["optimizer_states"][0]["param_groups"][0]
     assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.9, False, 0.0)
     assert all("momentum_buffer" in s for s in saved["optimizer_states"][0]["state"].values())
-    assert saved["lightning_dgc"]["format"] == 2
+    assert saved["lightning_dgc"]["format"] == CHECKPOINT_FORMAT
     out = tmp_path / "ddp"
     run_script("fit_script.py", out, "--strategy", "ddp", "--max-steps", "10", *EPOCH, "--resume", str(ckpt))
     assert all(r["sgd_momentum"] == [0.9] for r in results(out)[0]["records"])

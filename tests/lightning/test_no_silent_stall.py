@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from lightning_dgc.checkpoint import inline_exchange_state
 from tests.lightning.run import Rank, launch_ranks, results, run_script
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ def test_a_run_that_skips_step_after_step_stops_on_every_rank_and_a_scaler_backi
 def test_a_nan_buffer_of_one_rank_stops_both_ranks_before_the_first_step(tmp_path) -> None:
     ckpt = tmp_path / "four.ckpt"
     run_script("fit_script.py", tmp_path / "four", "--max-steps", "4", "--save-ckpt", str(ckpt))
-    checkpoint = torch.load(ckpt, weights_only=True)
+    checkpoint = inline_exchange_state(ckpt)  # the single-file form, every rank's state in the entry
     checkpoint["lightning_dgc"]["ranks"][1]["memory"]["velocity"]["net.0.weight"][5] = float("nan")
     torch.save(checkpoint, ckpt)
     ranks = launch_ranks("fit_script.py", tmp_path / "resumed", "--max-steps", "8", "--resume", str(ckpt),

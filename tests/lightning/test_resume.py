@@ -7,6 +7,7 @@ import glob
 import pytest
 import torch
 
+from lightning_dgc.checkpoint import inline_exchange_state
 from tests.lightning.run import results, run_script
 
 pytestmark = pytest.mark.slow
@@ -30,9 +31,13 @@ def test_each_rank_gets_its_own_memory_back_bit_for_bit(tmp_path, strategy: str)
     ckpt = tmp_path / "step10.ckpt"
     s = ("--strategy", strategy)
     run_script("fit_script.py", first, *s, "--max-steps", "10", "--dump-memory", "--save-ckpt", str(ckpt))
-    # The checkpoint holds both ranks' buffers and loads without unpickling arbitrary objects.
-    saved = torch.load(ckpt, weights_only=True)
-    entry = saved["lightning_dgc"]
+    # Rank 0's file holds the manifest; each rank's buffers are in its own file beside it, and every file loads
+    # without unpickling arbitrary objects.
+    manifest = torch.load(ckpt, weights_only=True)["lightning_dgc"]
+    assert manifest["format"] == 3 and manifest["world_size"] == 2 and manifest["step"] == 10
+    files = sorted(p.name for p in (tmp_path / "step10.ckpt.exchange").iterdir())
+    assert files == [f["name"] for f in manifest["files"]] and files[0].startswith("rank-00000.")
+    entry = inline_exchange_state(ckpt)["lightning_dgc"]
     assert entry["algorithm"] == strategy and entry["world_size"] == 2 and len(entry["ranks"]) == 2
     for r in range(2):
         _assert_memory_equal(entry["ranks"][r]["memory"], _memory(first, r, "end"))
@@ -53,7 +58,7 @@ def test_each_rank_gets_its_own_memory_back_bit_for_bit(tmp_path, strategy: str)
 def test_a_checkpoint_that_lost_one_parameters_buffers_is_refused_and_the_unmodified_one_resumes(tmp_path) -> None:
     ckpt, damaged = tmp_path / "step6.ckpt", tmp_path / "damaged.ckpt"
     run_script("fit_script.py", tmp_path / "first", "--max-steps", "6", "--save-ckpt", str(ckpt))
-    saved = torch.load(ckpt, weights_only=True)
+    saved = inline_exchange_state(ckpt)  # the single-file form, which resumes as well
     for state in saved["lightning_dgc"]["ranks"]:
         assert "net.2.weight" in state["memory"]["velocity"]
         for by_name in state["memory"].values():
@@ -113,7 +118,7 @@ def test_killed_rank_resumes_from_last_checkpoint_and_finishes(tmp_path) -> None
     assert proc.returncode != 0, "the run should have died with its rank"
     ckpts = sorted(glob.glob(f"{run}.ckpts/*.ckpt"))
     assert any("last" in c for c in ckpts), ckpts
-    last = torch.load(f"{run}.ckpts/last.ckpt", weights_only=True)
+    last = inline_exchange_state(f"{run}.ckpts/last.ckpt")
     assert last["global_step"] == 10 and len(last["lightning_dgc"]["ranks"]) == 2
     resumed = tmp_path / "resumed"
     run_script(
