@@ -8,6 +8,8 @@ Each module is a script with a ``main(argv)`` entry (``python -m benchmarks.<nam
 * :mod:`benchmarks.overhead`: ``dgc`` at density 1 against stock DDP on loopback, and the
   compression ratio of ResNet-20 at density 0.001 counting every byte.
 * :mod:`benchmarks.parity`: accuracy parity on real data (CIFAR-10 subset, PTB, spoken digits).
+* :mod:`benchmarks.gpu_check`: on a CUDA GPU, every GPU check in one command and one JSON (the CUDA
+  tests, GPU fits, the selection, checkpoint-memory and profiling benchmarks on CUDA).
 * :mod:`benchmarks.run_all`: everything above (and the selection, traffic and scaling benchmarks
   when present), then :mod:`benchmarks.report`, which writes ``docs/benchmarks/results.md``.
 

@@ -80,6 +80,7 @@ OTHERS: tuple[tuple[str, str], ...] = (
     ("shapes", "benchmarks.shapes"),
     ("tensorboard_", "benchmarks.tensorboard_figure"),
     ("buildup", "benchmarks.buildup"),
+    ("gpu_check", "benchmarks.gpu_check"),
 )
 SECTION_TITLES = {
     "slow_links": "Slow links, end to end (1 Gbit/s and 100 Mbit/s)",
