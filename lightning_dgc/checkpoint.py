@@ -3,7 +3,7 @@
 Shared by the Trainer strategy (:mod:`lightning_dgc.strategy`) and the Fabric strategy
 (:mod:`lightning_dgc.fabric`). The entry under :data:`CHECKPOINT_KEY` holds the algorithm's name, the
 format, the world size and one state per rank (:meth:`ExchangeState.state_dict`); a resume on another
-world size gives every rank the mean (:func:`lightning_dgc.state.state_for_rank`).
+world size gives every rank the mean (:func:`lightning_dgc.entry.state_for_rank`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from lightning_dgc import comm, rank_files, shards
+from lightning_dgc.entry import CHECKPOINT_KEY, check_checkpoint_entry
 from lightning_dgc.rank_files import FileIO, check_manifest
-from lightning_dgc.state import CHECKPOINT_KEY, ExchangeState, check_checkpoint_entry
+from lightning_dgc.state import ExchangeState
 
 __all__ = [
     "CHECKPOINT_FORMAT", "CHECKPOINT_KEY", "FileIO", "check_entry", "inline_exchange_state", "restore_exchange_state",
@@ -232,7 +233,7 @@ def check_entry(entry: dict[str, Any] | None, algorithm: str, owner: str, has_op
     Warns when there is none but there is optimizer state (another strategy wrote the checkpoint);
     raises for another algorithm's entry. Returns whether the entry is of a format written before the
     checkpoint kept the user's SGD hyper-parameters (a "legacy" checkpoint). A malformed entry is an error
-    that names the part (:func:`lightning_dgc.state.check_checkpoint_entry`).
+    that names the part (:func:`lightning_dgc.entry.check_checkpoint_entry`).
     """
     if is_manifest(entry):
         check_manifest(entry)  # type: ignore[arg-type]

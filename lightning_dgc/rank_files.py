@@ -137,7 +137,7 @@ def check_file(path: str, record: dict[str, Any]) -> str | None:
 
 def check_manifest(entry: dict[str, Any]) -> None:
     """Raise a ``ValueError`` naming the part of a manifest (a ``"lightning_dgc"`` entry of format 3) that is malformed."""
-    from lightning_dgc.state import CHECKPOINT_KEY
+    from lightning_dgc.entry import CHECKPOINT_KEY
 
     key = f"checkpoint[{CHECKPOINT_KEY!r}]"
     fix = f" Resume from an unmodified checkpoint, or delete {key} to start the exchange with empty buffers."

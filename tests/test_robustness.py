@@ -15,7 +15,8 @@ from lightning_dgc import comm, hook
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.algorithms.powersgd import PowerSGDConfig, orthogonalize_
 from lightning_dgc.callbacks import SparsityWarmup
-from lightning_dgc.state import ExchangeState, check_checkpoint_entry, state_for_rank
+from lightning_dgc.entry import check_checkpoint_entry, state_for_rank
+from lightning_dgc.state import ExchangeState
 
 
 # -- 1. PowerSGD never makes NaN from a finite gradient ------------------------------------------------------

@@ -18,7 +18,8 @@ from lightning_dgc import algorithms, comm, hook, shards
 from lightning_dgc.algorithms.base import layout_of
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.comm import CollectiveError
-from lightning_dgc.state import ExchangeState, state_for_topology
+from lightning_dgc.entry import state_for_topology
+from lightning_dgc.state import ExchangeState
 
 CONFIGS = {
     "dgc": {"density": 0.05},
