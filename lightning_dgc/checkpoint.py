@@ -193,12 +193,17 @@ def remove_rank_files(path: Any, io: FileIO) -> None:
     io.remove(rank_files.folder_of(path))
 
 
+#: Values per all-reduce of :func:`mean_momentum` (1 MiB in fp32).
+MEAN_CHUNK = 1 << 18
+
+
 def mean_momentum(state: ExchangeState) -> dict[str, torch.Tensor] | None:
     """The mean over ranks of the exchange's momentum (two-level: over nodes, each node's pieces put together),
     by parameter name, flat in bucket order, on rank 0's CPU (``None`` on the other ranks).
 
-    All ranks call this. One all-reduce per parameter: no rank holds more than one parameter's copy beyond
-    rank 0's result (what DDP's checkpoint holds as SGD's momentum buffers).
+    All ranks call this. All-reduces of at most :data:`MEAN_CHUNK` values each: beyond rank 0's result (what
+    DDP's checkpoint holds as SGD's momentum buffers) no rank holds more than one chunk's copy (a two-level
+    run: one parameter's).
     """
     committed = state.memory.committed.get("momentum", {})
     topology = state.topology
@@ -206,9 +211,14 @@ def mean_momentum(state: ExchangeState) -> dict[str, torch.Tensor] | None:
     out: dict[str, torch.Tensor] = {}
     if topology is None:
         for name in sorted(committed):
-            mean = comm.average(committed[name].detach().clone())
-            if first:
-                out[name] = mean.cpu()
+            flat = committed[name].detach().reshape(-1)
+            mean = torch.empty(flat.numel(), dtype=torch.float32) if first else None
+            for start in range(0, flat.numel(), MEAN_CHUNK):
+                chunk = comm.average(flat[start : start + MEAN_CHUNK].clone())
+                if mean is not None:
+                    mean[start : start + chunk.numel()].copy_(chunk)
+            if mean is not None:
+                out[name] = mean.view(committed[name].shape)
         return out if first else None
     mine = {shards.parse_piece(n)[0] if shards.parse_piece(n) else n for n in committed}  # type: ignore[index]
     parents = sorted({n for names in comm.all_gather_object(sorted(mine)) for n in names})  # type: ignore[attr-defined]

@@ -1,12 +1,6 @@
 """The step's collectives: :class:`Collectives`, run on a process group (:class:`TorchCollectives`), and
 :func:`when_all`, the decode once they are done.
 
-An algorithm's exchange talks to a :class:`Collectives` object, never to ``torch.distributed``:
-
-* :class:`TorchCollectives` runs the collectives on a process group (gloo, NCCL);
-* :class:`LocalCollectives` simulates ``N`` ranks in one process (one thread per rank, see
-  :func:`simulate`), so that an exchange can be unit-tested on the CPU without a process group.
-
 Every collective is started from the hook's thread, in bucket order, so that every rank issues the
 same collectives in the same order (gloo matches collectives by the order in which a process starts
 them; a collective started from a future's callback, which runs in a backend thread, could be
@@ -14,11 +8,7 @@ interleaved differently on different ranks). :meth:`Pending.wait` lets an exchan
 step's result before it starts the next (with NCCL that orders the stream without a host
 synchronisation; with gloo, and on the CPU, the host waits); :func:`when_all` runs the decode once
 the last ones are done.
-
-Beside the step's collectives: blocking helpers for setup and checkpoints (gathering objects and
-tensors), the bucket layout DDP builds, and ending the process group cleanly.
 """
-
 
 from __future__ import annotations
 

@@ -11,20 +11,9 @@ import torch
 from lightning_dgc.checkpoint import inline_exchange_state
 from tests.lightning.run import launch_ranks, results, run_script
 from tests.lightning.test_no_silent_stall import _wait
+from tests.lightning.test_resume import _assert_memory_equal, _memory
 
 pytestmark = pytest.mark.slow
-
-
-def _memory(prefix, rank: int, tag: str) -> dict:
-    return torch.load(f"{prefix}.rank{rank}.{tag}.pt", weights_only=True)
-
-
-def _assert_memory_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys() and "velocity" in a
-    for kind in a:
-        assert a[kind].keys() == b[kind].keys()
-        for name in a[kind]:
-            assert torch.equal(a[kind][name], b[kind][name]), f"{kind}/{name} differs"
 
 
 def _one_rank_resume(tmp_path, ckpt, name: str) -> str:
