@@ -50,7 +50,7 @@ from lightning_dgc.checkpoint import (
 )
 from lightning_dgc.checks import drop_foreign_hook_arguments
 from lightning_dgc.front import ExchangeAccess, GradientCarry, config_from_arguments
-from lightning_dgc.state import ExchangeState, sparse_gradient_message
+from lightning_dgc.state import ExchangeState
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     OptimizerTakeOver,
@@ -142,16 +142,12 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
         """Wrap ``module`` in DDP and register the exchange's hook (on every device type, CPU included)."""
-        from lightning_dgc.strategy import sparse_gradient_parameters
-
         if self._module is not None:
             raise ValueError(
                 f"{type(self).__name__} compresses the gradients of one model, and one is set up already: set up"
                 " the other models under another Fabric, or put them in one `nn.Module`."
             )
-        sparse = sparse_gradient_parameters(module)
-        if sparse:
-            raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
+        self._refuse_sparse_gradients(module)
         ddp = super().setup_module(module)
         state = self._state = ExchangeState(self._config)
         state.register_parameters(list(ddp.module.named_parameters()))

@@ -19,7 +19,7 @@ from lightning_dgc.agreement import check_parameters_agree, check_settings_agree
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checks import check_density
 from lightning_dgc.hook import exchange_hook
-from lightning_dgc.state import ExchangeState, algorithm_for
+from lightning_dgc.state import ExchangeState, algorithm_for, sparse_gradient_message
 from lightning_dgc.takeover import skip_non_finite_step
 
 
@@ -84,6 +84,17 @@ def _ddp_arguments(base: type) -> set[str]:
     names = {*inspect.signature(DistributedDataParallel.__init__).parameters}
     names |= {*inspect.signature(base.__init__).parameters}
     return names - {"self", "module", "kwargs"}
+
+
+def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
+    """Names of the trainable parameters of ``module`` whose gradients will be sparse tensors."""
+    return [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, m in module.named_modules()
+        if getattr(m, "sparse", False) is True
+        for name, p in m.named_parameters(recurse=False)
+        if p.requires_grad
+    ]
 
 
 class ExchangeAccess:
@@ -207,6 +218,12 @@ class ExchangeAccess:
                 state, optimizer, type(self).__name__, self.max_consecutive_skips,
                 scaler=self._grad_scaler(enabled=False) is not None,
             )  # fmt: skip
+
+    def _refuse_sparse_gradients(self, module: torch.nn.Module) -> None:
+        """The error, at setup, for a model with parameters whose gradients are sparse tensors."""
+        sparse = sparse_gradient_parameters(module)
+        if sparse:
+            raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
 
     @override
     def setup_environment(self) -> None:

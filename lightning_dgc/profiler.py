@@ -45,8 +45,8 @@ from typing_extensions import override
 
 from lightning_dgc import comm
 from lightning_dgc.algorithms.dgc import DGCConfig, values_per_step
+from lightning_dgc.front import ExchangeAccess
 from lightning_dgc.perfmodel import BucketProfile, Profile
-from lightning_dgc.strategy import CompressionStrategy
 
 __all__ = ["ExchangeProfiler", "bucket_layout", "bucket_profiles", "time_selection"]
 
@@ -247,7 +247,7 @@ class ExchangeProfiler(L.Callback):
     @staticmethod
     def _compression_stats(trainer: L.Trainer) -> dict[str, Any]:
         strategy = trainer.strategy
-        return dict(strategy.compression_stats()) if isinstance(strategy, CompressionStrategy) else {}
+        return dict(strategy.compression_stats()) if isinstance(strategy, ExchangeAccess) else {}
 
     # -- the profile --------------------------------------------------------------------------------------
     @override
@@ -259,7 +259,7 @@ class ExchangeProfiler(L.Callback):
     def _config(self, trainer: L.Trainer) -> Any:
         """The running algorithm's settings, or this callback's DGC settings under another strategy."""
         strategy = trainer.strategy
-        return strategy.config if isinstance(strategy, CompressionStrategy) else self.config
+        return strategy.config if isinstance(strategy, ExchangeAccess) else self.config
 
     def build_profile(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Profile:
         """The :class:`Profile` of what was measured so far (called at the end of training)."""
@@ -289,7 +289,7 @@ class ExchangeProfiler(L.Callback):
         step = _median(self.step_times)
         backward = _median(self.backward_times)
         notes.append(f"{dgc.selection} top-k selection, sample_ratio={dgc.sample_ratio}")
-        running = strategy.algorithm if isinstance(strategy, CompressionStrategy) else None
+        running = strategy.algorithm if isinstance(strategy, ExchangeAccess) else None
         profile = Profile(
             model=self.model_name or type(pl_module).__name__,
             buckets=buckets,
@@ -314,7 +314,7 @@ class ExchangeProfiler(L.Callback):
     def _check(self, profile: Profile, strategy: Any) -> bool | None:
         """Compare the per-bucket totals with ``compression_stats()`` of the last step."""
         stats = self.stats
-        if not stats or not isinstance(strategy, CompressionStrategy):
+        if not stats or not isinstance(strategy, ExchangeAccess):
             return None
         totals = profile.totals(strategy.algorithm, profile.world_size)
         wrong = {

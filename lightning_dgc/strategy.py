@@ -47,8 +47,13 @@ from lightning_dgc.checkpoint import (
     save_exchange_state,
 )
 from lightning_dgc.checks import drop_foreign_hook_arguments
-from lightning_dgc.front import ExchangeAccess, GradientCarry, config_from_arguments
-from lightning_dgc.state import ExchangeState, sparse_gradient_message
+from lightning_dgc.front import (
+    ExchangeAccess,
+    GradientCarry,
+    config_from_arguments,
+    sparse_gradient_parameters,
+)
+from lightning_dgc.state import ExchangeState
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     OptimizerTakeOver,
@@ -62,17 +67,6 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-
-def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
-    """Names of the trainable parameters of ``module`` whose gradients will be sparse tensors."""
-    return [
-        f"{prefix}.{name}" if prefix else name
-        for prefix, m in module.named_modules()
-        if getattr(m, "sparse", False) is True
-        for name, p in m.named_parameters(recurse=False)
-        if p.requires_grad
-    ]
 
 
 class CompressionStrategy(ExchangeAccess, DDPStrategy):
@@ -189,9 +183,7 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         # Stock Lightning registers hooks on CUDA only; the hook is the point of this strategy, so it
         # is registered on every device type (gloo on CPU, NCCL on GPU).
         assert isinstance(self.model, DistributedDataParallel)
-        sparse = sparse_gradient_parameters(self.model.module)
-        if sparse:
-            raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
+        self._refuse_sparse_gradients(self.model.module)
         named = list(self.model.module.named_parameters())
         state = self._state
         if state is None or list(state.param_names.values()) != [n for n, _ in named]:
