@@ -44,7 +44,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dgc import comm
-from lightning_dgc.algorithms.dgc import DGCConfig, values_per_step
+from lightning_dgc.algorithms.dgc import DGCConfig
+from lightning_dgc.algorithms.sparse import values_per_step
 from lightning_dgc.front import ExchangeAccess
 from lightning_dgc.perfmodel import BucketProfile, Profile
 

@@ -1,6 +1,6 @@
 """DEFT (Yoon and Oh, ICPP 2023): partitioned top-k selection, with no gradient build-up.
 
-Steps 2 and 5 as DGC (:mod:`lightning_dgc.algorithms.dgc`): error feedback, or DGC's momentum
+Steps 2 and 5 as DGC (:mod:`lightning_dgc.algorithms.sparse`, the top-k base they share): error feedback, or DGC's momentum
 correction with ``momentum_correction=True``; then, per bucket:
 
 3. **norms**: the L2 norm of every fragment of the compensated gradient (a layer larger than 1/N of
@@ -40,12 +40,12 @@ from lightning_dgc.algorithms.deft_partition import (
     lpt_assign,
     selection_cost,
 )
-from lightning_dgc.algorithms.dgc import (
-    DGC,
-    DGCConfig,
-    DGCPlan,
-    DGCWork,
+from lightning_dgc.algorithms.dgc import DGCConfig
+from lightning_dgc.algorithms.sparse import (
     Entry,
+    SparsePlan,
+    SparseTopK,
+    SparseWork,
     average,
     dense_sum,
     exchange_dense,
@@ -192,7 +192,7 @@ def repeated(union: Tensor) -> Tensor:
 
 
 @dataclass
-class DEFTPlan(DGCPlan):
+class DEFTPlan(SparsePlan):
     # The fragments of the compressed tensors (offsets into their concatenation) and, grouped by layer,
     # each layer's entry with its fragments rebased to the layer.
     fragments: list[Fragment] = field(default_factory=list)
@@ -206,7 +206,7 @@ class DEFTPlan(DGCPlan):
 
 
 @dataclass
-class DEFTWork(DGCWork):
+class DEFTWork(SparseWork):
     summed: Pending | None = None
 
 
@@ -216,7 +216,7 @@ def _rebased(f: Fragment) -> Fragment:
 
 
 @register
-class DEFT(DGC):
+class DEFT(SparseTopK[DEFTConfig, DEFTPlan, DEFTWork]):
     """DEFT's partitioned selection through DGC's compensation and decode (see the module docstring)."""
 
     name = "deft"
@@ -230,10 +230,10 @@ class DEFT(DGC):
         return self.config.momentum_correction
 
     @classmethod
-    def selected_density(cls, config: DGCConfig, world_size: int) -> float:
-        if getattr(config, "budget", "k") == "dgc_link":  # see DEFTConfig.budget
+    def selected_density(cls, config: DEFTConfig, world_size: int) -> float:
+        if config.budget == "dgc_link":  # see DEFTConfig.budget
             value_bytes = config.value_dtype_torch.itemsize
-            if getattr(config, "wire", "allreduce") == "compact":  # codes all-gathered, fp16 values all-reduced
+            if config.wire == "compact":  # codes all-gathered, fp16 values all-reduced
                 per_value = codec.CODE_BYTES + 2 * COMPACT_VALUE_DTYPE.itemsize
             else:  # int32 indices and the values, both all-reduced
                 per_value = 2 * (codec.INDEX_BYTES + value_bytes)
@@ -246,7 +246,7 @@ class DEFT(DGC):
 
     def plan(self, layout: list[TensorSpec], buffer: Tensor) -> DEFTPlan:
         base = super().plan(layout, buffer)
-        plan = DEFTPlan(**{f: getattr(base, f) for f in DGCPlan.__dataclass_fields__})
+        plan = DEFTPlan(**{f: getattr(base, f) for f in SparsePlan.__dataclass_fields__})
         sparse = [e for e in plan.entries if e.kind == "sparse"]
         plan.fragments = fragment_layers(
             [e.name for e in sparse],
@@ -278,7 +278,7 @@ class DEFT(DGC):
         plan.values = torch.zeros(plan.k_total, dtype=value_dtype, device=device)
         return plan
 
-    def select(self, plan: DEFTPlan, work: DEFTWork) -> None:  # type: ignore[override]
+    def select(self, plan: DEFTPlan, work: DEFTWork) -> None:
         """Step 3: this rank's fragment norms (and its previous selection time) into the control vector.
 
         One segmented reduction over the bucket's compressed buffer (on the CPU, one BLAS dot product
@@ -294,7 +294,7 @@ class DEFT(DGC):
             plan.control[:count] = fragment_norms(source, fragments, backend=backend).double().square()
         plan.control[count + self.state.rank] = self.state.last_selection_ms
 
-    def exchange(self, plan: DEFTPlan, work: DEFTWork, collectives: Collectives) -> list[Pending]:  # type: ignore[override]
+    def exchange(self, plan: DEFTPlan, work: DEFTWork, collectives: Collectives) -> list[Pending]:
         assert plan.control is not None and plan.union is not None and plan.values is not None
         assert plan.fragment_shift is not None
         world = self.state.world_size
@@ -447,7 +447,7 @@ class DEFT(DGC):
             return work.velocity, plan.fragments
         return work.flat, plan.bucket_fragments
 
-    def decode(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
+    def decode(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:
         dense = dense_sum(self.state.world_size, work.dense)
         if work.summed is None:
             return average(self, plan, work.flat, dense, None, None)
@@ -457,7 +457,7 @@ class DEFT(DGC):
             values = values.float().mul_(self.state.world_size)
         return average(self, plan, work.flat, dense, plan.union, values)
 
-    def decoded_finite(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:  # type: ignore[override]
+    def decoded_finite(self, plan: DEFTPlan, work: DEFTWork) -> Tensor:
         sums = []
         dense = dense_sum(self.state.world_size, work.dense)
         if dense is not None:
@@ -470,13 +470,13 @@ class DEFT(DGC):
     def selection_share(cls, world_size: int) -> float:
         return 1.0 / world_size  # the fragments are shared among the ranks (balanced by LPT)
 
-    def cost(self, plan: DEFTPlan) -> WireCost:  # type: ignore[override]
+    def cost(self, plan: DEFTPlan) -> WireCost:
         """This step's wire cost: with ``wire="compact"`` the code rows as wide as this step's largest count."""
         return self._wire_cost(self.config, plan.layout, self.state.world_size, plan.dense_bytes, plan.code_rows)
 
     @classmethod
     def wire_cost(
-        cls, config: DGCConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int
+        cls, config: DEFTConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int
     ) -> WireCost:
         """The bytes per step; with ``wire="compact"``, for ranks that select equal counts (``ceil(union / N)``
         each: ``selectors="all"`` within one value per fragment; owners as LPT balances them, which
@@ -485,7 +485,7 @@ class DEFT(DGC):
 
     @classmethod
     def _wire_cost(
-        cls, config: DGCConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int,
+        cls, config: DEFTConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int,
         code_rows: int | None = None,
     ) -> WireCost:  # fmt: skip
         value_bytes = config.value_dtype_torch.itemsize
@@ -493,14 +493,14 @@ class DEFT(DGC):
         sparse_numels, k_total, dense_numel = split_layout(
             config, layout, cls.selected_density(config, world_size)
         )
-        fragments = fragment_count(sparse_numels, world_size if getattr(config, "fragmenting", True) else 1)
+        fragments = fragment_count(sparse_numels, world_size if config.fragmenting else 1)
         k_total = union_size(k_total, fragments)
         messages = []
-        if getattr(config, "k_allocation", "norm") == "norm":  # (k by size needs no norms)
+        if config.k_allocation == "norm":  # (k by size needs no norms)
             messages.append(
                 Message("all_reduce", NORM_BYTES * (fragments + world_size), "control", blocking=True)
             )
-        if k_total and getattr(config, "wire", "allreduce") == "compact":
+        if k_total and config.wire == "compact":
             rows = code_rows if code_rows is not None else -(-k_total // world_size)
             codes = codec.code_slots(rows, numel) * codec.CODE_BYTES
             messages.append(Message("all_gather", codes, "payload", blocking=True))

@@ -1,30 +1,19 @@
 """DGC: Deep Gradient Compression (Lin, Han et al., ICLR 2018), one DDP bucket at a time.
 
-Per bucket and step:
+Steps 2, 5 and 6 (momentum correction, the average, the commit) and the plan's three kinds of tensor
+(``sparse``, ``full``, ``dense``) are the top-k base's (:mod:`lightning_dgc.algorithms.sparse`); DGC's own:
 
-2. **compensate**: local clipping (optional), weight decay, momentum correction into a temporary ``v'``
-   (``u' = m u + g``, ``v' = v + u'``; Nesterov ``u' = m (u + g)``, ``v' = v + u' + g``);
 3. **select** exactly ``k = ceil(density * numel)`` values of every compressed tensor from ``v'``
-   (sampled threshold or exact top-k), clear them from ``v'`` (and, with momentum factor masking,
-   from ``u'``), and pack them into the bucket's fixed-size payload (:mod:`lightning_dgc.codec`);
+   (sampled threshold or exact top-k) and pack them into the bucket's fixed-size payload
+   (:mod:`lightning_dgc.codec`); what is sent is cleared from ``v`` (and, with momentum factor masking,
+   from ``u``) at commit;
 4. **exchange**: one all-gather of the payloads; one all-reduce of the tensors averaged dense;
-5. **decode**: scatter-add every rank's values, divide by the world size; SGD momentum of the tensors
-   averaged dense;
-6. **commit** (``finish_step``, a finite step only): ``u``, ``v`` updated in place by the same operations
-   (:meth:`DGC.replay`), the sent values cleared.
-
-A tensor is handled in one of three ways, decided once per bucket layout and density (the *plan*):
-``sparse`` (compressed), ``full`` (density so high that sending everything dense is cheaper: the
-velocity is all-reduced and cleared, which is what selecting every index means; the momentum is
-not masked, so this is DDP + SGD momentum) and ``dense`` (1-D or too small to compress: plain
-averaging, then the optimizer's momentum in the decode).
+5. **decode**: scatter-add every rank's values, divide by the world size.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
@@ -32,21 +21,28 @@ from torch import Tensor
 
 from lightning_dgc import codec
 from lightning_dgc.algorithms.base import (
-    Algorithm,
     AlgorithmConfig,
-    BucketWork,
     Message,
     TensorSpec,
     WireCost,
     register,
 )
+from lightning_dgc.algorithms.sparse import (
+    Entry,
+    SparsePlan,
+    SparseTopK,
+    SparseWork,
+    average,
+    dense_sum,
+    exchange_dense,
+    release,
+    split_layout,
+)
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.codec import VALUE_DTYPES
 from lightning_dgc.heap import trim_before
-from lightning_dgc.memory import bucket_order_flat
-from lightning_dgc.momentum import clip_each_by_norm_, compensated_velocity_each, momentum_correction_each_
-from lightning_dgc.selection import sampled_topk, topk_indices
-from lightning_dgc.selection.batched import SegmentLayout, batched_topk, segment_layout, to_device
+from lightning_dgc.momentum import compensated_velocity_each
+from lightning_dgc.selection.batched import batched_topk, segment_layout, to_device
 from lightning_dgc.selection.sampled import DIRECT_NUMEL, sampled_topk_of
 
 if TYPE_CHECKING:
@@ -55,7 +51,6 @@ if TYPE_CHECKING:
 Selection = Literal["sampled", "exact"]
 SelectionBackend = Literal["auto", "torch", "numpy"]
 ValueDType = Literal["fp32", "fp16"]
-Kind = Literal["sparse", "full", "dense"]
 
 
 @dataclass
@@ -153,356 +148,21 @@ class DGCConfig(AlgorithmConfig):
     def value_dtype_torch(self) -> torch.dtype:
         return VALUE_DTYPES[self.value_dtype]
 
-
-def values_per_step(numel: int, density: float) -> int:
-    """k for a tensor of ``numel`` values: ``ceil(density * numel)``, at least 1."""
-    return min(numel, max(1, math.ceil(density * numel)))
-
-
-def tensor_kind(numel: int, ndim: int, k: int, config: DGCConfig) -> Kind:
-    """How one tensor is exchanged (see the module docstring)."""
-    if config.averaged_dense(numel, ndim):
-        return "dense"
-    if k * (codec.INDEX_BYTES + config.value_dtype_torch.itemsize) >= numel * 4:
-        return "full"
-    return "sparse"
-
-
-def split_layout(
-    config: DGCConfig, layout: list[TensorSpec], density: float | None = None
-) -> tuple[list[int], int, int]:
-    """Of a bucket's tensors: the sizes of those sent sparse, their total k, and how many values go dense
-    (sent whole or averaged), as :func:`tensor_kind` decides at ``density`` (default: the config's); what
-    the wire costs are computed from."""
-    density = config.density if density is None else density
-    sparse_numels, k_total, dense_numel = [], 0, 0
-    for spec in layout:
-        k = values_per_step(spec.numel, density)
-        if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
-            sparse_numels.append(spec.numel)
-            k_total += k
-        else:
-            dense_numel += spec.numel
-    return sparse_numels, k_total, dense_numel
-
-
-@dataclass
-class Entry:
-    """One tensor of a DGC bucket."""
-
-    spec: TensorSpec
-    kind: Kind
-    k: int  # values sent per step (sparse) or numel (full/dense)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def offset(self) -> int:
-        return self.spec.offset
-
-    @property
-    def numel(self) -> int:
-        return self.spec.numel
-
-
-@dataclass
-class DGCPlan:
-    layout: list[TensorSpec]
-    entries: list[Entry]
-    k_total: int
-    dense_numel: int
-    dense_bytes: int  # what DDP would send for this bucket
-    payload: Tensor  # this rank's payload (uint8), reused every step
-    gathered: Tensor  # every rank's payload, concatenated (gloo wants a flat output), reused
-    # Bucket positions of the tensors exchanged dense, in entry order (None: every tensor is, in
-    # bucket order), so that decompression places them with one index_copy_.
-    dense_index: Tensor | None = None
-    # Entries (positions in ``entries``) grouped by the setting that decides their update, so that
-    # each group runs as a few ``torch._foreach_*`` calls instead of a Python loop per tensor.
-    decay_groups: list[tuple[float, list[int]]] = field(default_factory=list)  # weight decay
-    memory_groups: list[tuple[tuple[float, bool], list[int]]] = field(default_factory=list)  # full/sparse
-    dense_momentum_groups: list[tuple[tuple[float, bool], list[int]]] = field(default_factory=list)
-    sparse_names: list[str] = field(default_factory=list)  # the compressed tensors, in entry order
-    sparse_momentum: bool = False  # whether any compressed tensor keeps a momentum
-    segments: SegmentLayout | None = None  # the batched selection's layout (made when first used)
-    out_shift: Tensor | None = None  # per selected slot: bucket offset - offset in the compressed buffer
-    steps: int = 0  # steps run with this plan
-    grouped: bool = False  # its compressed tensors' memory is one flat buffer per kind (see ``DGC.replay``)
-
-
-@dataclass
-class DGCWork(BucketWork):
-    dense_parts: list[Tensor] = field(default_factory=list)  # entry order: dense gradients, full velocities
-    sparse: list[tuple[Entry, Tensor]] = field(default_factory=list)  # compressed tensors, their v'
-    # Every compressed tensor's v', one flat buffer (views in ``sparse``), alive from step 2 to the end of
-    # step 4 only: the memory itself is updated at commit (``DGC.replay``).
-    velocity: Tensor | None = None
-    selected: Tensor | None = None  # what was sent: positions in the compressed tensors' flat memory
-    selected_mask: Tensor | None = None  # (DEFT's ablation) which of ``selected`` this rank sent
-    local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
-    in_bucket: bool = False  # ``velocity`` is a part of the bucket (v' made in place of the local gradient)
-    grouped: bool = False  # the compressed tensors' memory is one flat buffer per kind
-    per_tensor: bool = False  # ``sparse`` holds no v': the selection makes it tensor by tensor
-    gathered: Pending | None = None
-    dense: Pending | None = None
-
-
-def grouped(items: list[Entry], key: Callable[[Entry], object]) -> list[tuple[object, list[int]]]:
-    """Positions of ``items`` grouped by ``key`` (``None``: left out), groups in first-seen order."""
-    groups: dict[object, list[int]] = {}
-    for i, item in enumerate(items):
-        value = key(item)
-        if value is not None:
-            groups.setdefault(value, []).append(i)
-    return list(groups.items())
+#: DGC's plan and work are the shared top-k base's.
+DGCPlan = SparsePlan
+DGCWork = SparseWork
 
 
 @register
-class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
+class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
     """Deep Gradient Compression: every rank selects its own top-k, one all-gather (see the module doc)."""
 
     name = "dgc"
     config_class = DGCConfig
-    memory_kinds = ("momentum", "velocity")
-    residual_kind = "velocity"
     work_class: type[DGCWork] = DGCWork
-    #: Whether the selection tensor by tensor (the CPU's numpy path) makes each compressed tensor's v' when
-    #: it gets to it, so that one tensor's temporary is alive at a time, not a bucket's (DDP's first bucket
-    #: holds the whole model). DEFT reads v' of the whole bucket (norms, the union's values).
-    velocity_per_tensor: ClassVar[bool] = True
-
-    @property
-    def takes_over_momentum(self) -> bool:
-        return True
-
-    def plan_key(self) -> tuple[object, ...]:
-        return (self.config.density, self.config.value_dtype)
-
-    # -- the plan ------------------------------------------------------------------------------------------
-    @classmethod
-    def selected_density(cls, config: DGCConfig, world_size: int) -> float:
-        """The fraction of each compressed tensor one step selects: the configured density."""
-        return config.density
-
-    def entries(self, layout: list[TensorSpec]) -> list[Entry]:
-        entries = []
-        density = self.selected_density(self.config, self.state.world_size)
-        for spec in layout:
-            k = values_per_step(spec.numel, density)
-            kind = tensor_kind(spec.numel, spec.ndim, k, self.config)
-            entries.append(Entry(spec, kind, k if kind == "sparse" else spec.numel))
-        return entries
-
-    def plan(self, layout: list[TensorSpec], buffer: Tensor) -> DGCPlan:
-        device = buffer.device
-        entries = self.entries(layout)
-        k_total = sum(e.k for e in entries if e.kind == "sparse")
-        dense_numel = sum(e.numel for e in entries if e.kind != "sparse")
-        numel = sum(s.numel for s in layout)
-        nbytes = self.payload_nbytes(k_total, numel)
-        plan = DGCPlan(
-            layout, entries, k_total, dense_numel, buffer.numel() * buffer.element_size(),
-            payload=torch.zeros(nbytes, dtype=torch.uint8, device=device),
-            gathered=torch.empty(self.state.world_size * nbytes, dtype=torch.uint8, device=device),
-        )  # fmt: skip
-        if plan.dense_numel and plan.dense_numel != numel:
-            plan.dense_index = torch.cat(
-                [
-                    torch.arange(e.offset, e.offset + e.numel, device=device)
-                    for e in entries
-                    if e.kind != "sparse"
-                ]
-            )
-        plan.sparse_names = [e.name for e in entries if e.kind == "sparse"]
-        settings = self.state.settings_for
-        plan.sparse_momentum = any(settings(name).momentum for name in plan.sparse_names)
-        plan.decay_groups = grouped(entries, lambda e: settings(e.name).weight_decay or None)  # type: ignore[assignment]
-        plan.memory_groups = grouped(  # type: ignore[assignment]
-            entries,
-            lambda e: (settings(e.name).momentum, settings(e.name).nesterov) if e.kind != "dense" else None,
-        )
-        plan.dense_momentum_groups = grouped(  # type: ignore[assignment]
-            entries,
-            lambda e: (
-                (settings(e.name).momentum, settings(e.name).nesterov)
-                if e.kind == "dense" and settings(e.name).momentum
-                else None
-            ),
-        )
-        return plan
-
-    def payload_nbytes(self, k_total: int, numel: int) -> int:
-        """This algorithm's payload per rank (0 when it compresses nothing in the bucket)."""
-        return codec.payload_nbytes(k_total, self.config.value_dtype_torch, numel)
-
-    # -- step 2 ----------------------------------------------------------------------------------------------
-    def compensate(self, plan: DGCPlan, grads: list[Tensor], flat: Tensor) -> DGCWork:
-        """Local clipping, weight decay, momentum correction into the temporary velocity selected from."""
-        work = self.work_class(grads, flat)
-        cfg, memory, device = self.config, self.state.memory, flat.device
-        if cfg.local_clip_norm is not None:
-            clip_each_by_norm_(grads, cfg.local_clip_norm / math.sqrt(self.state.world_size))
-        for decay, members in plan.decay_groups:
-            members = [i for i in members if not self.state.continues(plan.entries[i].name)]  # once per step
-            if not members:
-                continue
-            params = [bucket_order_flat(self.state.param(plan.entries[i].name).detach()) for i in members]
-            if params[0].dtype != torch.float32:
-                params = [p.float() for p in params]
-            torch._foreach_add_([grads[i] for i in members], params, alpha=decay)
-        sparse_views: dict[int, Tensor] = {}
-        work.grouped = plan.grouped  # (see ``replay``)
-        plan.steps += 1
-        if plan.sparse_names:
-            sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
-            sparse = [i for i, e in enumerate(plan.entries) if e.kind == "sparse"]
-            side_by_side = sparse == list(range(sparse[0], sparse[-1] + 1))
-            if not plan.sparse_momentum and (side_by_side or not self.velocity_per_tensor):
-                # error feedback: v' = g + v is made in the bucket itself (the commit copies it), with no
-                # temporary; one flat view of it when the compressed tensors lie side by side (DEFT
-                # reads the bucket otherwise)
-                first, last = plan.entries[sparse[0]], plan.entries[sparse[-1]]
-                work.velocity = flat[first.offset : last.offset + last.numel] if side_by_side else None
-                work.in_bucket = True
-            elif self.velocity_per_tensor and not self.batched(device):
-                work.per_tensor = True  # v' made tensor by tensor by the selection: one tensor's temporary
-            else:
-                work.velocity = torch.empty(sum(sizes), dtype=torch.float32, device=device)
-            if work.velocity is not None:
-                sparse_views = dict(zip(sparse, work.velocity.split(sizes), strict=True))
-            elif work.in_bucket:
-                sparse_views = {i: grads[i] for i in sparse}
-        velocity_out: dict[int, Tensor] = {}
-        for (momentum, nesterov), continuing, members in self._memory_groups(plan):
-            names = [plan.entries[i].name for i in members]
-            sizes = [plan.entries[i].numel for i in members]
-            velocity = [
-                memory.buffer("velocity", n, size, device) for n, size in zip(names, sizes, strict=True)
-            ]
-            if work.in_bucket and momentum == 0.0:  # (g + v is v + g, bit for bit)
-                here = [j for j, i in enumerate(members) if i in sparse_views]
-                torch._foreach_add_([grads[members[j]] for j in here], [velocity[j] for j in here])
-                members_left = [i for i in members if i not in sparse_views]
-                velocity = [v for j, v in enumerate(velocity) if j not in here]
-                velocity_out.update((i, grads[i]) for i in members if i in sparse_views)
-                members = members_left
-            if work.per_tensor:  # the memory exists from here on; v' is made by the selection
-                if momentum:
-                    for i in members:
-                        memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
-                here = [j for j, i in enumerate(members) if plan.entries[i].kind == "sparse"]
-                velocity_out.update((members[j], None) for j in here)  # type: ignore[misc]
-                velocity = [v for j, v in enumerate(velocity) if j not in here]
-                members = [i for j, i in enumerate(members) if j not in here]
-            v_out = [sparse_views[i] if i in sparse_views else grads[i].new_empty(grads[i].shape) for i in members]
-            u: list[Tensor] = []
-            if momentum:
-                u = [memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device) for i in members]
-            compensated_velocity_each(
-                [grads[i] for i in members], velocity, v_out, momentum, nesterov, u, continuing
-            )
-            velocity_out.update(zip(members, v_out, strict=True))
-        for _, members in plan.dense_momentum_groups:  # made here, on the hook's stream, not in the callback
-            for i in members:
-                memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
-                memory.scratch("momentum", plan.entries[i].name)  # written by the decode (dense_momentum)
-        for i, e in enumerate(plan.entries):
-            if e.kind == "dense":
-                work.dense_parts.append(grads[i])
-            elif e.kind == "full":
-                work.dense_parts.append(velocity_out[i])
-            else:
-                work.sparse.append((e, velocity_out[i]))
-        if plan.memory_groups:  # the memory's update, applied in place once the step is known finite
-            if not self.state.finish_writes_grads:  # the decode overwrites the local gradient: keep it
-                work.local = flat.clone()
-            names = [e.name for e in plan.entries if e.kind != "dense"]
-            memory.note_replay(names, lambda skip: self.replay(plan, work, skip))
-        return work
-
-    def replay(self, plan: DGCPlan, work: DGCWork, skip: Callable[[str], bool]) -> None:
-        """Commit this bucket's step to the memory, in place: momentum correction with the very operations
-        that made the velocity selected from (:func:`~lightning_dgc.momentum.momentum_correction_each_`), then
-        what was sent cleared (and tensors sent whole emptied). ``skip``: parameters unused in the step."""
-        memory, device = self.state.memory, work.flat.device
-        grads = work.grads if work.local is None else work.local.split([s.numel for s in plan.layout])
-        committed = memory.committed
-        for (momentum, nesterov), continuing, members in self._memory_groups(plan):
-            used = [i for i in members if not skip(plan.entries[i].name)]
-            if work.in_bucket and momentum == 0.0:  # v' is in the bucket already
-                here = [i for i in used if plan.entries[i].kind == "sparse"]
-                torch._foreach_copy_([committed["velocity"][plan.entries[i].name] for i in here],
-                                     [grads[i] for i in here])  # fmt: skip
-                used = [i for i in used if plan.entries[i].kind != "sparse"]
-            names = [plan.entries[i].name for i in used]
-            u = [committed["momentum"][n] for n in names] if momentum else []
-            momentum_correction_each_(
-                [grads[i] for i in used], [committed["velocity"][n] for n in names], momentum, nesterov, u,
-                continuing,
-            )
-            full = [committed["velocity"][plan.entries[i].name] for i in used if plan.entries[i].kind == "full"]
-            if full:  # sent whole: nothing held back
-                torch._foreach_zero_(full)
-        if work.selected is not None:
-            self._clear_sent(plan, work, skip)
-        if not plan.grouped and plan.steps >= 2 and plan.sparse_names and self.batched(device):
-            # For the batched selection (on a device), the compressed tensors' memory is laid out
-            # contiguously (one write clears what was sent) once a layout has lasted two steps: DDP's
-            # first bucket is rebuilt after one step, and grouping it first would hold the memory twice
-            # while it moves. The tensor-by-tensor path keeps it per parameter.
-            sizes = [e.numel for e in plan.entries if e.kind == "sparse"]
-            memory.flat("velocity", plan.sparse_names, sizes, device)
-            if plan.sparse_momentum:
-                memory.flat("momentum", plan.sparse_names, sizes, device)
-            plan.grouped = True
-
-    def _memory_groups(self, plan: DGCPlan) -> list[tuple[tuple[float, bool], bool, list[int]]]:
-        """``plan.memory_groups`` with each group split by whether its parameters continue an optimizer step
-        that an earlier backward pass exchanged (:meth:`ExchangeState.continues`): ``(settings, continuing,
-        members)``; every group is one piece unless several backward passes feed one optimizer step."""
-        groups: list[tuple[tuple[float, bool], bool, list[int]]] = []
-        for settings, members in plan.memory_groups:
-            continuing = [i for i in members if self.state.continues(plan.entries[i].name)]
-            if continuing:
-                groups.append((settings, True, continuing))
-            if len(continuing) < len(members):
-                groups.append((settings, False, [i for i in members if i not in continuing]))
-        return groups
-
-    def _clear_sent(self, plan: DGCPlan, work: DGCWork, skip: Callable[[str], bool]) -> None:
-        """Clear what was sent from the velocity (and, with momentum masking, the momentum)."""
-        memory, device, committed = self.state.memory, work.flat.device, self.state.memory.committed
-        assert work.selected is not None
-        positions, sent = work.selected, work.selected_mask
-        sparse = [e for e in plan.entries if e.kind == "sparse"]
-        sizes = [e.numel for e in sparse]
-        kinds = ["velocity"] + (["momentum"] if self.config.momentum_masking and plan.sparse_momentum else [])
-        if work.grouped and not any(skip(e.name) for e in sparse):  # one write per buffer of the bucket
-            for kind in kinds:  # what was sent is no longer held back
-                clear_(memory.flat(kind, plan.sparse_names, sizes, device), positions, sent)
-            return
-        # tensor by tensor (a layout's first step, or a parameter unused in the step, whose memory stays)
-        ends = torch.tensor(sizes, device=positions.device).cumsum(0)
-        segment = torch.bucketize(positions, ends, right=True)
-        start = 0
-        for j, e in enumerate(sparse):
-            if not skip(e.name):
-                mine = segment == j
-                for kind in kinds:
-                    if memory.has(kind, e.name):
-                        clear_(committed[kind][e.name], positions[mine] - start, sent[mine] if sent is not None else None)
-            start += e.numel
+    velocity_per_tensor: ClassVar[bool] = True  # (see SparseTopK)
 
     # -- step 3 ----------------------------------------------------------------------------------------------
-    def choose(self, values: Tensor, k: int) -> Tensor:
-        """Exactly ``k`` indices of the largest magnitudes of ``values`` (the configured selection)."""
-        if self.config.selection == "exact":
-            return topk_indices(values, k)
-        backend = "numpy" if self.config.selection_backend == "numpy" else "auto"
-        return sampled_topk(values, k, self.config.sample_ratio, self.state.generator, backend=backend)
-
     def velocity_of(self, e: Entry, work: DGCWork) -> Tensor:
         """The compressed tensor ``e``'s v' (a new tensor), as ``compensate`` makes it for a whole bucket."""
         settings, committed = self.state.settings_for(e.name), self.state.memory.committed
@@ -559,18 +219,6 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             whole=lambda: self.velocity_of(e, work),
         )  # fmt: skip
         return idx, take(idx)
-
-    def batched(self, device: torch.device) -> bool:
-        """Whether the sampled selection runs batched per bucket (see ``DGCConfig.selection_backend``)."""
-        backend = self.config.selection_backend
-        if backend == "numpy" and device.type != "cpu":
-            raise ValueError(
-                f"selection_backend='numpy' selects on CPU tensors only, but this bucket is on {device}; "
-                "use selection_backend='auto' (batched on the device) or 'torch'."
-            )
-        return self.config.selection == "sampled" and (
-            backend == "torch" or (backend == "auto" and device.type != "cpu")
-        )
 
     def select(self, plan: DGCPlan, work: DGCWork) -> None:
         """Top-k per compressed tensor into the payload (what is sent is cleared from the memory at commit)."""
@@ -683,112 +331,3 @@ class DGC(Algorithm[DGCConfig, DGCPlan, DGCWork]):
             messages.append(Message("all_reduce", dense_numel * value_bytes, "dense"))
         return WireCost(tuple(messages), dense_bytes, numel, k_total, k_total + dense_numel, padding)
 
-
-def clear_(memory: Tensor, positions: Tensor, sent: Tensor | None = None) -> None:
-    """Zero ``memory`` at ``positions`` (only where ``sent``, if given: positions are then distinct)."""
-    if sent is None:
-        memory.index_fill_(0, positions, 0.0)
-    else:
-        memory[positions] = torch.where(sent, 0.0, memory[positions])
-
-
-def release(work: DGCWork) -> None:
-    """Drop the step's bucket-sized temporaries once the collectives have their inputs (the memory is
-    updated at commit from the local gradient, not from them)."""
-    work.velocity = None
-    work.sparse = []
-    work.dense_parts = []
-
-
-def exchange_dense(
-    parts: list[Tensor], value_dtype: torch.dtype, collectives: Collectives, poison: Tensor | None = None
-) -> Pending | None:
-    """Start the all-reduce of the tensors exchanged dense (see :func:`dense_sum` for its result).
-
-    With fp16 values they travel in fp16 too, pre-divided by the world size like torch's
-    ``fp16_compress_hook`` (so the sum cannot overflow where the average would not); a value that
-    still overflows makes the step non-finite, and it is skipped on every rank.
-    """
-    if not parts:
-        return None
-    dense = torch.cat(parts)
-    if poison is not None:
-        dense[:1].add_(poison)
-    if value_dtype != torch.float32:
-        dense = dense.div_(collectives.world_size).to(value_dtype)
-    return collectives.all_reduce(dense, "all-reduce of the dense tensors")
-
-
-def dense_sum(world_size: int, pending: Pending | None) -> Tensor | None:
-    """The fp32 sum over ranks of the tensors exchanged dense (in a decode callback, once done)."""
-    if pending is None:
-        return None
-    if pending.output.dtype == torch.float32:
-        return pending.output
-    return pending.output.float().mul_(world_size)
-
-
-def average(
-    algorithm: DGC,
-    plan: DGCPlan,
-    flat: Tensor,
-    dense: Tensor | None,
-    indices: Tensor | None,
-    values: Tensor | None,
-) -> Tensor:
-    """The averaged update of the bucket from the exchanged parts (fp32); SGD momentum of dense tensors."""
-    world = algorithm.state.world_size
-    if indices is None and dense is not None and plan.dense_index is None:
-        result = dense  # every tensor went dense, in bucket order: the all-reduced buffer is the result
-    else:
-        # The local gradient is no longer needed (the dense parts were copied for the wire, the
-        # compressed ones live on in the memory): its buffer becomes the result.
-        result = flat.zero_()
-        if indices is not None and values is not None:
-            result.index_add_(0, indices, values.float())
-        if dense is not None:
-            result.index_copy_(0, plan.dense_index, dense)
-    result.div_(world)
-    if plan.dense_momentum_groups:  # momentum of dense tensors works on the average
-        averages = result.split([e.numel for e in plan.entries])
-        for (momentum, nesterov), members in plan.dense_momentum_groups:
-            dense_momentum(
-                algorithm,
-                [plan.entries[i] for i in members],
-                [averages[i] for i in members],
-                momentum,
-                nesterov,
-            )
-    return result
-
-
-def dense_momentum(
-    algorithm: DGC, entries: list[Entry], avg: list[Tensor], momentum: float, nesterov: bool
-) -> None:
-    """SGD momentum on densely averaged tensors, in place: ``b' = m b + g``; ``d = b'`` (Nesterov ``g + m b'``).
-
-    The inputs are identical on every rank, so the buffers stay identical too. The new buffers are
-    staged like any other memory update, so a skipped step leaves them untouched. A tensor that continues
-    an optimizer step an earlier backward pass exchanged (:meth:`ExchangeState.continues`) gets ``b' = b + g``
-    and ``d = g`` (Nesterov ``(1 + m) g``): added to the earlier passes' ``d``, one momentum per step.
-    """
-    memory = algorithm.state.memory
-    continuing = [i for i, e in enumerate(entries) if algorithm.state.continues(e.name)]
-    if continuing:
-        if len(continuing) < len(entries):
-            fresh = [i for i in range(len(entries)) if i not in continuing]
-            dense_momentum(algorithm, [entries[i] for i in fresh], [avg[i] for i in fresh], momentum, nesterov)
-        entries, avg = [entries[i] for i in continuing], [avg[i] for i in continuing]
-    nxt = [memory.scratch("momentum", e.name) for e in entries]
-    torch._foreach_copy_(nxt, avg)
-    committed = [memory.committed["momentum"][e.name] for e in entries]
-    torch._foreach_add_(nxt, committed, alpha=1.0 if continuing else momentum)
-    if continuing:
-        if nesterov:
-            torch._foreach_mul_(avg, 1.0 + momentum)
-    elif nesterov:
-        torch._foreach_add_(avg, nxt, alpha=momentum)
-    else:
-        torch._foreach_copy_(avg, nxt)
-    for e in entries:
-        memory.stage("momentum", e.name)
