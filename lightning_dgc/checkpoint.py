@@ -164,7 +164,9 @@ def save_exchange_state(
     folder = rank_files.folder_of(path)
     record = None
     if with_memory:
-        record = io.save(state.state_dict(), rank_files.join(folder, rank_files.rank_file_name(state.global_rank, tag)))
+        # written at once: the memory's CPU buffers need no copy
+        rank_path = rank_files.join(folder, rank_files.rank_file_name(state.global_rank, tag))
+        record = io.save(state.state_dict(copy=False), rank_path)
     records = comm.gather_object(record)  # every rank's file is written once rank 0 has its record
     if records is None:
         return None

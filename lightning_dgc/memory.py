@@ -300,12 +300,27 @@ class ResidualMemory:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors])))
 
-    def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        """The committed buffers only, ``{kind: {name: tensor}}``, on the CPU."""
-        return {
-            kind: {name: t.detach().cpu().clone() for name, t in by_name.items()}
-            for kind, by_name in self.committed.items()
-        }
+    def state_dict(self, copy: bool = True) -> dict[str, dict[str, Tensor]]:
+        """The committed buffers only, ``{kind: {name: tensor}}``, on the CPU.
+
+        ``copy=False`` (for a state written out at once, before training goes on): a CPU buffer is returned as
+        it is, without a copy, where the buffers returned cover its storage (a flat group's views are written
+        as the one storage they share); any other is copied.
+        """
+        tensors = [t.detach() for by_name in self.committed.values() for t in by_name.values()]
+        covered: dict[int, int] = {}
+        for t in tensors:
+            if t.is_cpu:
+                key = t.untyped_storage().data_ptr()
+                covered[key] = covered.get(key, 0) + t.numel() * t.element_size()
+
+        def out(t: Tensor) -> Tensor:
+            t = t.detach()
+            if not copy and t.is_cpu and covered.get(t.untyped_storage().data_ptr()) == t.untyped_storage().nbytes():
+                return t
+            return t.cpu().clone()
+
+        return {kind: {name: out(t) for name, t in by_name.items()} for kind, by_name in self.committed.items()}
 
     def load_state_dict(
         self, state: dict[str, dict[str, Tensor]], device: torch.device | None = None

@@ -24,7 +24,7 @@ import torch
 
 #: The folder of a checkpoint's rank files is the checkpoint's path with this suffix.
 FOLDER_SUFFIX = ".exchange"
-_CHUNK = 1 << 22
+_CHUNK = 1 << 20  # the hash reads a file in pieces of 1 MiB
 
 
 def folder_of(path: Any) -> str:

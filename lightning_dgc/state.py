@@ -375,8 +375,11 @@ class ExchangeState:
         return {"hierarchical": False, "nodes": self.world_size, "per_node": 1}
 
     # -- checkpointing -----------------------------------------------------------------------------
-    def state_dict(self, memory: bool = True) -> dict[str, Any]:
+    def state_dict(self, memory: bool = True, copy: bool = True) -> dict[str, Any]:
         """This rank's state: config, step, memory and generators, loadable with ``weights_only=True``.
+
+        ``copy=False``: the memory's CPU buffers as they are, for a state written out at once
+        (:meth:`ResidualMemory.state_dict`).
 
         ``"buffers"`` lists the buffers the memory holds (``{kind: [parameter name, ...]}``), so that a state
         that lost one on its way to the resume is refused (:func:`missing_buffers`) rather than restarted
@@ -395,7 +398,7 @@ class ExchangeState:
             "topology": self.topology_signature,
             "buffers": {kind: sorted(by_name) for kind, by_name in self.memory.committed.items()},
         }
-        return state | {"memory": self.memory.state_dict()} if memory else state
+        return state | {"memory": self.memory.state_dict(copy)} if memory else state
 
     def check_state_dict(self, state: dict[str, Any]) -> list[str]:
         """What in a rank's saved state (:meth:`state_dict`) this run cannot take, one line per problem.

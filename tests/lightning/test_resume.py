@@ -140,15 +140,13 @@ def test_checkpoint_of_plain_ddp_resumes_with_empty_memory(tmp_path) -> None:
     assert "holds no DGCStrategy state" in proc.stderr + proc.stdout
 
 
-def test_saving_a_checkpoint_costs_rank_zero_the_gathered_memory_only_and_other_ranks_nothing(
-    tmp_path,
-) -> None:
-    """Peak extra resident memory during save_checkpoint (benchmarks.checkpoint_memory, 4M parameters):
-    rank 0 holds every rank's momentum and residual (2 x world_size model sizes) beside what DDP's
-    checkpoint holds (parameters and SGD momentum, 2 model sizes); the other ranks send theirs as they are."""
-    from benchmarks.checkpoint_memory import WORLD, measure
+def test_saving_a_checkpoint_costs_rank_zero_what_ddp_s_does_and_other_ranks_nothing(tmp_path) -> None:
+    """Peak extra resident memory during save_checkpoint (benchmarks.checkpoint_memory, 4M parameters): rank 0
+    holds what DDP's checkpoint holds (parameters and SGD momentum, the exchange's mean momentum written as it,
+    2 model sizes) plus at most 10%; every rank writes its own exchange memory as it is, without a copy."""
+    from benchmarks.checkpoint_memory import measure
 
     for rank in measure("dgc", 4e6, steps=3, folder=tmp_path):
-        bound = 2 * WORLD + 2 if rank["rank"] == 0 else 1
+        bound = 2.2 if rank["rank"] == 0 else 0.25  # (a rank file is hashed 1 MiB at a time)
         assert rank["save_peak_model_sizes"] <= bound, rank
         assert rank["training_model_sizes"] < 20, rank  # a sanity check of the measurement itself
