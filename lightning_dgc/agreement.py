@@ -94,7 +94,7 @@ def check_parameters_agree(params: Iterable[torch.Tensor], owner: str, step: int
     is far below it; a float32 parameter off by one unit in its last place in a model of a million parameters of
     size 1 is about 1e-13 of it, what a divergence of any cause grows past within steps).
     """
-    everyone = [t.tolist() for t in comm.all_gather_host(parameter_checksum(params), group)]
+    everyone = [t.tolist() for t in comm.all_gather_host(parameter_checksum(params), group, "all-gather of the parameter checksums")]
     scale = max(v[1] for v in everyone)
     differ = [r for r, v in enumerate(everyone) if abs(v[0] - everyone[0][0]) > 1e-12 * scale
               or abs(v[1] - everyone[0][1]) > 1e-12 * scale]  # fmt: skip

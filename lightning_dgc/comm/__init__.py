@@ -28,6 +28,7 @@ from lightning_dgc.comm.collectives import (
     Pending,
     TorchCollectives,
     when_all,
+    world_size_and_rank,
 )
 from lightning_dgc.comm.local import LocalCollectives, LocalGroup, simulate, simulate_nodes
 from lightning_dgc.comm.process import (
@@ -40,7 +41,6 @@ from lightning_dgc.comm.process import (
     gather_object,
     gather_tensors,
     host_group,
-    world_size_and_rank,
 )
 from lightning_dgc.comm.topology import (
     Topology,

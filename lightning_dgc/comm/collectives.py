@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_dgc.comm.process import world_size_and_rank
-
 #: What DDP hands a communication hook (re-exported: DDP checks the hook's annotations literally).
 GradBucket = dist.GradBucket
 
@@ -32,6 +30,13 @@ class CollectiveError(RuntimeError):
     Raised on every surviving rank (from DDP's ``backward``), never swallowed: a rank must not train
     on alone with a stale or partial exchange.
     """
+
+
+def world_size_and_rank(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(world_size, rank)`` of ``group``, or ``(1, 0)`` when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _failed(what: str, rank: int, error: BaseException) -> CollectiveError:

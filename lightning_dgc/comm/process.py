@@ -12,15 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_dgc.comm.collectives import _failed, world_size_and_rank
+
 
 # -- setup, checkpoints and exit (blocking; never on the hot path) ----------------------------------------
-def world_size_and_rank(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """``(world_size, rank)`` of ``group``, or ``(1, 0)`` when torch.distributed is not initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list[object]:
     """Every rank's ``obj`` (blocking; for setup-time consistency checks, never per step)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -38,12 +33,19 @@ def host_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def all_gather_host(tensor: Tensor, group: dist.ProcessGroup | None = None) -> list[Tensor]:
-    """Every rank's copy of a small CPU ``tensor`` over a :func:`host_group` (blocking; no device synchronisation)."""
+def all_gather_host(
+    tensor: Tensor, group: dist.ProcessGroup | None = None, what: str = "all-gather of the ranks' settings"
+) -> list[Tensor]:
+    """Every rank's copy of a small CPU ``tensor`` over a :func:`host_group` (blocking; no device synchronisation).
+
+    A peer lost meanwhile is a :class:`CollectiveError`, as in the step's own collectives."""
     if not (dist.is_available() and dist.is_initialized()):
         return [tensor]
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, tensor, group=group)
+    try:
+        dist.all_gather(out, tensor, group=group)
+    except RuntimeError as error:  # gloo's and NCCL's errors (DistBackendError is one)
+        raise _failed(what, dist.get_rank(), error) from error
     return out
 
 
