@@ -1,18 +1,27 @@
-"""Run ``fit_script.py`` (or another script) as 2 real ranks, started here or by Lightning's popen launcher.
+"""Run ``fit_script.py`` (or another script) as 2 real ranks: forked from a pre-imported process, started as
+fresh interpreters, or started by Lightning's popen launcher.
 
-Most tests start both ranks at once, as torchrun or srun do: the two interpreters import torch and
-Lightning on the 2 cores side by side. Under the popen launcher (what ``Trainer(strategy="dgc")`` does by
-default) rank 0 imports them, then starts rank 1, which imports them again while rank 0 waits: a 10-step
-``fit_script.py`` run took 14.8 s that way against 9.2 s (medians of 4, 2 cores). The tests that prove the
-default path (``test_fit``, ``test_exit``, ``test_fabric``, an outside algorithm) use ``launcher="popen"``.
+Most tests fork both ranks from a zygote (``zygote.py``), a process that has imported torch, Lightning and
+lightning_dgc once: each rank then starts in milliseconds instead of paying ~5 s of imports, and gets the
+variables torchrun sets, so Lightning treats the ranks as created externally, as under torchrun or srun.
+``launcher="external"`` starts each rank as a fresh interpreter instead (a test that needs each rank's own
+``hash()`` salt); ``launcher="popen"`` starts one process and lets Lightning's popen launcher (what
+``Trainer(strategy="dgc")`` does by default) start the other: the tests that prove the default path
+(``test_fit``, ``test_exit``, ``test_fabric``, an outside algorithm) use it.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,24 +59,33 @@ def _command(script: str, out: Path, args: tuple[str, ...]) -> list[str]:
     return [sys.executable, str(HERE / script), "--out", str(out), *args]
 
 
+LAUNCHERS = ("fork", "external", "popen")
+
+
 def run_script(
-    script: str, out: Path, *args: str, timeout: int = 300, check: bool = True, launcher: str = "external"
+    script: str, out: Path, *args: str, timeout: int = 300, check: bool = True, launcher: str = "fork"
 ) -> subprocess.CompletedProcess:
     """Run ``script`` on 2 ranks (1 with ``--devices 1``); rank 0's output, then rank 1's, as one process's.
 
-    ``launcher="external"`` starts each rank here (:func:`launch_ranks`); ``"popen"`` starts one process and
-    lets Lightning's launcher start the other. The return code is the first non-zero one among the ranks.
+    ``launcher="fork"`` forks each rank from the zygote, ``"external"`` starts each as a fresh interpreter
+    (both: :func:`launch_ranks`); ``"popen"`` starts one process and lets Lightning's launcher start the
+    other. The return code is the first non-zero one among the ranks.
     """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, not {launcher!r}")
     devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
-    if launcher == "popen" or devices == 1:
+    if launcher == "popen" or (devices == 1 and launcher == "external"):
         proc = subprocess.run(
             _command(script, out, args), env=_environment(), cwd=out.parent, capture_output=True, text=True,
             timeout=timeout,
         )  # fmt: skip
-    elif launcher == "external":
-        proc = _wait(launch_ranks(script, out, *args, world_size=devices), timeout)
+    elif devices == 1:  # one process, no distributed variables: as `python SCRIPT` would run it
+        stdout, stderr = Path(f"{out}.rank0.stdout"), Path(f"{out}.rank0.stderr")
+        proc = _wait(
+            [Rank(_fork(script, out, args, _environment(), stdout, stderr), stdout, stderr)], timeout
+        )
     else:
-        raise ValueError(f"launcher must be 'external' or 'popen', not {launcher!r}")
+        proc = _wait(launch_ranks(script, out, *args, world_size=devices, launcher=launcher), timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -117,7 +135,7 @@ def params(out: Path, rank: int) -> torch.Tensor:
 class Rank:
     """One separately launched rank: its process and where its output goes."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | Forked
     stdout: Path
     stderr: Path
 
@@ -131,13 +149,18 @@ class Rank:
             self.process.wait()
 
 
-def launch_ranks(script: str, out: Path, *args: str, world_size: int = 2) -> list[Rank]:
-    """Start every rank of ``script`` as its own process, as torchrun or srun do (no Lightning launcher).
+def launch_ranks(
+    script: str, out: Path, *args: str, world_size: int = 2, launcher: str = "fork"
+) -> list[Rank]:
+    """Start every rank of ``script`` as its own process, as torchrun or srun do (no Lightning launcher):
+    forked from the zygote (``launcher="fork"``) or as fresh interpreters (``"external"``).
 
     Each process gets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``,
     which makes Lightning treat the processes as created externally. The caller waits for them (and
     kills what is left: a stopped rank stays stopped).
     """
+    if launcher not in ("fork", "external"):
+        raise ValueError(f"launch_ranks starts ranks by 'fork' or 'external', not {launcher!r}")
     port = free_port()
     ranks = []
     for rank in range(world_size):
@@ -146,9 +169,139 @@ def launch_ranks(script: str, out: Path, *args: str, world_size: int = 2) -> lis
             "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
         }  # fmt: skip
         stdout, stderr = Path(f"{out}.rank{rank}.stdout"), Path(f"{out}.rank{rank}.stderr")
+        if launcher == "fork":
+            ranks.append(Rank(_fork(script, out, args, env, stdout, stderr), stdout, stderr))
+            continue
         with stdout.open("w") as o, stderr.open("w") as e:
             process = subprocess.Popen(
                 _command(script, out, args), env=env, cwd=out.parent, stdout=o, stderr=e, text=True,
             )  # fmt: skip
         ranks.append(Rank(process, stdout, stderr))
     return ranks
+
+
+class Forked:
+    """A process forked by the zygote, with the part of :class:`subprocess.Popen`'s interface the tests use.
+
+    It is the zygote's child, not this process's: the zygote reaps it and reports its return code over
+    this rank's connection.
+    """
+
+    def __init__(self, conn: socket.socket, args: list[str]) -> None:
+        self._conn, self._buffer = conn, b""
+        self.args = args
+        self.returncode: int | None = None
+        pid = self._line(timeout=60)
+        if pid is None:
+            raise RuntimeError(f"the test zygote did not fork {args}: see {_zygote_log()}")
+        self.pid = int(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._result(timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._result(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)  # type: ignore[arg-type]
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def _result(self, timeout: float | None) -> bool:
+        line = self._line(timeout)
+        if line is not None:
+            self.returncode = int(line)
+            self._conn.close()
+        return line is not None
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The next line from the zygote, or None if none came within ``timeout`` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                return None
+            chunk = self._conn.recv(4096)
+            if not chunk:
+                raise RuntimeError(
+                    f"the test zygote stopped before reporting process {self.args}: see {_zygote_log()}"
+                )
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+
+_ZYGOTE: dict[str, object] = {}
+# Variables the zygote's imports read (OpenMP at torch's import, Python at start): a run whose environment
+# sets them otherwise than the zygote's starts fresh interpreters.
+_READ_AT_START = ("OMP_", "KMP_", "MKL_", "GOMP_", "PYTHON", "LD_", "TORCH_", "PL_", "CUDA_")
+
+
+def _start_zygote() -> tuple[subprocess.Popen, str, dict[str, str]]:
+    zygote = _ZYGOTE.get("process")
+    if isinstance(zygote, subprocess.Popen) and zygote.poll() is None:
+        return zygote, str(_ZYGOTE["socket"]), _ZYGOTE["env"]  # type: ignore[return-value]
+    folder = tempfile.mkdtemp(prefix="lightning_dgc_zygote_")
+    path, env = os.path.join(folder, "socket"), _environment()
+    with open(os.path.join(folder, "log"), "w") as log:
+        zygote = subprocess.Popen(
+            [sys.executable, str(HERE / "zygote.py"), path], env=env, cwd=ROOT, stdin=subprocess.PIPE,
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    atexit.register(_stop_zygote, zygote, folder)
+    _ZYGOTE.update(process=zygote, socket=path, env=env, log=os.path.join(folder, "log"))
+    return zygote, path, env
+
+
+def _stop_zygote(zygote: subprocess.Popen, folder: str) -> None:
+    """Close the zygote's stdin: it kills the ranks it has left and exits."""
+    if zygote.stdin is not None:
+        zygote.stdin.close()
+    try:
+        zygote.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        zygote.kill()
+        zygote.wait()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _zygote_log() -> str:
+    return str(_ZYGOTE.get("log"))
+
+
+def _fork(script: str, out: Path, args: tuple[str, ...], env: dict[str, str], stdout: Path, stderr: Path):
+    """One rank forked from the zygote (started on first use); a fresh interpreter instead if the environment
+    differs from the zygote's in what is read at start, or if ``LIGHTNING_DGC_TEST_FORK=0`` is set."""
+    command = _command(script, out, args)
+    if os.environ.get("LIGHTNING_DGC_TEST_FORK", "1") != "0":
+        zygote, path, zygote_env = _start_zygote()
+        started = {*env, *zygote_env}
+        if all(env.get(k) == zygote_env.get(k) for k in started if k.startswith(_READ_AT_START)):
+            return _ask_zygote(zygote, path, command, env, out, stdout, stderr)
+    with stdout.open("w") as o, stderr.open("w") as e:
+        return subprocess.Popen(command, env=env, cwd=out.parent, stdout=o, stderr=e, text=True)
+
+
+def _ask_zygote(
+    zygote: subprocess.Popen, path: str, command: list[str], env: dict[str, str], out: Path, stdout: Path,
+    stderr: Path,
+) -> Forked:  # fmt: skip
+    request = {"script": command[1], "argv": command[2:], "env": env, "cwd": str(out.parent),
+               "stdout": str(stdout), "stderr": str(stderr)}  # fmt: skip
+    deadline = time.monotonic() + 300  # the zygote's own imports
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            conn.close()
+            if zygote.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the test zygote did not start: see {_zygote_log()}") from None
+            time.sleep(0.05)
+    conn.sendall((json.dumps(request) + "\n").encode())
+    return Forked(conn, command)
