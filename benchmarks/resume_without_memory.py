@@ -88,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
         "metric": "top-1, mean of the last two evaluations",
         "runs": runs,
         "difference_pp": {n: 100 * (runs[n]["metric"] - straight) for n in ("with_memory", "without_memory")},
-        "environment": common.environment(),
     }
     common.print_table(
         "Resuming at mid-training with and without the exchange memory",
@@ -97,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         + [[n, f"{100 * runs[n]['metric']:.2f}%", f"{result['difference_pp'][n]:+.2f}"]
            for n in ("with_memory", "without_memory")],  # fmt: skip
     )
-    common.write_json("resume_without_memory", result)
+    common.write_json("resume_without_memory.json", result)
     shutil.rmtree(workdir, ignore_errors=True)
     return 0
 

@@ -396,6 +396,16 @@ def test_checkpoint_sizes_table_quotes_the_record_and_meets_its_targets() -> Non
         assert cells in text, f"docs/checkpoints.md lacks the row {cells!r}"
 
 
+def test_resume_without_memory_table_quotes_the_record() -> None:
+    """``resume_without_memory.json``: the three runs' top-1 (mean of the last two evaluations)."""
+    runs = _record("resume_without_memory")["runs"]
+    text = _text("docs/checkpoints.md")
+    for label, name in (("not interrupted", "straight"), ("resumed with the exchange memory", "with_memory"),
+                        ("resumed without it", "without_memory")):  # fmt: skip
+        cells = f"| {label} | {100 * runs[name]['metric']:.2f}% |"
+        assert cells in text, f"docs/checkpoints.md lacks the row {cells!r}"
+
+
 def _traffic() -> dict[str, dict]:
     """ResNet-50's rows of ``traffic.json`` by name: dgc, dgc_fp16, deft, powersgd_1, _2, _4 (density 0.001)."""
     rows = {}
