@@ -1,4 +1,4 @@
-"""Collectives: the only module that calls ``torch.distributed``.
+"""Collectives: the only package that calls ``torch.distributed``.
 
 An algorithm's exchange talks to a :class:`Collectives` object, never to ``torch.distributed``:
 
@@ -6,16 +6,10 @@ An algorithm's exchange talks to a :class:`Collectives` object, never to ``torch
 * :class:`LocalCollectives` simulates ``N`` ranks in one process (one thread per rank, see
   :func:`simulate`), so that an exchange can be unit-tested on the CPU without a process group.
 
-Every collective is started from the hook's thread, in bucket order, so that every rank issues the
-same collectives in the same order (gloo matches collectives by the order in which a process starts
-them; a collective started from a future's callback, which runs in a backend thread, could be
-interleaved differently on different ranks). :meth:`Pending.wait` lets an exchange wait for one
-step's result before it starts the next (with NCCL that orders the stream without a host
-synchronisation; with gloo, and on the CPU, the host waits); :func:`when_all` runs the decode once
-the last ones are done.
-
-Beside the step's collectives: blocking helpers for setup and checkpoints (gathering objects and
-tensors), the bucket layout DDP builds, and ending the process group cleanly.
+The step's collectives and their order (:mod:`~lightning_dgc.comm.collectives`), simulated ranks
+(:mod:`~lightning_dgc.comm.local`), the two levels of a two-level exchange (:mod:`~lightning_dgc.comm.topology`),
+and blocking helpers for setup, checks and checkpoints and a clean end of the process group
+(:mod:`~lightning_dgc.comm.process`).
 """
 
 from __future__ import annotations
