@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_dgc.checks import check_density, real_number
+from lightning_dgc.checks import check_density, flag, real_number
 
 Interval = Literal["epoch", "step"]
 
@@ -130,6 +130,10 @@ class SparsityWarmup(L.Callback):
             stages)`` steps. ``SparsityWarmup(run_fraction=0.2)`` on a 4-epoch run warms up in the
             first 0.8 epochs instead of all four. A per-epoch warm-up that takes half of ``max_epochs``
             or more warns and suggests it.
+        byte_cap: never send more than DDP would (default ``True``): a stage denser than the density at
+            which the algorithm's exchange carries as many link bytes as DDP's ring all-reduce at this
+            world size (:func:`lightning_dgc.regimes.breakeven_density`: 1/N for DGC, so 0.125 at 8
+            processes) runs at that density instead. Stages of density 1 (dense) are DDP's all-reduce.
 
     Example::
 
@@ -143,6 +147,7 @@ class SparsityWarmup(L.Callback):
         interval: Interval = "epoch",
         dense_epochs: int = 0,
         run_fraction: float | None = None,
+        byte_cap: bool = True,
     ) -> None:
         if interval not in ("epoch", "step"):
             raise ValueError(f"`interval` must be 'epoch' or 'step', got {interval!r}.")
@@ -171,6 +176,10 @@ class SparsityWarmup(L.Callback):
         self._stages = self.densities  # the schedule run_fraction spreads (None: the paper's)
         self.final_density: float | None = None
         self._strategy: object | None = None  # the strategy final_density was read from
+        self.byte_cap = flag(byte_cap, "byte_cap")
+        self.cap = 1.0  # the highest density a stage may have (set in setup from the world size)
+        #: A schedule that applies this warm-up's density itself (``CriticalRegimes``), or ``None``.
+        self.applied_by: object | None = None
 
     def density_at(self, epoch: int, step: int, steps_per_epoch: int | None = None) -> float:
         """The density this callback applies at ``epoch`` / optimizer ``step`` (after :meth:`setup`)."""
@@ -178,7 +187,7 @@ class SparsityWarmup(L.Callback):
             raise RuntimeError(
                 "SparsityWarmup reads the final density from the strategy in `setup`; call it first."
             )
-        return warmup_density(
+        density = warmup_density(
             epoch,
             step,
             self.final_density,
@@ -187,6 +196,13 @@ class SparsityWarmup(L.Callback):
             self.dense_epochs,
             steps_per_epoch,
         )
+        if density < 1.0 and density > self.cap:  # a stage dearer than DDP's all-reduce (density 1 is one)
+            density = max(self.cap, self.final_density)
+        return density
+
+    def warmup_density(self, trainer: L.Trainer) -> float:
+        """The density this warm-up asks for at the Trainer's current epoch and optimizer step."""
+        return self.density_at(trainer.current_epoch, trainer.global_step, self._steps_per_epoch(trainer))
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -204,6 +220,10 @@ class SparsityWarmup(L.Callback):
         if strategy is not self._strategy:
             self.final_density = check_density(strategy.density, "strategy.density")
             self._strategy = strategy
+        if self.byte_cap:
+            from lightning_dgc.regimes import breakeven_density
+
+            self.cap = breakeven_density(strategy.algorithm_class, strategy.config, trainer.world_size)
         epochs = getattr(trainer, "max_epochs", None)
         if self.run_fraction is None and self.interval == "epoch" and epochs is not None and epochs > 0:
             warm = self.dense_epochs + len(
@@ -253,8 +273,8 @@ class SparsityWarmup(L.Callback):
         return math.ceil(int(batches) / trainer.accumulate_grad_batches)
 
     def _apply(self, trainer: L.Trainer) -> float:
-        density = self.density_at(trainer.current_epoch, trainer.global_step, self._steps_per_epoch(trainer))
-        if trainer.strategy.density != density:
+        density = self.warmup_density(trainer)
+        if self.applied_by is None and trainer.strategy.density != density:
             trainer.strategy.density = density
         return density
 
