@@ -74,9 +74,10 @@ from lightning_dgc.algorithms.base import ring_allreduce_volume
 CONFIG_DIR = common.RESULTS / "parity_configs"
 CONFIG_DEVICES = 2  # the CPU configs' ``trainer.devices``
 ALGOS = ("ddp", "dgc", "deft", "powersgd")
-#: name -> (algorithm YAML, extra CLI arguments, add the warm-up); the last two are variants for
-#: ``--algos`` outside the default set.
-ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
+#: name -> (algorithm YAML, extra CLI arguments, the density schedule: ``True`` the warm-up,
+#: ``"regimes"`` CriticalRegimes alone, ``"regimes+warmup"`` both, ``False`` none); variants for
+#: ``--algos`` outside the default set follow the four.
+ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "ddp": ("configs/algo/ddp.yaml", (), False),
     "dgc": ("configs/algo/dgc_warmup.yaml", (), True),
     "deft": ("configs/algo/deft.yaml", (), True),
@@ -86,6 +87,10 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
         ("--trainer.strategy.init_args.momentum_correction", "false"),
         False,
     ),
+    # the critical-regime schedule (configs/algo/dgc_regimes.yaml), without and with the warm-up
+    "dgc_regimes": ("configs/algo/dgc_regimes.yaml", (), "regimes"),
+    "dgc_regimes_warmup": ("configs/algo/dgc_regimes.yaml", (), "regimes+warmup"),
+    "deft_regimes": ("configs/algo/deft.yaml", (), "regimes"),
     # DGC ten times denser: how much of the transformer's (AdamW's) gap the density explains
     "dgc_density_0.01": (
         "configs/algo/dgc_warmup.yaml",
@@ -229,7 +234,10 @@ TASKS: dict[str, Task] = {
 def callbacks_yaml(algo: str, record_path: Path, epochs: int) -> str:
     """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder), as YAML text."""
     lines = ["trainer:", "  callbacks:"]
-    if ALGO_SPECS[algo][2]:
+    schedule = ALGO_SPECS[algo][2]
+    if schedule in ("regimes", "regimes+warmup"):
+        lines.append("    - class_path: lightning_dgc.CriticalRegimes")
+    if schedule in (True, "regimes+warmup"):
         lines.append("    - class_path: lightning_dgc.SparsityWarmup")
         if epochs < 8:  # each of the paper's 4 stages for 5% of the run
             lines += ["      init_args:", "        run_fraction: 0.2"]
@@ -460,6 +468,13 @@ def summarize(task: Task, runs: list[dict[str, Any]], devices: int) -> list[dict
         if algo == "ddp" and rs[0].get("params"):  # ring all-reduce of every fp32 gradient
             link = [ring_allreduce_volume(4 * rs[0]["params"], devices) / 1e3]
         row["link_kb_per_step"] = sum(link) / len(link) if link else None
+        out.append(row)
+    ddp_link = next((row["link_kb_per_step"] for row in out if row["algo"] == "ddp"), None)
+    for row in out:
+        algo, rs = row["algo"], [r for r in done if r["algo"] == row["algo"]]
+        if ddp_link and row["link_kb_per_step"]:
+            # DDP's link bytes over the algorithm's, every step of the run counted (warm-up included)
+            row["compression"] = round(ddp_link / row["link_kb_per_step"], 2)
         paired = [(r, ddp[r["seed"]]) for r in rs if r["seed"] in ddp]
         if algo != "ddp" and paired:
             diffs = [
@@ -470,7 +485,6 @@ def summarize(task: Task, runs: list[dict[str, Any]], devices: int) -> list[dict
             worse = -row["difference"] if task.higher_is_better else row["difference"]
             row["met"] = worse <= task.tolerance
             row["paired_seeds"] = len(paired)
-        out.append(row)
     return out
 
 
@@ -501,6 +515,7 @@ def summary_rows(result: dict[str, Any]) -> list[list[Any]]:
              mean_std_text(row["metric"], row["metric_std"], percent) + ("%" if percent else ""),
              diff, mean_std_text(row["train_loss"], row["train_loss_std"], False, 3),
              row.get("link_kb_per_step") and round(row["link_kb_per_step"], 1),
+             row.get("compression") and f"{row['compression']:.1f}x",
              "" if "met" not in row else row["met"]]
         )  # fmt: skip
     return rows
@@ -631,7 +646,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
             (
                 f"Mean ± std over seeds {result.get('seeds')}: metric averaged over the last two evaluations,"
                 " difference to ddp paired by seed, training loss of the last epoch",
-                ["task", "workers", "algo", "seeds", "metric", "vs ddp", "train loss", "link kB/step", "met"],
+                ["task", "workers", "algo", "seeds", "metric", "vs ddp", "train loss", "link kB/step", "vs ddp bytes", "met"],
                 summary_rows(result),
             )
         )

@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CompressionMonitor": "lightning_dgc.callbacks",
     "CriticalRegimes": "lightning_dgc.regimes",
+    "breakeven_density": "lightning_dgc.regimes",
     "SparsityWarmup": "lightning_dgc.callbacks",
     "warmup_density": "lightning_dgc.callbacks",
     "CompressionStrategy": "lightning_dgc.strategy",
