@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         ["task", "workers", "algo", "seeds", "compression", "vs ddp (pp or %)"],
         rows,
     )
-    common.write_json("frontier", {"records": args.records, "points": panels})
+    common.write_json("frontier.json", {"records": args.records, "points": panels})
     plot(panels)
     return 0
 
