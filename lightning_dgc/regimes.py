@@ -9,9 +9,9 @@ the strategy's target density elsewhere.
 A regime starts:
 
 * at the start of training (``start=True``);
-* when the learning rate the optimizer will use drops by ``lr_drop`` (2x) or more below the highest
-  learning rate seen since the last regime started: a step schedule's every decay, a cosine schedule's
-  every halving (criterion ``"lr"``);
+* when the learning rate drops by ``lr_drop`` (2x) or more from one optimizer step to the next: a step
+  schedule's decays (criterion ``"lr"``). A smooth schedule (cosine, exponential by less than 2x a step)
+  never drops that much at once and starts no regime;
 * when the norm of the gradient accumulated over an interval (an epoch, or ``interval`` optimizer
   steps) changes by ``norm_change`` (50%) or more from the previous interval's (criterion ``"norm"``,
   Accordion's). The gradient is the averaged one every rank holds after the exchange, and rank 0's norm
@@ -79,7 +79,7 @@ def breakeven_density(algorithm_class: Any, config: Any, world_size: int) -> flo
 
 
 def lr_dropped(lr: float, reference: float, drop: float) -> bool:
-    """Whether ``lr`` lies ``drop`` times or more below ``reference`` (the highest since the last regime)."""
+    """Whether ``lr`` lies ``drop`` times or more below ``reference`` (the previous optimizer step's)."""
     return reference > 0 and lr * drop <= reference * (1 + 1e-9)
 
 
@@ -118,7 +118,8 @@ class CriticalRegimes(L.Callback):
             ``"norm"`` (the gradient-norm test), ``"both"``, or ``"auto"`` (default): ``"lr"`` when the
             model configures a learning-rate scheduler, ``"norm"`` otherwise. ``"lr"`` or ``"both"``
             without a scheduler fall back to ``"norm"`` with a warning.
-        lr_drop: the drop of the learning rate that starts a regime (> 1; 2 by default).
+        lr_drop: the drop of the learning rate between two optimizer steps that starts a regime (> 1; 2 by
+            default).
         norm_change: the relative change of the accumulated gradient's norm that starts one (> 0; 0.5).
         interval: the norm test's interval: ``"epoch"`` or a number of optimizer steps.
         start: whether the start of training is a critical regime (default ``True``).
@@ -269,13 +270,9 @@ class CriticalRegimes(L.Callback):
         step = trainer.global_step
         if self._uses_lr and trainer.optimizers:
             lr = float(trainer.optimizers[0].param_groups[0]["lr"])
-            if self.reference_lr is None:
-                self.reference_lr = lr
-            elif lr_dropped(lr, self.reference_lr, self.lr_drop):
+            if self.reference_lr is not None and lr_dropped(lr, self.reference_lr, self.lr_drop):
                 self.begin(step)
-                self.reference_lr = lr
-            else:
-                self.reference_lr = max(self.reference_lr, lr)
+            self.reference_lr = lr
         density = self.density_at(step, self._base_density(trainer))
         if trainer.strategy.density != density:
             trainer.strategy.density = density
