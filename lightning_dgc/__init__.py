@@ -26,6 +26,7 @@ _EXPORTS = {
     "CompressionStrategy": "lightning_dgc.strategy",
     "DEFTStrategy": "lightning_dgc.strategy",
     "DGCStrategy": "lightning_dgc.strategy",
+    "DiLoCoStrategy": "lightning_dgc.diloco",
     "FabricCompressionStrategy": "lightning_dgc.fabric",
     "DEFTConfig": "lightning_dgc.algorithms.deft",
     "DGCConfig": "lightning_dgc.algorithms.dgc",
@@ -80,6 +81,12 @@ def _register_strategies() -> None:
     from lightning_dgc.strategy import CompressionStrategy
 
     CompressionStrategy.register_strategies(StrategyRegistry)
+    diloco = sys.modules.get("lightning_dgc.diloco")
+    if diloco is not None and not hasattr(diloco, "DiLoCoStrategy"):
+        return  # likewise: Lightning was imported by the DiLoCo module, which registers its name when done
+    from lightning_dgc.diloco import DiLoCoStrategy
+
+    DiLoCoStrategy.register_strategies(StrategyRegistry)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
