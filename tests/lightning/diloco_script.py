@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_dgc import DiLoCoStrategy
 
@@ -76,12 +76,14 @@ def main() -> None:
     trainer = L.Trainer(
         strategy=trainer_strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps, logger=False,
         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
-        callbacks=callbacks,
+        callbacks=callbacks, use_distributed_sampler=False,
     )  # fmt: skip
     module = Module(args.manual)
     rank = trainer.global_rank
     torch.save(flat(module), f"{args.out}.rank{rank}.init.pt")
-    data = DataLoader(dataset(args.samples), batch_size=BATCH, shuffle=False)
+    # each rank's shard in a fixed order (Lightning's own sampler shuffles), for the test's hand-written reference
+    shard = DistributedSampler(dataset(args.samples), num_replicas=trainer.world_size, rank=rank, shuffle=False)
+    data = DataLoader(dataset(args.samples), batch_size=BATCH, sampler=shard)
     trainer.fit(module, data, ckpt_path=args.resume)
     torch.save(flat(module), f"{args.out}.rank{rank}.params.pt")
     stats = strategy.compression_stats()
