@@ -28,6 +28,7 @@ _EXPORTS = {
     "CompressionStrategy": "lightning_dgc.strategy",
     "DEFTStrategy": "lightning_dgc.strategy",
     "DGCStrategy": "lightning_dgc.strategy",
+    "DiLoCoStrategy": "lightning_dgc.diloco",
     "FabricCompressionStrategy": "lightning_dgc.fabric",
     "DEFTConfig": "lightning_dgc.algorithms.deft",
     "DGCConfig": "lightning_dgc.algorithms.dgc",
@@ -74,14 +75,19 @@ def _register_strategies() -> None:
         from lightning_dgc.fabric import register_fabric_strategies
 
         register_fabric_strategies()  # Fabric(strategy="dgc")
-    strategy = sys.modules.get("lightning_dgc.strategy")
-    if strategy is not None and not hasattr(strategy, "DEFTStrategy"):
-        return  # Lightning was imported *by* the strategy module, which registers the names when done
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_dgc.strategy import CompressionStrategy
+    strategy = sys.modules.get("lightning_dgc.strategy")
+    # else Lightning was imported *by* the strategy module, which registers the names when done
+    if strategy is None or hasattr(strategy, "DEFTStrategy"):
+        from lightning_dgc.strategy import CompressionStrategy
 
-    CompressionStrategy.register_strategies(StrategyRegistry)
+        CompressionStrategy.register_strategies(StrategyRegistry)
+    diloco = sys.modules.get("lightning_dgc.diloco")
+    if diloco is None or hasattr(diloco, "DiLoCoStrategy"):  # likewise
+        from lightning_dgc.diloco import DiLoCoStrategy
+
+        DiLoCoStrategy.register_strategies(StrategyRegistry)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

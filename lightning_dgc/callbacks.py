@@ -321,6 +321,8 @@ class CompressionMonitor(L.Callback):
     * ``compression/buildup_factor``: distinct indices in the union of all ranks' selections divided
       by k, the values the density asks for (gradient build-up: 1 for DEFT, up to the number of
       ranks for DGC).
+    * ``compression/link_bytes_per_step`` (:class:`~lightning_dgc.DiLoCoStrategy` only): the link bytes of every
+      outer exchange so far divided by the optimizer steps (the other byte counts are the last outer exchange's).
     * ``compression/max_rank_selection_ms`` (DEFT only, when reported): the slowest rank's
       selection time, the one that holds the step back.
 
@@ -341,6 +343,7 @@ class CompressionMonitor(L.Callback):
         "selection_ms": "selection_ms",
         "buildup_factor": "buildup_factor",
         "max_rank_selection_ms": "max_rank_selection_ms",
+        "link_bytes_per_step": "link_bytes_per_step",
     }
 
     def __init__(self, log_every_n_steps: int | None = None, prefix: str = "compression/") -> None:

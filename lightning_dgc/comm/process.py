@@ -104,6 +104,14 @@ def average(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
     return tensor
 
 
+def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Every tensor replaced, in place, by rank ``src``'s (blocking; not for the hot path)."""
+    world, _ = world_size_and_rank(group)
+    if world > 1:
+        for tensor in tensors:
+            dist.broadcast(tensor, src, group=group)
+
+
 def bucket_assignment(tensors: Sequence[Tensor], caps: Sequence[int]) -> list[list[int]]:
     """The buckets DDP builds for ``tensors`` (in the order given) with these byte caps: indices per bucket."""
     groups, _ = dist._compute_bucket_assignment_by_size(list(tensors), list(caps), [False] * len(tensors))

@@ -1,0 +1,323 @@
+"""Lightning glue for DiLoCo: ``Trainer(strategy="diloco")`` or ``Trainer(strategy=DiLoCoStrategy(sync_every=...))``.
+
+:class:`DiLoCoStrategy` subclasses Lightning's ``DDPStrategy`` for its process group, launcher and distributed
+sampler, but does not wrap the model in ``DistributedDataParallel``: between outer steps nothing crosses processes
+(no gradient all-reduce, no buffer broadcast, no gradient bucket in memory). The outer step itself is
+:class:`lightning_dgc.outer.OuterStep`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dgc import comm, rank_files
+from lightning_dgc.algorithms import AlgorithmConfig
+from lightning_dgc.checkpoint import FileIO, finish_save, read_checkpoint, read_rank_states, remove_rank_files
+from lightning_dgc.front import config_from_arguments
+from lightning_dgc.outer import DENSE, OuterSettings, OuterStep, check_same_everywhere
+from lightning_dgc.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS, check_max_consecutive_skips
+
+__all__ = ["DILOCO_KEY", "DiLoCoStrategy"]
+
+log = logging.getLogger(__name__)
+
+#: The checkpoint entry of a DiLoCo run (rank 0's file): the outer state and the manifest of the rank files.
+DILOCO_KEY = "lightning_dgc_diloco"
+
+
+class DiLoCoStrategy(DDPStrategy):
+    """DiLoCo (Douillard et al., 2023): every rank takes ``sync_every`` optimizer steps on its own copy of the
+    model, then the ranks average their *pseudo-gradients* (global weights minus local weights) and an outer
+    Nesterov SGD steps the global weights, which every rank then continues from.
+
+    * The user's optimizer is the *inner* optimizer; its state (momentum, Adam's moments) is each rank's own and
+      carries over from round to round. During the inner steps no gradient crosses processes: the model is not
+      wrapped in DDP (there is nothing for its reducer to do), and Lightning's distributed sampler still gives
+      each rank its own shard of the data.
+    * The outer step runs right after every ``sync_every``-th optimizer step (optimizer steps, so
+      ``accumulate_grad_batches`` counts as Lightning counts ``global_step``): 1. pseudo-gradient = global -
+      local; 2. its mean over the ranks (``algorithm``); 3. outer SGD on the global weights; 4. local := global,
+      and floating-point buffers (BatchNorm's statistics) averaged. The ranks are bit-identical after it.
+    * Validation mid-round sees each rank's local weights (no copy, no exchange).
+    * When ``fit`` ends mid-round, a last outer step runs (over the shorter round), so every rank holds the same
+      model once ``fit`` returns (callbacks' ``on_train_end`` still see the local weights).
+    * A pseudo-gradient that is not finite on any rank skips the outer SGD step on every rank, local := global
+      (the round is lost), and the outer exchange's memory stays as it was; after ``max_consecutive_skips`` such
+      outer steps in a row ``fit`` raises on every rank.
+    * Checkpoints hold the global weights as the model's ``state_dict`` (what inference or a plain DDP resume
+      loads), the outer optimizer and the position in the round; every rank writes its local weights, inner
+      optimizer state and outer exchange memory into its own file beside the checkpoint (``<path>.exchange/``),
+      so a resume mid-round continues exactly. A checkpoint without that entry (plain DDP's) starts a round from
+      its weights; one written by another number of ranks starts a round from its global weights.
+
+    Args:
+        sync_every: optimizer steps between outer steps (DiLoCo's ``H``; 500 in the paper).
+        outer_lr: the outer SGD's learning rate.
+        outer_momentum: the outer SGD's momentum.
+        outer_nesterov: Nesterov momentum (torch's SGD semantics).
+        algorithm: how the pseudo-gradients travel: ``"dense"`` (one fp32 all-reduce) or any registered
+            compression algorithm's name (``"dgc"``, ``"powersgd"``, an outside one) or configuration object,
+            which exchanges them through the same path as the gradient hook, with its error feedback carried from
+            outer step to outer step. Its step counter counts outer steps (PowerSGD's ``start_iter`` too).
+        options: the algorithm's settings, as a dict; they may be given as keyword arguments instead.
+        offload: keep the global weights and the outer momentum in host memory (copied to the device at every
+            outer step) instead of two fp32 model copies on the device.
+        max_consecutive_skips: raise after this many outer steps in a row skipped for non-finite pseudo-gradients
+            (``None`` or 0: never).
+        **kwargs: the algorithm's settings. DDP's own arguments are refused: the model is not wrapped in DDP.
+    """
+
+    def __init__(
+        self,
+        sync_every: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_nesterov: bool = True,
+        algorithm: str | AlgorithmConfig = DENSE,
+        options: dict[str, Any] | None = None,
+        offload: bool = False,
+        max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        owner = type(self).__name__
+        # Validated before anything else, so that a bad value fails at construction, on the launching process.
+        self.settings = OuterSettings(sync_every, outer_lr, outer_momentum, outer_nesterov, offload)
+        self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
+        self._config = outer_config(owner, algorithm, options, kwargs)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+        )  # fmt: skip
+        self._outer: OuterStep | None = None
+        self._entry: dict[str, Any] | None = None  # the checkpoint's DiLoCo entry, restored in setup()
+        self._checkpoint_path: Any = None
+        self._inner_optimizer_states: list[Any] | None = None  # this rank's, from its rank file
+
+    @property
+    def outer(self) -> OuterStep:
+        """The global weights, the outer optimizer and exchange, the position in the round."""
+        if self._outer is None:
+            raise RuntimeError(f"{type(self).__name__} has no outer state before `trainer.fit` has set up the model.")
+        return self._outer
+
+    def compression_stats(self) -> dict[str, Any]:
+        """The last outer exchange's bytes and the run's link bytes per optimizer step
+        (:meth:`OuterStep.compression_stats`); what :class:`~lightning_dgc.CompressionMonitor` logs."""
+        return self._outer.compression_stats() if self._outer is not None else {}
+
+    def residual_norm(self) -> float | None:
+        """L2 norm of what the outer exchange's memory holds back (``None``: ``"dense"``, or before ``fit``)."""
+        state = self._outer.exchange_state if self._outer is not None else None
+        return state.residual_norm() if state is not None else None
+
+    # -- set-up ------------------------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DDP wrapper: every rank starts from rank 0's weights and buffers (as DDP's would), and the outer
+        state starts from them."""
+        assert isinstance(self.model, pl.LightningModule)
+        module = self.model
+        comm.broadcast_([t.detach() for t in (*module.parameters(), *module.buffers())])
+        self._outer = OuterStep(self.settings, self._config, module.named_parameters(), module.named_buffers())
+        check_same_everywhere(self._outer, type(self).__name__)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        owner = type(self).__name__
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                f"{owner} counts the optimizer steps Lightning takes, and manual optimization takes its own: set"
+                " `self.automatic_optimization = True` (the default), or use strategy='ddp'."
+            )
+        self._restore()
+
+    # -- the step ----------------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._after(self.outer.after_optimizer_step())
+        return result
+
+    def _after(self, finite: bool | None) -> None:
+        """After an outer step (``finite``; ``None``: none ran): warn of a skipped one, stop a stalled run."""
+        if finite is None or finite:
+            return
+        outer = self.outer
+        rank_zero_warn(
+            f"{type(self).__name__}: the pseudo-gradient of outer step {outer.outer_steps} was not finite (inf/NaN"
+            " on at least one rank); the outer step was skipped on every rank and every rank restarts the round"
+            " from the global weights."
+        )
+        if self.max_consecutive_skips and outer.consecutive_skipped >= self.max_consecutive_skips:
+            raise RuntimeError(
+                f"{type(self).__name__}: the last {outer.consecutive_skipped} outer steps were all skipped because"
+                " the pseudo-gradients were not finite, so the model has stopped training. Check the loss for"
+                " inf/NaN (data, learning rate; gradient clipping), lower `sync_every`, or raise"
+                " `max_consecutive_skips` (None turns this check off)."
+            )
+
+    @override
+    def on_train_end(self) -> None:
+        """A round cut short by the end of ``fit`` ends with an outer step: every rank holds the same model."""
+        super().on_train_end()
+        if self._outer is not None and self._outer.inner_steps:
+            self._after(self._outer.step())
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its local weights, inner optimizer state and outer exchange memory into its own file
+        beside ``filepath``; rank 0 then writes the checkpoint: the global weights as the model's ``state_dict``,
+        the outer state and the manifest of the rank files (all ranks call this)."""
+        outer = self._outer
+        if outer is None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        io = FileIO(self.checkpoint_io, storage_options)
+        tag = comm.all_gather_object(f"{outer.optimizer_steps:08d}-{os.urandom(4).hex()}")[0]  # rank 0's
+        mine = {
+            "local": {n: p.detach().cpu().clone() for n, p in zip(outer.names, outer.params, strict=True)},
+            "inner_optimizers": checkpoint.get("optimizer_states"),
+            "exchange": outer.exchange_state.state_dict() if outer.exchange_state is not None else None,
+        }
+        folder = rank_files.folder_of(filepath)
+        record = io.save(mine, rank_files.join(folder, rank_files.rank_file_name(self.global_rank, str(tag))))
+        records = comm.gather_object(record)
+        if records is None:  # not rank 0: its own file is written
+            return
+        state_dict = checkpoint["state_dict"]
+        for name, g in zip(outer.names, outer.global_params, strict=True):
+            if name in state_dict:
+                state_dict[name] = g.detach().to("cpu", state_dict[name].dtype, copy=True)
+        manifest = {"folder": os.path.basename(folder.rstrip("/")), "files": records, "world_size": len(records)}
+        checkpoint[DILOCO_KEY] = {"outer": outer.state_dict(), **manifest}
+        io.save(checkpoint, filepath, record=False)
+        finish_save(filepath, manifest, io)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the checkpoint and the folder of its rank files (``ModelCheckpoint``'s rotation)."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            remove_rank_files(filepath, FileIO(self.checkpoint_io))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        load = super().load_checkpoint
+        self._checkpoint_path = checkpoint_path
+        return read_checkpoint(lambda: load(checkpoint_path, *args, **kwargs), checkpoint_path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict)  # the global weights: setup() starts from them
+        self._entry = checkpoint.get(DILOCO_KEY)
+
+    def _restore(self) -> None:
+        """In setup, once the outer state exists: the checkpoint's outer state and this rank's own file."""
+        entry, self._entry = self._entry, None
+        if entry is None:
+            return  # no checkpoint, or another strategy's: a round starts from its weights
+        outer = self.outer
+        if entry["world_size"] != self.world_size:
+            rank_zero_warn(
+                f"{type(self).__name__}: the checkpoint was written by {entry['world_size']} ranks and is resumed by"
+                f" {self.world_size}: a round starts from its global weights, with rank 0's inner optimizer state"
+                " and an empty outer exchange memory (the outer momentum is kept)."
+            )
+            outer.load_state_dict(entry["outer"])
+            outer.load_local()
+            outer.inner_steps = 0
+            return
+        outer.load_state_dict(entry["outer"])
+        mine = read_rank_states(entry, [self.global_rank], self._checkpoint_path, FileIO(self.checkpoint_io))
+        state = mine[self.global_rank]
+        with torch.no_grad():
+            for name, p in zip(outer.names, outer.params, strict=True):
+                p.copy_(state["local"][name])
+        if outer.exchange_state is not None and state["exchange"] is not None:
+            outer.exchange_state.restore_rank_state(state["exchange"], self.root_device)
+        self._inner_optimizer_states = state["inner_optimizers"]
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Lightning's restore (rank 0's inner optimizer state), then this rank's own from its rank file."""
+        super().load_optimizer_state_dict(checkpoint)
+        states, self._inner_optimizer_states = self._inner_optimizer_states, None
+        if states is not None:
+            for optimizer, state in zip(self.optimizers, states, strict=True):
+                optimizer.load_state_dict(state)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "diloco" not in strategy_registry:
+            strategy_registry.register("diloco", cls, description="DiLoCo: local steps, outer Nesterov SGD")
+
+
+def outer_config(
+    owner: str, algorithm: str | AlgorithmConfig, options: dict[str, Any] | None, kwargs: dict[str, Any]
+) -> AlgorithmConfig | None:
+    """The outer exchange's configuration (``None``: ``"dense"``) from the strategy's arguments; DDP's are refused."""
+    if isinstance(algorithm, str) and algorithm == DENSE:
+        given = sorted({*kwargs, *(options or {})})
+        if given:
+            raise TypeError(
+                f"{owner}: `{given[0]}` is no setting of algorithm='dense' (the plain mean has none) nor an argument"
+                f" of {owner}: drop it, or pick an algorithm that takes it (e.g. algorithm='dgc', density=0.01)."
+            )
+        return None
+    try:
+        config = config_from_arguments(owner, algorithm, options, kwargs, DDPStrategy)
+    except ValueError as error:
+        if isinstance(algorithm, str) and "no compression algorithm named" in str(error):
+            raise ValueError(f"{owner}: {error}; or algorithm='dense' for the plain mean.") from error
+        raise
+    if kwargs:
+        raise TypeError(
+            f"{owner} does not wrap the model in DistributedDataParallel: `{sorted(kwargs)[0]}` would have no"
+            " effect; drop it."
+        )
+    return config
+
+
+# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``) then finds this
+# module half-made and leaves the name to be registered here.
+DiLoCoStrategy.register_strategies(StrategyRegistry)
