@@ -148,8 +148,11 @@ def test_one_workspace_serves_tensors_of_any_size_in_any_order(backend: str) -> 
 def test_chunked_pass_keeps_one_block_of_mask_not_one_byte_per_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above DIRECT_NUMEL the mask covers one block: the workspace does not grow with the tensor, and
     the candidates (in increasing order, across blocks and a ragged last word) are a whole-tensor mask's."""
-    monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 10_000)
-    monkeypatch.setattr(dgc_selection, "CHUNK", 4_096)
+    from lightning_dgc.selection import workspace as scratch
+
+    for module in (dgc_selection, scratch):  # the pass and its scratch buffers read both
+        monkeypatch.setattr(module, "DIRECT_NUMEL", 10_000)
+        monkeypatch.setattr(module, "CHUNK", 4_096)
     workspace = dgc_selection.SelectionWorkspace()
     for n in (200_003, 8_192 * 3):
         x = torch.randn(n, generator=_gen(n))
@@ -325,8 +328,11 @@ def test_selection_from_chunks_gives_the_whole_vectors_indices_bit_for_bit(
     from the whole v', with the same draws, on every path of the pass; its values at the result are v''s."""
     from lightning_dgc.momentum import compensated_velocity_each
 
-    monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 10_000)
-    monkeypatch.setattr(dgc_selection, "CHUNK", 4_096)
+    from lightning_dgc.selection import workspace as scratch
+
+    for module in (dgc_selection, scratch):  # the pass and its scratch buffers read both
+        monkeypatch.setattr(module, "DIRECT_NUMEL", 10_000)
+        monkeypatch.setattr(module, "CHUNK", 4_096)
     n, k = 50_001, 500
     grad, velocity, u = _velocity_parts(n, 11)
     if path != "first threshold":  # a few huge values that the sample mostly hits: the threshold is too high
