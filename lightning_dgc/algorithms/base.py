@@ -238,7 +238,7 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         if kind is None:
             raise ValueError(
                 f"{type(self).__name__}.error_feedback() needs a memory kind: pass `kind=` or set the class"
-                " attribute `residual_kind` (e.g. `residual_kind = \"error\"`, listed in `memory_kinds`)."
+                ' attribute `residual_kind` (e.g. `residual_kind = "error"`, listed in `memory_kinds`).'
             )
         memory = self.state.memory
         names = [spec.name for spec in layout]

@@ -25,170 +25,39 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lightning_dgc import codec
 from lightning_dgc.algorithms.base import Message, TensorSpec, WireCost, register
+from lightning_dgc.algorithms.deft_config import DEFTConfig
 from lightning_dgc.algorithms.deft_partition import (
     Fragment,
     allocate_k_list,
     fragment_count,
     fragment_layers,
     lpt_assign,
+    repeated,
     selection_cost,
+    shares,
+    union_size,
 )
-from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.algorithms.sparse import (
-    Entry,
-    SparsePlan,
-    SparseTopK,
-    SparseWork,
-    average,
-    dense_sum,
-    exchange_dense,
-    release,
-    split_layout,
-)
-from lightning_dgc.checks import flag
+from lightning_dgc.algorithms.sparse import Entry, SparsePlan, SparseTopK, SparseWork, split_layout
+from lightning_dgc.algorithms.sparse_decode import average, dense_sum, exchange_dense, release
 from lightning_dgc.selection.batched import concatenated_ranges, to_device, topk_in_ranges
 from lightning_dgc.selection.partitioned import deft_select, fragment_norms
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
 
+__all__ = ["DEFT", "DEFTConfig", "DEFTPlan", "DEFTWork"]
+
 #: DEFT's norms (and selection times) travel as float64.
 NORM_BYTES = 8
 #: The compact wire's values travel as fp16.
 COMPACT_VALUE_DTYPE = torch.float16
-
-
-@dataclass
-class DEFTConfig(DGCConfig):
-    """DGC's hyper-parameters (:class:`~lightning_dgc.algorithms.dgc.DGCConfig`), plus:
-
-    momentum_correction: DGC's momentum correction in the exchange (SGD's momentum and weight decay
-        taken over) instead of DEFT's plain error feedback, which leaves momentum and weight decay to
-        the optimizer (any optimizer works then); ``momentum`` needs it.
-
-    The method's parts, each switchable for ablations (the defaults are DEFT as published):
-
-    k_allocation: ``"norm"``: k shared among fragments in proportion to their norms; ``"size"``: in
-        proportion to their sizes (every fragment at the same density, as DGC), which needs no norms:
-        the step skips their computation and their blocking all-reduce (and so does not report
-        ``max_rank_selection_ms``).
-    fragmenting: cut a layer larger than 1/N of the bucket into N pieces (``False``: whole layers).
-    rotation: rotate the fragments' owners with the step counter (``False``: fixed owners).
-    union_values: ``"all"``: every rank sends, and clears from its memory, its values at the whole
-        union; ``"owner"``: only a fragment's owner does, at the indices it selected (the other
-        ranks keep theirs).
-
-    selectors: ``"owner"`` (as published): a fragment's k values are those its owner selects from its
-        own memory. ``"all"``: every rank selects ``k/N`` of them (the remainder rotating), so the union
-        reflects all ranks' memories, as DGC's does, at DEFT's volume (duplicates are sent once); the
-        selection is no longer shared out (each rank reads the whole bucket, as with DGC; the
-        performance model still charges DEFT's published 1/N share of it).
-
-    The wire (not a part of the method: how the union travels; the union and the update are the same):
-
-    wire: ``"allreduce"`` (as published): the union's indices merged by an int32 all-reduce (sum) of the
-        disjoint selections, the values all-reduced in ``value_dtype``: about ``2 (N-1)/N (4 + b)``
-        bytes per union value on each link (``b``: the value's bytes). ``"compact"``: every rank's own
-        selections as 2-byte delta codes (DGC's, :mod:`lightning_dgc.codec`), one
-        all-gather of a row per rank padded to the largest rank's count (every rank knows every count
-        from the shared plan), then the values all-reduced in fp16 whatever ``value_dtype`` (which
-        still sets the tensors averaged dense, and the DGC that ``budget="dgc_link"`` matches),
-        divided by the number of ranks first as the dense fp16 all-reduce is: about ``6 (N-1)/N``
-        bytes per union value when the ranks select equal counts, 2.7 times fewer than ``"allreduce"``
-        in fp32. A value whose average overflows fp16 makes the step non-finite, and it is skipped on
-        every rank with the memory intact; values below fp16's range are sent as 0 (and cleared from
-        the memory, as DGC's fp16 values' rounding is).
-
-    And the budget (not a part of the method: how many values its union holds):
-
-    budget: ``"k"`` (as published): the union holds ``k = ceil(density * numel)`` values per compressed
-        tensor, what one DGC rank sends. ``"dgc_link"``: as many values as DGC's exchange at the same
-        density carries on each worker's link (``WireCost.link_bytes``), never fewer than k. DGC's ring
-        all-gather forwards ``(N-1)`` payloads of k values with 2-byte index codes (``(N-1) (2 + b) k``
-        bytes); with ``wire="allreduce"`` DEFT's ring all-reduce carries ``2 (N-1)/N`` times its union of
-        values with int32 indices: so the union holds ``N (2 + b) / (2 (4 + b))`` times k (``b`` bytes per
-        value: 3 k at 8 ranks in fp32), capped at every value, and k at 2 ranks (where DEFT's k already
-        costs 4/3 of DGC's bytes). With ``wire="compact"`` (``6 (N-1)/N`` bytes per union value) it holds
-        ``N (2 + b) / 6`` times k: N k against DGC in fp32 (2 k at 2 ranks, 8 k at 8). The density a
-        schedule sets keeps its meaning (DGC's), so one warm-up YAML serves both strategies.
-    """
-
-    momentum_correction: bool = False
-    k_allocation: Literal["norm", "size"] = "norm"
-    fragmenting: bool = True
-    rotation: bool = True
-    union_values: Literal["all", "owner"] = "all"
-    budget: Literal["k", "dgc_link"] = "k"
-    selectors: Literal["owner", "all"] = "owner"
-    wire: Literal["allreduce", "compact"] = "allreduce"
-
-    def validate(self) -> None:
-        super().validate()
-        self.momentum_correction = flag(self.momentum_correction, "momentum_correction")
-        self.fragmenting = flag(self.fragmenting, "fragmenting")
-        self.rotation = flag(self.rotation, "rotation")
-        if self.k_allocation not in ("norm", "size"):
-            raise ValueError(f"`k_allocation` must be 'norm' or 'size', got {self.k_allocation!r}.")
-        if self.union_values not in ("all", "owner"):
-            raise ValueError(f"`union_values` must be 'all' or 'owner', got {self.union_values!r}.")
-        if self.selectors not in ("owner", "all"):
-            raise ValueError(f"`selectors` must be 'owner' or 'all', got {self.selectors!r}.")
-        if self.selectors == "all" and self.union_values == "owner":
-            raise ValueError(
-                "`union_values='owner'` needs one selecting rank per fragment; it does not combine with"
-                " `selectors='all'`."
-            )
-        if self.budget not in ("k", "dgc_link"):
-            raise ValueError(
-                f"`budget` must be 'k' (k values per step, as published) or 'dgc_link' (the values that fill"
-                f" what DGC's exchange carries on each link), got {self.budget!r}."
-            )
-        if self.wire not in ("allreduce", "compact"):
-            raise ValueError(
-                f"`wire` must be 'allreduce' (int32 indices merged by an all-reduce, as published) or 'compact'"
-                f" (2-byte index codes all-gathered, fp16 values), got {self.wire!r}."
-            )
-        if self.momentum and not self.momentum_correction:
-            raise ValueError(
-                "DEFTStrategy applies no momentum in the exchange unless `momentum_correction=True`; leave"
-                " momentum to the optimizer, or pass `DEFTStrategy(momentum_correction=True, momentum=...)`."
-            )
-
-
-def union_size(k_total: int, fragments: int) -> int:
-    """Values in DEFT's union for a density's ``k_total``: every fragment selects at least one
-    (:func:`~lightning_dgc.algorithms.deft_partition.allocate_k_list`'s lower bound), so never fewer than the fragments."""
-    return max(k_total, fragments) if k_total else 0
-
-
-def shares(
-    ks: list[int], slot_starts: list[int], world_size: int, rank: int, rotation: int = 0
-) -> list[tuple[int, int, int]]:
-    """``selectors="all"``: this rank's ``(fragment, k, first union slot)`` in every fragment: ``k // N``
-    each, the remainder to the ranks ``(i + rotation) % N, ...`` so that small k rotate over the ranks;
-    the ranks' slot ranges tile each fragment's ``[slot_start, slot_start + k)``."""
-    out = []
-    for i, k in enumerate(ks):
-        base, extra = divmod(k, world_size)
-        j = (rank - i - rotation) % world_size  # this rank's place in the fragment's order
-        out.append((i, base + (j < extra), slot_starts[i] + j * base + min(j, extra)))
-    return out
-
-
-def repeated(union: Tensor) -> Tensor:
-    """True at every slot whose index an earlier slot (in sorted order) already holds."""
-    order = torch.argsort(union, stable=True)
-    ordered = union[order]
-    mask = torch.zeros_like(union, dtype=torch.bool)
-    mask[order[1:]] = ordered[1:] == ordered[:-1]
-    return mask
 
 
 @dataclass
@@ -371,7 +240,11 @@ class DEFT(SparseTopK[DEFTConfig, DEFTPlan, DEFTWork]):
         return [p for p in (work.summed, work.dense) if p is not None]
 
     def _merge_codes(
-        self, plan: DEFTPlan, work: DEFTWork, collectives: Collectives, tasks_of: list[list[tuple[int, int, int]]]
+        self,
+        plan: DEFTPlan,
+        work: DEFTWork,
+        collectives: Collectives,
+        tasks_of: list[list[tuple[int, int, int]]],
     ) -> None:
         """``wire="compact"``: the union from every rank's selections, all-gathered as delta codes.
 
@@ -381,7 +254,12 @@ class DEFT(SparseTopK[DEFTConfig, DEFTPlan, DEFTWork]):
         every rank decodes every row into that rank's slots, the same union on every rank (a fragment's
         slots then hold its indices in ascending order)."""
         assert plan.union is not None
-        device, span, world, rank = work.flat.device, work.flat.numel(), self.state.world_size, self.state.rank
+        device, span, world, rank = (
+            work.flat.device,
+            work.flat.numel(),
+            self.state.world_size,
+            self.state.rank,
+        )
         tasks_of = [[t for t in tasks if t[1] > 0] for tasks in tasks_of]
         counts = [sum(t[1] for t in tasks) for tasks in tasks_of]
         width = plan.code_rows = max(counts)
@@ -472,7 +350,9 @@ class DEFT(SparseTopK[DEFTConfig, DEFTPlan, DEFTWork]):
 
     def cost(self, plan: DEFTPlan) -> WireCost:
         """This step's wire cost: with ``wire="compact"`` the code rows as wide as this step's largest count."""
-        return self._wire_cost(self.config, plan.layout, self.state.world_size, plan.dense_bytes, plan.code_rows)
+        return self._wire_cost(
+            self.config, plan.layout, self.state.world_size, plan.dense_bytes, plan.code_rows
+        )
 
     @classmethod
     def wire_cost(

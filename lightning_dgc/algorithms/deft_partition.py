@@ -314,3 +314,33 @@ def rank_loads(costs: Sequence[float], owners: Sequence[int], world_size: int) -
             raise ValueError(f"owner {owner} is not a rank in [0, {world_size})")
         per_rank[owner].append(float(cost))
     return [math.fsum(c) for c in per_rank]
+
+
+# -- the union's slots ------------------------------------------------------------------------------------
+def union_size(k_total: int, fragments: int) -> int:
+    """Values in DEFT's union for a density's ``k_total``: every fragment selects at least one
+    (:func:`~lightning_dgc.algorithms.deft_partition.allocate_k_list`'s lower bound), so never fewer than the fragments."""
+    return max(k_total, fragments) if k_total else 0
+
+
+def shares(
+    ks: list[int], slot_starts: list[int], world_size: int, rank: int, rotation: int = 0
+) -> list[tuple[int, int, int]]:
+    """``selectors="all"``: this rank's ``(fragment, k, first union slot)`` in every fragment: ``k // N``
+    each, the remainder to the ranks ``(i + rotation) % N, ...`` so that small k rotate over the ranks;
+    the ranks' slot ranges tile each fragment's ``[slot_start, slot_start + k)``."""
+    out = []
+    for i, k in enumerate(ks):
+        base, extra = divmod(k, world_size)
+        j = (rank - i - rotation) % world_size  # this rank's place in the fragment's order
+        out.append((i, base + (j < extra), slot_starts[i] + j * base + min(j, extra)))
+    return out
+
+
+def repeated(union: Tensor) -> Tensor:
+    """True at every slot whose index an earlier slot (in sorted order) already holds."""
+    order = torch.argsort(union, stable=True)
+    ordered = union[order]
+    mask = torch.zeros_like(union, dtype=torch.bool)
+    mask[order[1:]] = ordered[1:] == ordered[:-1]
+    return mask

@@ -27,17 +27,8 @@ from lightning_dgc.algorithms.base import (
     WireCost,
     register,
 )
-from lightning_dgc.algorithms.sparse import (
-    Entry,
-    SparsePlan,
-    SparseTopK,
-    SparseWork,
-    average,
-    dense_sum,
-    exchange_dense,
-    release,
-    split_layout,
-)
+from lightning_dgc.algorithms.sparse import Entry, SparsePlan, SparseTopK, SparseWork, split_layout
+from lightning_dgc.algorithms.sparse_decode import average, dense_sum, exchange_dense, release
 from lightning_dgc.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.codec import VALUE_DTYPES
 from lightning_dgc.heap import trim_before
@@ -148,6 +139,7 @@ class DGCConfig(AlgorithmConfig):
     def value_dtype_torch(self) -> torch.dtype:
         return VALUE_DTYPES[self.value_dtype]
 
+
 #: DGC's plan and work are the shared top-k base's.
 DGCPlan = SparsePlan
 DGCWork = SparseWork
@@ -172,7 +164,12 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
         out = torch.empty_like(grad)
         u = [committed["momentum"][e.name]] if settings.momentum else []
         compensated_velocity_each(
-            [grad], [committed["velocity"][e.name]], [out], settings.momentum, settings.nesterov, u,
+            [grad],
+            [committed["velocity"][e.name]],
+            [out],
+            settings.momentum,
+            settings.nesterov,
+            u,
             self.state.continues(e.name),
         )
         return out
@@ -201,7 +198,12 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
         def fill(start: int, stop: int, out: Tensor) -> None:
             u = [momentum[start:stop]] if momentum is not None else []
             compensated_velocity_each(
-                [grad[start:stop]], [velocity[start:stop]], [out], settings.momentum, settings.nesterov, u,
+                [grad[start:stop]],
+                [velocity[start:stop]],
+                [out],
+                settings.momentum,
+                settings.nesterov,
+                u,
                 continuing,
             )
 
@@ -307,7 +309,9 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
             sums.append(dense.sum())
         if work.gathered is not None:
             gathered = work.gathered.output.view(self.state.world_size, -1)
-            values = codec.gathered_values(gathered, plan.k_total, self.config.value_dtype_torch)  # no index decode
+            values = codec.gathered_values(
+                gathered, plan.k_total, self.config.value_dtype_torch
+            )  # no index decode
             sums.append(values.float().sum())
         return torch.isfinite(torch.stack(sums).sum()) if sums else torch.ones((), dtype=torch.bool)
 
@@ -330,4 +334,3 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
         if dense_numel:
             messages.append(Message("all_reduce", dense_numel * value_bytes, "dense"))
         return WireCost(tuple(messages), dense_bytes, numel, k_total, k_total + dense_numel, padding)
-

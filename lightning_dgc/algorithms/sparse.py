@@ -5,7 +5,7 @@
    feedback (``m = 0``);
 3. **select** and 4. **exchange**: each algorithm's own (DGC: every rank its top-k, one all-gather; DEFT:
    the partitioned selection);
-5. **decode**: the average (:func:`average`), with SGD momentum on the tensors averaged dense;
+5. **decode**: the average (:func:`~lightning_dgc.algorithms.sparse_decode.average`), with SGD momentum on the tensors averaged dense;
 6. **commit** (``finish_step``, a finite step only): ``u``, ``v`` updated in place by the same operations
    (:meth:`SparseTopK.replay`), the sent values cleared.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, TypeVar
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ from lightning_dgc.selection.batched import SegmentLayout
 
 if TYPE_CHECKING:
     from lightning_dgc.algorithms.dgc import DGCConfig
-    from lightning_dgc.comm import Collectives, Pending
+    from lightning_dgc.comm import Pending
 
 Kind = Literal["sparse", "full", "dense"]
 
@@ -115,7 +115,9 @@ class SparsePlan:
     segments: SegmentLayout | None = None  # the batched selection's layout (made when first used)
     out_shift: Tensor | None = None  # per selected slot: bucket offset - offset in the compressed buffer
     steps: int = 0  # steps run with this plan
-    grouped: bool = False  # its compressed tensors' memory is one flat buffer per kind (see ``SparseTopK.replay``)
+    grouped: bool = (
+        False  # its compressed tensors' memory is one flat buffer per kind (see ``SparseTopK.replay``)
+    )
 
 
 @dataclass
@@ -143,8 +145,6 @@ def grouped(items: list[Entry], key: Callable[[Entry], object]) -> list[tuple[ob
         if value is not None:
             groups.setdefault(value, []).append(i)
     return list(groups.items())
-
-
 
 
 #: The top-k algorithm's configuration (DGC's fields at least), plan and work.
@@ -290,10 +290,15 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
                 velocity_out.update((members[j], None) for j in here)  # type: ignore[misc]
                 velocity = [v for j, v in enumerate(velocity) if j not in here]
                 members = [i for j, i in enumerate(members) if j not in here]
-            v_out = [sparse_views[i] if i in sparse_views else grads[i].new_empty(grads[i].shape) for i in members]
+            v_out = [
+                sparse_views[i] if i in sparse_views else grads[i].new_empty(grads[i].shape) for i in members
+            ]
             u: list[Tensor] = []
             if momentum:
-                u = [memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device) for i in members]
+                u = [
+                    memory.buffer("momentum", plan.entries[i].name, plan.entries[i].numel, device)
+                    for i in members
+                ]
             compensated_velocity_each(
                 [grads[i] for i in members], velocity, v_out, momentum, nesterov, u, continuing
             )
@@ -333,10 +338,16 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
             names = [plan.entries[i].name for i in used]
             u = [committed["momentum"][n] for n in names] if momentum else []
             momentum_correction_each_(
-                [grads[i] for i in used], [committed["velocity"][n] for n in names], momentum, nesterov, u,
+                [grads[i] for i in used],
+                [committed["velocity"][n] for n in names],
+                momentum,
+                nesterov,
+                u,
                 continuing,
             )
-            full = [committed["velocity"][plan.entries[i].name] for i in used if plan.entries[i].kind == "full"]
+            full = [
+                committed["velocity"][plan.entries[i].name] for i in used if plan.entries[i].kind == "full"
+            ]
             if full:  # sent whole: nothing held back
                 torch._foreach_zero_(full)
         if work.selected is not None:
@@ -386,7 +397,11 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
                 mine = segment == j
                 for kind in kinds:
                     if memory.has(kind, e.name):
-                        clear_(committed[kind][e.name], positions[mine] - start, sent[mine] if sent is not None else None)
+                        clear_(
+                            committed[kind][e.name],
+                            positions[mine] - start,
+                            sent[mine] if sent is not None else None,
+                        )
             start += e.numel
 
     # -- step 3 ----------------------------------------------------------------------------------------------
@@ -409,111 +424,10 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
             backend == "torch" or (backend == "auto" and device.type != "cpu")
         )
 
+
 def clear_(memory: Tensor, positions: Tensor, sent: Tensor | None = None) -> None:
     """Zero ``memory`` at ``positions`` (only where ``sent``, if given: positions are then distinct)."""
     if sent is None:
         memory.index_fill_(0, positions, 0.0)
     else:
         memory[positions] = torch.where(sent, 0.0, memory[positions])
-
-
-def release(work: SparseWork) -> None:
-    """Drop the step's bucket-sized temporaries once the collectives have their inputs (the memory is
-    updated at commit from the local gradient, not from them)."""
-    work.velocity = None
-    work.sparse = []
-    work.dense_parts = []
-
-
-def exchange_dense(
-    parts: list[Tensor], value_dtype: torch.dtype, collectives: Collectives, poison: Tensor | None = None
-) -> Pending | None:
-    """Start the all-reduce of the tensors exchanged dense (see :func:`dense_sum` for its result).
-
-    With fp16 values they travel in fp16 too, pre-divided by the world size like torch's
-    ``fp16_compress_hook`` (so the sum cannot overflow where the average would not); a value that
-    still overflows makes the step non-finite, and it is skipped on every rank.
-    """
-    if not parts:
-        return None
-    dense = torch.cat(parts)
-    if poison is not None:
-        dense[:1].add_(poison)
-    if value_dtype != torch.float32:
-        dense = dense.div_(collectives.world_size).to(value_dtype)
-    return collectives.all_reduce(dense, "all-reduce of the dense tensors")
-
-
-def dense_sum(world_size: int, pending: Pending | None) -> Tensor | None:
-    """The fp32 sum over ranks of the tensors exchanged dense (in a decode callback, once done)."""
-    if pending is None:
-        return None
-    if pending.output.dtype == torch.float32:
-        return pending.output
-    return pending.output.float().mul_(world_size)
-
-
-def average(
-    algorithm: SparseTopK[Any, Any, Any],
-    plan: SparsePlan,
-    flat: Tensor,
-    dense: Tensor | None,
-    indices: Tensor | None,
-    values: Tensor | None,
-) -> Tensor:
-    """The averaged update of the bucket from the exchanged parts (fp32); SGD momentum of dense tensors."""
-    world = algorithm.state.world_size
-    if indices is None and dense is not None and plan.dense_index is None:
-        result = dense  # every tensor went dense, in bucket order: the all-reduced buffer is the result
-    else:
-        # The local gradient is no longer needed (the dense parts were copied for the wire, the
-        # compressed ones live on in the memory): its buffer becomes the result.
-        result = flat.zero_()
-        if indices is not None and values is not None:
-            result.index_add_(0, indices, values.float())
-        if dense is not None:
-            result.index_copy_(0, plan.dense_index, dense)
-    result.div_(world)
-    if plan.dense_momentum_groups:  # momentum of dense tensors works on the average
-        averages = result.split([e.numel for e in plan.entries])
-        for (momentum, nesterov), members in plan.dense_momentum_groups:
-            dense_momentum(
-                algorithm,
-                [plan.entries[i] for i in members],
-                [averages[i] for i in members],
-                momentum,
-                nesterov,
-            )
-    return result
-
-
-def dense_momentum(
-    algorithm: SparseTopK[Any, Any, Any], entries: list[Entry], avg: list[Tensor], momentum: float, nesterov: bool
-) -> None:
-    """SGD momentum on densely averaged tensors, in place: ``b' = m b + g``; ``d = b'`` (Nesterov ``g + m b'``).
-
-    The inputs are identical on every rank, so the buffers stay identical too. The new buffers are
-    staged like any other memory update, so a skipped step leaves them untouched. A tensor that continues
-    an optimizer step an earlier backward pass exchanged (:meth:`ExchangeState.continues`) gets ``b' = b + g``
-    and ``d = g`` (Nesterov ``(1 + m) g``): added to the earlier passes' ``d``, one momentum per step.
-    """
-    memory = algorithm.state.memory
-    continuing = [i for i, e in enumerate(entries) if algorithm.state.continues(e.name)]
-    if continuing:
-        if len(continuing) < len(entries):
-            fresh = [i for i in range(len(entries)) if i not in continuing]
-            dense_momentum(algorithm, [entries[i] for i in fresh], [avg[i] for i in fresh], momentum, nesterov)
-        entries, avg = [entries[i] for i in continuing], [avg[i] for i in continuing]
-    nxt = [memory.scratch("momentum", e.name) for e in entries]
-    torch._foreach_copy_(nxt, avg)
-    committed = [memory.committed["momentum"][e.name] for e in entries]
-    torch._foreach_add_(nxt, committed, alpha=1.0 if continuing else momentum)
-    if continuing:
-        if nesterov:
-            torch._foreach_mul_(avg, 1.0 + momentum)
-    elif nesterov:
-        torch._foreach_add_(avg, nxt, alpha=momentum)
-    else:
-        torch._foreach_copy_(avg, nxt)
-    for e in entries:
-        memory.stage("momentum", e.name)
