@@ -527,7 +527,9 @@ class RunRecorder(L.Callback):
     recipes need no hook of their own. After every validation (not the sanity check) the floats in
     ``trainer.callback_metrics`` are appended to ``history``; every optimizer step's
     ``compression_stats()`` (when the strategy has them) is summed, so the reported compression
-    ratio is the run's total dense bytes / total bytes sent, warm-up included.
+    ratio is the run's total dense bytes / total bytes sent, warm-up included (DiLoCo's steps inside a round
+    report 0 bytes, those that end one the outer exchange's, and the last outer step at the end of ``fit`` is
+    counted at ``on_fit_end``).
 
     The training loss is averaged over every batch of an epoch and over the ranks (one all-reduce of a
     scalar at the end of each training epoch, on every rank): ``train_loss_epochs`` holds one value per
@@ -591,16 +593,25 @@ class RunRecorder(L.Callback):
         if loss is not None:
             self._loss_sum = self._loss_sum + loss.detach().double()
             self._loss_batches += 1
+        self._count(trainer)
+
+    def _count(self, trainer: Any) -> None:
+        """Add the strategy's ``compression_stats()`` of an optimizer step not counted yet; or, when the step was
+        counted and an exchange ran since with no optimizer step (DiLoCo's last outer step at the end of ``fit``,
+        a new ``outer_steps``), that exchange's bytes only."""
         stats_fn = getattr(trainer.strategy, "compression_stats", None)
         if not callable(stats_fn):
             return
         stats = stats_fn()
-        if not stats or stats.get("step") == self._last_step:
+        key = (stats.get("step"), stats.get("outer_steps"))
+        if not stats or key == self._last_step:
             return
-        self._last_step = stats.get("step")
-        self.totals["steps"] += 1
+        new_step = self._last_step is None or key[0] != self._last_step[0]
+        self._last_step = key
+        if new_step:
+            self.totals["steps"] += 1
+            self.totals["dense_bytes"] += int(stats["dense_bytes"])
         self.totals["bytes_sent"] += int(stats["bytes_sent"])
-        self.totals["dense_bytes"] += int(stats["dense_bytes"])
         self.totals["link_bytes"] += float(stats.get("link_bytes", 0.0))
         self.totals["selection_ms"] += float(stats.get("selection_ms", 0.0))
         if not self.densities or self.densities[-1] != stats.get("density"):
@@ -619,6 +630,7 @@ class RunRecorder(L.Callback):
         self._write(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._count(trainer)  # an exchange at the end of fit, after the last batch (DiLoCo's short last round)
         self._write(trainer, finished=True)
 
     def _write(self, trainer: Any, finished: bool = False) -> None:

@@ -99,6 +99,9 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         ("--trainer.strategy.init_args.density", "0.01"),
         True,
     ),
+    # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01
+    "diloco": ("configs/algo/diloco.yaml", (), False),
+    "diloco_dgc": ("configs/algo/diloco_dgc.yaml", (), False),
 }
 #: DEFT's ablations: the shipped DEFT with one part switched (see ``DEFTConfig``), for ``--algos``.
 DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {

@@ -2,7 +2,7 @@
 
 Importing the package registers every algorithm's strategy name with Lightning (``"dgc"``,
 ``"dgc_spawn"``, ``"deft"``, ``"powersgd"``, ...), so ``Trainer(strategy="dgc")`` and
-``Fabric(strategy="dgc")`` work. The names
+``Fabric(strategy="dgc")`` work (and ``"diloco"`` through both). The names
 are registered as soon as ``lightning.pytorch`` is imported (at once if it already is): the package
 itself imports Lightning only when a name that needs it is used, so that the pure parts (the
 algorithms, the performance model) load without it.
@@ -30,6 +30,7 @@ _EXPORTS = {
     "DGCStrategy": "lightning_dgc.strategy",
     "DiLoCoStrategy": "lightning_dgc.diloco",
     "FabricCompressionStrategy": "lightning_dgc.fabric",
+    "FabricDiLoCoStrategy": "lightning_dgc.fabric_diloco",
     "DEFTConfig": "lightning_dgc.algorithms.deft",
     "DGCConfig": "lightning_dgc.algorithms.dgc",
     "PowerSGDConfig": "lightning_dgc.algorithms.powersgd",
@@ -75,6 +76,11 @@ def _register_strategies() -> None:
         from lightning_dgc.fabric import register_fabric_strategies
 
         register_fabric_strategies()  # Fabric(strategy="dgc")
+    fabric_diloco = sys.modules.get("lightning_dgc.fabric_diloco")
+    if fabric_diloco is None or hasattr(fabric_diloco, "register_fabric_diloco"):  # likewise
+        from lightning_dgc.fabric_diloco import register_fabric_diloco
+
+        register_fabric_diloco()  # Fabric(strategy="diloco")
     from lightning.pytorch.strategies import StrategyRegistry
 
     strategy = sys.modules.get("lightning_dgc.strategy")

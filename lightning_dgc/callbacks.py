@@ -322,7 +322,7 @@ class CompressionMonitor(L.Callback):
       by k, the values the density asks for (gradient build-up: 1 for DEFT, up to the number of
       ranks for DGC).
     * ``compression/link_bytes_per_step`` (:class:`~lightning_dgc.DiLoCoStrategy` only): the link bytes of every
-      outer exchange so far divided by the optimizer steps (the other byte counts are the last outer exchange's).
+      outer exchange so far divided by the optimizer steps (the other byte counts are the step's: 0 inside a round).
     * ``compression/max_rank_selection_ms`` (DEFT only, when reported): the slowest rank's
       selection time, the one that holds the step back.
 

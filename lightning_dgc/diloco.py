@@ -8,8 +8,6 @@ sampler, but does not wrap the model in ``DistributedDataParallel``: between out
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
@@ -21,26 +19,20 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dgc import comm, rank_files
+from lightning_dgc import comm
 from lightning_dgc.algorithms import AlgorithmConfig
-from lightning_dgc.checkpoint import FileIO, finish_save, read_checkpoint, read_rank_states, remove_rank_files
-from lightning_dgc.front import config_from_arguments
-from lightning_dgc.outer import DENSE, OuterSettings, OuterStep, check_same_everywhere
-from lightning_dgc.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS, check_max_consecutive_skips
+from lightning_dgc.checkpoint import FileIO, finish_save, read_checkpoint, remove_rank_files
+from lightning_dgc.diloco_front import DILOCO_KEY, OuterAccess
+from lightning_dgc.outer import DENSE
+from lightning_dgc.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS
 
 __all__ = ["DILOCO_KEY", "DiLoCoStrategy"]
 
-log = logging.getLogger(__name__)
 
-#: The checkpoint entry of a DiLoCo run (rank 0's file): the outer state and the manifest of the rank files.
-DILOCO_KEY = "lightning_dgc_diloco"
-
-
-class DiLoCoStrategy(DDPStrategy):
+class DiLoCoStrategy(OuterAccess, DDPStrategy):
     """DiLoCo (Douillard et al., 2023): every rank takes ``sync_every`` optimizer steps on its own copy of the
     model, then the ranks average their *pseudo-gradients* (global weights minus local weights) and an outer
     Nesterov SGD steps the global weights, which every rank then continues from.
@@ -82,6 +74,8 @@ class DiLoCoStrategy(DDPStrategy):
         **kwargs: the algorithm's settings. DDP's own arguments are refused: the model is not wrapped in DDP.
     """
 
+    set_up_by = "`trainer.fit`"
+
     def __init__(
         self,
         sync_every: int = 500,
@@ -102,37 +96,19 @@ class DiLoCoStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        owner = type(self).__name__
         # Validated before anything else, so that a bad value fails at construction, on the launching process.
-        self.settings = OuterSettings(sync_every, outer_lr, outer_momentum, outer_nesterov, offload)
-        self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
-        self._config = outer_config(owner, algorithm, options, kwargs)
+        self._init_outer(
+            sync_every, outer_lr, outer_momentum, outer_nesterov, offload, max_consecutive_skips, algorithm, options,
+            kwargs, DDPStrategy,
+        )  # fmt: skip
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )  # fmt: skip
-        self._outer: OuterStep | None = None
         self._entry: dict[str, Any] | None = None  # the checkpoint's DiLoCo entry, restored in setup()
         self._checkpoint_path: Any = None
         self._inner_optimizer_states: list[Any] | None = None  # this rank's, from its rank file
-
-    @property
-    def outer(self) -> OuterStep:
-        """The global weights, the outer optimizer and exchange, the position in the round."""
-        if self._outer is None:
-            raise RuntimeError(f"{type(self).__name__} has no outer state before `trainer.fit` has set up the model.")
-        return self._outer
-
-    def compression_stats(self) -> dict[str, Any]:
-        """The last outer exchange's bytes and the run's link bytes per optimizer step
-        (:meth:`OuterStep.compression_stats`); what :class:`~lightning_dgc.CompressionMonitor` logs."""
-        return self._outer.compression_stats() if self._outer is not None else {}
-
-    def residual_norm(self) -> float | None:
-        """L2 norm of what the outer exchange's memory holds back (``None``: ``"dense"``, or before ``fit``)."""
-        state = self._outer.exchange_state if self._outer is not None else None
-        return state.residual_norm() if state is not None else None
 
     # -- set-up ------------------------------------------------------------------------------------------------
     @override
@@ -145,23 +121,21 @@ class DiLoCoStrategy(DDPStrategy):
         """No DDP wrapper: every rank starts from rank 0's weights and buffers (as DDP's would), and the outer
         state starts from them."""
         assert isinstance(self.model, pl.LightningModule)
-        module = self.model
-        comm.broadcast_([t.detach() for t in (*module.parameters(), *module.buffers())])
-        self._outer = OuterStep(self.settings, self._config, module.named_parameters(), module.named_buffers())
-        check_same_everywhere(self._outer, type(self).__name__)
+        self._start_outer(self.model)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        owner = type(self).__name__
         if not self.lightning_module.automatic_optimization:
             raise ValueError(
-                f"{owner} counts the optimizer steps Lightning takes, and manual optimization takes its own: set"
-                " `self.automatic_optimization = True` (the default), or use strategy='ddp'."
+                f"{type(self).__name__} counts the optimizer steps Lightning takes, and manual optimization takes its"
+                " own: set `self.automatic_optimization = True` (the default), or use strategy='ddp'."
             )
-        self._restore()
+        entry, self._entry = self._entry, None
+        if entry is not None:  # (without one, the outer state already starts from the checkpoint's weights)
+            self._inner_optimizer_states = self._restore(entry, self._checkpoint_path, FileIO(self.checkpoint_io))
 
     # -- the step ----------------------------------------------------------------------------------------------
     @override
@@ -173,33 +147,14 @@ class DiLoCoStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after(self.outer.after_optimizer_step())
+        self._count_step()
         return result
-
-    def _after(self, finite: bool | None) -> None:
-        """After an outer step (``finite``; ``None``: none ran): warn of a skipped one, stop a stalled run."""
-        if finite is None or finite:
-            return
-        outer = self.outer
-        rank_zero_warn(
-            f"{type(self).__name__}: the pseudo-gradient of outer step {outer.outer_steps} was not finite (inf/NaN"
-            " on at least one rank); the outer step was skipped on every rank and every rank restarts the round"
-            " from the global weights."
-        )
-        if self.max_consecutive_skips and outer.consecutive_skipped >= self.max_consecutive_skips:
-            raise RuntimeError(
-                f"{type(self).__name__}: the last {outer.consecutive_skipped} outer steps were all skipped because"
-                " the pseudo-gradients were not finite, so the model has stopped training. Check the loss for"
-                " inf/NaN (data, learning rate; gradient clipping), lower `sync_every`, or raise"
-                " `max_consecutive_skips` (None turns this check off)."
-            )
 
     @override
     def on_train_end(self) -> None:
         """A round cut short by the end of ``fit`` ends with an outer step: every rank holds the same model."""
         super().on_train_end()
-        if self._outer is not None and self._outer.inner_steps:
-            self._after(self._outer.step())
+        self.finish()
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     @override
@@ -207,30 +162,17 @@ class DiLoCoStrategy(DDPStrategy):
         """Every rank writes its local weights, inner optimizer state and outer exchange memory into its own file
         beside ``filepath``; rank 0 then writes the checkpoint: the global weights as the model's ``state_dict``,
         the outer state and the manifest of the rank files (all ranks call this)."""
-        outer = self._outer
-        if outer is None:
+        if self._outer is None:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         io = FileIO(self.checkpoint_io, storage_options)
-        tag = comm.all_gather_object(f"{outer.optimizer_steps:08d}-{os.urandom(4).hex()}")[0]  # rank 0's
-        mine = {
-            "local": {n: p.detach().cpu().clone() for n, p in zip(outer.names, outer.params, strict=True)},
-            "inner_optimizers": checkpoint.get("optimizer_states"),
-            "exchange": outer.exchange_state.state_dict() if outer.exchange_state is not None else None,
-        }
-        folder = rank_files.folder_of(filepath)
-        record = io.save(mine, rank_files.join(folder, rank_files.rank_file_name(self.global_rank, str(tag))))
-        records = comm.gather_object(record)
-        if records is None:  # not rank 0: its own file is written
+        entry = self._save_ranks(filepath, io, checkpoint.get("optimizer_states"))
+        if entry is None:  # not rank 0: its own file is written
             return
-        state_dict = checkpoint["state_dict"]
-        for name, g in zip(outer.names, outer.global_params, strict=True):
-            if name in state_dict:
-                state_dict[name] = g.detach().to("cpu", state_dict[name].dtype, copy=True)
-        manifest = {"folder": os.path.basename(folder.rstrip("/")), "files": records, "world_size": len(records)}
-        checkpoint[DILOCO_KEY] = {"outer": outer.state_dict(), **manifest}
+        self._global_weights_into(checkpoint["state_dict"])
+        checkpoint[DILOCO_KEY] = entry
         io.save(checkpoint, filepath, record=False)
-        finish_save(filepath, manifest, io)
+        finish_save(filepath, entry, io)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -250,32 +192,6 @@ class DiLoCoStrategy(DDPStrategy):
         super().load_model_state_dict(checkpoint, strict)  # the global weights: setup() starts from them
         self._entry = checkpoint.get(DILOCO_KEY)
 
-    def _restore(self) -> None:
-        """In setup, once the outer state exists: the checkpoint's outer state and this rank's own file."""
-        entry, self._entry = self._entry, None
-        if entry is None:
-            return  # no checkpoint, or another strategy's: a round starts from its weights
-        outer = self.outer
-        if entry["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"{type(self).__name__}: the checkpoint was written by {entry['world_size']} ranks and is resumed by"
-                f" {self.world_size}: a round starts from its global weights, with rank 0's inner optimizer state"
-                " and an empty outer exchange memory (the outer momentum is kept)."
-            )
-            outer.load_state_dict(entry["outer"])
-            outer.load_local()
-            outer.inner_steps = 0
-            return
-        outer.load_state_dict(entry["outer"])
-        mine = read_rank_states(entry, [self.global_rank], self._checkpoint_path, FileIO(self.checkpoint_io))
-        state = mine[self.global_rank]
-        with torch.no_grad():
-            for name, p in zip(outer.names, outer.params, strict=True):
-                p.copy_(state["local"][name])
-        if outer.exchange_state is not None and state["exchange"] is not None:
-            outer.exchange_state.restore_rank_state(state["exchange"], self.root_device)
-        self._inner_optimizer_states = state["inner_optimizers"]
-
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Lightning's restore (rank 0's inner optimizer state), then this rank's own from its rank file."""
@@ -290,32 +206,6 @@ class DiLoCoStrategy(DDPStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if "diloco" not in strategy_registry:
             strategy_registry.register("diloco", cls, description="DiLoCo: local steps, outer Nesterov SGD")
-
-
-def outer_config(
-    owner: str, algorithm: str | AlgorithmConfig, options: dict[str, Any] | None, kwargs: dict[str, Any]
-) -> AlgorithmConfig | None:
-    """The outer exchange's configuration (``None``: ``"dense"``) from the strategy's arguments; DDP's are refused."""
-    if isinstance(algorithm, str) and algorithm == DENSE:
-        given = sorted({*kwargs, *(options or {})})
-        if given:
-            raise TypeError(
-                f"{owner}: `{given[0]}` is no setting of algorithm='dense' (the plain mean has none) nor an argument"
-                f" of {owner}: drop it, or pick an algorithm that takes it (e.g. algorithm='dgc', density=0.01)."
-            )
-        return None
-    try:
-        config = config_from_arguments(owner, algorithm, options, kwargs, DDPStrategy)
-    except ValueError as error:
-        if isinstance(algorithm, str) and "no compression algorithm named" in str(error):
-            raise ValueError(f"{owner}: {error}; or algorithm='dense' for the plain mean.") from error
-        raise
-    if kwargs:
-        raise TypeError(
-            f"{owner} does not wrap the model in DistributedDataParallel: `{sorted(kwargs)[0]}` would have no"
-            " effect; drop it."
-        )
-    return config
 
 
 # Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``) then finds this

@@ -39,6 +39,9 @@ from lightning_dgc.state import ExchangeState
 DENSE = "dense"
 #: Version of :meth:`OuterStep.state_dict`.
 FORMAT = 1
+#: The figures of ``compression_stats()`` that are one optimizer step's (0 inside a round): summed over the steps,
+#: the run's.
+STEP_KEYS = ("bytes_sent", "link_bytes", "inter_node_bytes", "payload_bytes", "selection_ms")
 
 
 @dataclass
@@ -139,6 +142,10 @@ class OuterStep:
         self.consecutive_skipped = 0
         self.link_bytes_total = 0.0  # what this rank's link carried in every outer exchange so far
         self.last_exchange: dict[str, Any] = {}
+        # what this optimizer step sent (0 inside a round; the outer exchange and the buffers at its end)
+        self.exchanged_this_step = False
+        self.step_bytes_sent = 0
+        self.step_link_bytes = 0.0
 
     @property
     def algorithm(self) -> str:
@@ -168,6 +175,7 @@ class OuterStep:
         when no outer step ran."""
         self.optimizer_steps += 1
         self.inner_steps += 1
+        self.exchanged_this_step, self.step_bytes_sent, self.step_link_bytes = False, 0, 0.0
         return self.step() if self.inner_steps >= self.settings.sync_every else None
 
     def step(self) -> bool:
@@ -176,7 +184,7 @@ class OuterStep:
         # Step 1: the pseudo-gradient, global - local, fp32, flat on the model's device.
         flat = self.pseudo_gradient()
         # Step 2: its mean over the ranks.
-        average, finite = self._average(flat)
+        average, finite, sent, link = self._average(flat)
         # Step 3: the outer SGD step on the global weights.
         if finite:
             offset = 0
@@ -194,7 +202,11 @@ class OuterStep:
         for buffer in self.buffers:
             self.collectives.all_reduce(buffer.data, "DiLoCo: the buffers").wait()
             buffer.data.div_(self.world_size)
-        self.link_bytes_total += ring_allreduce_volume(sum(4 * b.numel() for b in self.buffers), self.world_size)
+        buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers)
+        self.step_bytes_sent = sent + buffer_bytes
+        self.step_link_bytes = link + ring_allreduce_volume(buffer_bytes, self.world_size)
+        self.link_bytes_total += self.step_link_bytes
+        self.exchanged_this_step = True
         self.inner_steps = 0
         self.outer_steps += 1
         return finite
@@ -207,8 +219,9 @@ class OuterStep:
                 for g, p in zip(self.global_params, self.params, strict=True)
             ])  # fmt: skip
 
-    def _average(self, flat: Tensor) -> tuple[Tensor, bool]:
-        """The mean of ``flat`` over the ranks and whether it is finite (the same verdict on every rank)."""
+    def _average(self, flat: Tensor) -> tuple[Tensor, bool, int, float]:
+        """The mean of ``flat`` over the ranks, whether it is finite (the same verdict on every rank), the bytes
+        this rank sent and those its link carried."""
         state = self.exchange_state
         if state is None:  # a non-finite value on any rank makes the sum non-finite on every rank
             average = self.collectives.all_reduce(flat, "DiLoCo: the pseudo-gradients").wait().div_(self.world_size)
@@ -223,27 +236,36 @@ class OuterStep:
             average = exchange(state, self.params, flat).wait().clone()
             finite = state.finish_step(check_unused=False)
             self.last_exchange = state.compression_stats()
+            sent = int(self.last_exchange.get("bytes_sent", 0))
             link = float(self.last_exchange.get("link_bytes", 0.0))
-        self.link_bytes_total += link
-        return average, finite
+        return average, finite, sent, link
 
     # -- statistics and checkpoints ----------------------------------------------------------------------------
     def compression_stats(self) -> dict[str, Any]:
-        """The last outer exchange's figures and the run's averages (empty before the first optimizer step).
+        """This optimizer step's bytes, the last outer exchange's figures and the run's averages (empty before the
+        first optimizer step).
 
-        ``bytes_sent``, ``link_bytes``, ``dense_bytes`` (and the algorithm's own figures) are those of the last
-        outer exchange; ``exchange_compression_ratio`` is its ``dense_bytes / bytes_sent``. ``link_bytes_per_step``
-        is the link bytes of every outer exchange so far divided by the optimizer steps, ``ddp_link_bytes_per_step``
-        what DDP's ring all-reduce of the fp32 gradients carries per optimizer step, and ``compression_ratio``
-        their quotient: what the run saves on the wire against DDP.
+        ``bytes_sent``, ``link_bytes``, ``inter_node_bytes`` and ``selection_ms`` are this optimizer step's, as the
+        gradient strategies report theirs: 0 inside a round, the outer exchange's (and the buffers' all-reduce) on
+        the step that ends one, so that their sum over the steps is the run's. ``outer_bytes_sent``,
+        ``outer_link_bytes`` (and the algorithm's own figures) are the last outer exchange's, and
+        ``exchange_compression_ratio`` its ``dense_bytes / outer_bytes_sent``. ``dense_bytes`` is what DDP
+        all-reduces per optimizer step; ``link_bytes_per_step`` is the link bytes of every outer exchange so far
+        divided by the optimizer steps, ``ddp_link_bytes_per_step`` what DDP's ring all-reduce of the fp32
+        gradients carries per optimizer step, and ``compression_ratio`` their quotient: what the run saves on the
+        wire against DDP.
         """
         if not self.optimizer_steps:
             return {}
-        stats: dict[str, Any] = {
-            "bytes_sent": 0, "link_bytes": 0.0, "dense_bytes": self.dense_bytes, **self.last_exchange,
-        }  # fmt: skip
-        sent = stats["bytes_sent"]
-        stats["exchange_compression_ratio"] = stats["dense_bytes"] / sent if sent else float("inf")
+        exchange: dict[str, Any] = {"bytes_sent": 0, "link_bytes": 0.0, **self.last_exchange}
+        stats = dict(exchange)
+        for key in STEP_KEYS:  # the last exchange's under outer_*; this step's under the plain name
+            if key in exchange:
+                stats[f"outer_{key}"] = exchange[key]
+                stats[key] = exchange[key] if self.exchanged_this_step else 0
+        stats.update(bytes_sent=self.step_bytes_sent, link_bytes=self.step_link_bytes, dense_bytes=self.dense_bytes)
+        sent = stats["outer_bytes_sent"]
+        stats["exchange_compression_ratio"] = self.dense_bytes / sent if sent else float("inf")
         per_step = self.link_bytes_total / self.optimizer_steps
         ddp = ring_allreduce_volume(self.dense_bytes, self.world_size)
         stats.update(

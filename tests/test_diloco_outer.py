@@ -105,6 +105,36 @@ def test_a_compressed_outer_exchange_keeps_its_error_feedback_and_the_ranks_iden
     assert 0 < stats["bytes_sent"] < stats["dense_bytes"] and stats["compression_ratio"] > 1.0
 
 
+@pytest.mark.parametrize("config", [None, DGCConfig(density=0.05, min_compress_numel=16)], ids=["dense", "dgc"])
+def test_each_steps_bytes_sum_to_the_runs_and_only_the_steps_that_end_a_round_send(config) -> None:
+    """``bytes_sent`` / ``link_bytes`` are the optimizer step's (what a per-step sum such as parity's recorder adds
+    up): 0 inside a round, the outer exchange's on the step that ends it, and the last round cut short too."""
+
+    def rank_fn(collectives):
+        model = _model()
+        outer = OuterStep(OuterSettings(sync_every=3), config, model.named_parameters(), collectives=collectives)
+        per_step = []
+        for r in range(7):
+            _drift(model, collectives.rank, r)
+            outer.after_optimizer_step()
+            per_step.append(outer.compression_stats())
+        outer.step()  # the round cut short at 7 (what the front doors' finish() runs)
+        return outer, per_step, outer.compression_stats()
+
+    (outer, per_step, last), _ = comm.simulate(2, rank_fn)
+    sent = [s["bytes_sent"] for s in per_step]
+    assert [bool(b) for b in sent] == [False, False, True, False, False, True, False]
+    assert all(s["link_bytes"] == 0 for i, s in enumerate(per_step) if i not in (2, 5))
+    assert per_step[2]["outer_bytes_sent"] == per_step[3]["outer_bytes_sent"] == sent[2]  # the last exchange's
+    total = sum(s["link_bytes"] for s in per_step) + last["link_bytes"]
+    assert last["link_bytes"] > 0 and total == pytest.approx(outer.link_bytes_total)
+    assert last["link_bytes_per_step"] == pytest.approx(total / 7) and last["outer_steps"] == 3
+    if config is None:
+        assert sent[2] == per_step[2]["dense_bytes"] == 4 * sum(p.numel() for p in _model().parameters())
+    else:
+        assert 0 < sent[2] < per_step[2]["dense_bytes"]
+
+
 def test_a_non_finite_pseudo_gradient_on_one_rank_skips_the_outer_step_on_every_rank() -> None:
     clean = _run(None, rounds=1)
     (m0, o0, v0), (m1, o1, v1) = _run(None, rounds=2, poison=(1, 1))

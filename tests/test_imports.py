@@ -10,13 +10,17 @@ import textwrap
 
 REGISTERED = """
 from lightning.pytorch.strategies import StrategyRegistry
-missing = [n for n in ("dgc", "dgc_spawn", "deft", "deft_spawn", "powersgd") if n not in StrategyRegistry]
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+names = ("dgc", "dgc_spawn", "deft", "deft_spawn", "powersgd", "diloco")
+missing = [n for n in names if n not in StrategyRegistry] + [f"fabric {n}" for n in names if n not in STRATEGY_REGISTRY]
 assert not missing, missing
+assert STRATEGY_REGISTRY["diloco"]["strategy"].__name__ == "FabricDiLoCoStrategy"
 """
 CASES = {
     # the package's names before Lightning: this crashed with a circular import
     "names first": "from lightning_dgc import DGCStrategy" + REGISTERED,
     "strategy module first": "import lightning_dgc.strategy" + REGISTERED,
+    "Fabric's DiLoCo module first": "import lightning_dgc.fabric_diloco" + REGISTERED,
     "package, then Lightning": "import lightning_dgc\nimport lightning.pytorch" + REGISTERED,
     "Lightning, then package": "import lightning\nimport lightning_dgc" + REGISTERED,
     "pure parts": """

@@ -27,7 +27,9 @@ LIGHTNING_DGC_NAMES = {
     "CompressionStrategy",
     "DGCStrategy",
     "DEFTStrategy",
+    "DiLoCoStrategy",
     "SparsityWarmup",
+    "CriticalRegimes",
     "CompressionMonitor",
 }
 
@@ -54,7 +56,7 @@ def test_the_expected_configs_exist() -> None:
         "librispeech_deepspeech",
     } <= set(TASKS)
     assert {"cifar10_resnet20_cpu", "ptb_lstm_cpu", "librispeech_deepspeech_cpu"} <= set(TASKS)
-    assert {"ddp", "dgc", "dgc_warmup", "deft", "powersgd"} <= set(ALGORITHMS)
+    assert {"ddp", "dgc", "dgc_warmup", "deft", "powersgd", "diloco", "diloco_dgc"} <= set(ALGORITHMS)
 
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
@@ -85,6 +87,12 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
     assert config["data"]["class_path"].startswith("lightning_dgc_recipes.")
     if algorithm == "ddp":
         assert config["trainer"]["strategy"] == "ddp"
+    elif algorithm is not None and algorithm.startswith("diloco"):  # local steps: no gradient exchange
+        init_args = config["trainer"]["strategy"]["init_args"]
+        assert init_args["sync_every"] == 10 and init_args["outer_lr"] == 0.7
+        assert init_args["algorithm"] == ("dgc" if algorithm == "diloco_dgc" else "dense")
+        assert (init_args["options"] or {}).get("density") == (0.01 if algorithm == "diloco_dgc" else None)
+        return
     elif (
         algorithm is not None
         and "density" in (REPO_ROOT / "configs" / "algo" / f"{algorithm}.yaml").read_text()
@@ -109,11 +117,13 @@ def test_cpu_config_pair_instantiates(task: str, algorithm: str | None, tmp_path
     assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == task
     if algorithm is not None:
         assert isinstance(cli.trainer.strategy, DDPStrategy)
-        if algorithm != "ddp":
+        if algorithm.startswith("diloco"):
+            assert cli.trainer.strategy.settings.sync_every == 10
+        elif algorithm != "ddp":
             assert cli.trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is True
         callbacks = {type(callback).__name__ for callback in cli.trainer.callbacks}
         assert (
-            lightning_dgc_names(algorithm) - {"CompressionStrategy", "DGCStrategy", "DEFTStrategy"}
+            lightning_dgc_names(algorithm) - {"CompressionStrategy", "DGCStrategy", "DEFTStrategy", "DiLoCoStrategy"}
             <= callbacks
         )
 
