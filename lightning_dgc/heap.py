@@ -10,7 +10,8 @@ threshold once they are freed, after which such arrays come from the heap, whose
   bytes grew by :data:`TRIM_AFTER_STEP_GROWTH_BYTES` since the last time it handed them back
   (:func:`should_trim_after_step`). Pages a step frees and the next step takes again (the forward pass's
   activations, the exchange's temporaries) are not handed back every step: faulting them in again would
-  cost the next step more than the exchange itself (a fifth of a CPU ResNet-20 step). What the heap keeps
+  cost the next step more than the exchange itself (15% of the CPU time of a ResNet-20 step of the CPU
+  recipe, ``python -m benchmarks.overhead --recipe``). What the heap keeps
   free then is what the step's own peak held, never more than :data:`TRIM_AFTER_STEP_GROWTH_BYTES` above
   it; growth past that (a step that frees more than the steps before it) goes back at once.
 """
