@@ -299,7 +299,9 @@ class CompressionMonitor(L.Callback):
     gradient accumulation only after batches that ran an optimizer step), global rank 0 logs, at
     ``step=trainer.global_step``, the statistics of the last optimizer step from
     ``trainer.strategy.compression_stats()``. The values are rank 0's own: no collective is issued
-    (every rank sends payloads of the same size, so the byte counts hold for every rank).
+    (every rank sends payloads of the same size, so the byte counts hold for every rank). Between the
+    steps it logs it reads nothing (and on other ranks it never does): its cost is that of the steps
+    logged (the statistics, the residual norm, the build-up count asked for before the step).
 
     Scalars (``prefix`` is ``"compression/"`` by default):
 
@@ -359,7 +361,7 @@ class CompressionMonitor(L.Callback):
         self.prefix = prefix
         self._every = log_every_n_steps or 1
         self._last_seen_step: Any = (
-            None  # stats["step"] of the last batch end: a new value = a new optimizer step
+            None  # stats["step"] of the last step logged: the same value = no new optimizer step
         )
 
     @override
@@ -404,17 +406,17 @@ class CompressionMonitor(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        stats = trainer.strategy.compression_stats()
-        if not stats or stats.get("step") == self._last_seen_step:
-            return  # no optimizer step finished since the last batch (gradient accumulation)
-        self._last_seen_step = stats.get("step")
         if (
             not trainer.is_global_zero
             or not trainer.loggers
             or not self._every
             or trainer.global_step % self._every
         ):
-            return
+            return  # nothing read in the steps not logged: the monitor costs nothing there
+        stats = trainer.strategy.compression_stats()
+        if not stats or stats.get("step") == self._last_seen_step:
+            return  # no optimizer step finished since the step last logged (gradient accumulation)
+        self._last_seen_step = stats.get("step")
         metrics = self.metrics(trainer, stats)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)

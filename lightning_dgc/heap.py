@@ -2,8 +2,18 @@
 
 The exchange's per-step host temporaries (index and value arrays of a few MB) raise glibc's dynamic mmap
 threshold once they are freed, after which such arrays come from the heap, whose freed pages glibc keeps.
-:func:`return_free_host_memory` returns them, so that a rank's resident size is what it holds;
-:func:`trim_before` does it before a temporary too large for the heap's free pages to serve.
+:func:`return_free_host_memory` returns them. Two moments call it:
+
+* :func:`trim_before`, before a temporary too large for the heap's free pages to serve (it would add to
+  them, raising the peak);
+* :func:`trim_after_step`, at the end of a step whose memory is on the host, but only when the heap's free
+  bytes grew by :data:`TRIM_AFTER_STEP_GROWTH_BYTES` since the last time it handed them back
+  (:func:`should_trim_after_step`). Pages a step frees and the next step takes again (the forward pass's
+  activations, the exchange's temporaries) are not handed back every step: faulting them in again would
+  cost the next step more than the exchange itself (15% of the CPU time of a ResNet-20 step of the CPU
+  recipe, ``python -m benchmarks.overhead --recipe``). What the heap keeps
+  free then is what the step's own peak held, never more than :data:`TRIM_AFTER_STEP_GROWTH_BYTES` above
+  it; growth past that (a step that frees more than the steps before it) goes back at once.
 """
 
 from __future__ import annotations
@@ -19,7 +29,30 @@ from typing import Any
 #: again by the next temporaries).
 TRIM_BEFORE_BYTES: float = 32 << 20
 
+#: The end of a step hands the heap's free pages back when its free bytes (glibc's ``mallinfo2``, every
+#: arena) exceed what they were right after the last time by this much (:func:`should_trim_after_step`).
+#: Read at every call: ``0`` hands them back after every step (the resident size at the end of a step is
+#: then what the rank holds, at the cost of faulting the pages in again in the next step);
+#: ``float("inf")`` never at the end of a step.
+TRIM_AFTER_STEP_GROWTH_BYTES: float = 16 << 20
+
 _malloc_trim: Any = None  # glibc's malloc_trim, looked up on first use; False where there is none
+_mallinfo2: Any = None  # glibc's mallinfo2 (2.33+), likewise
+#: The heap's free bytes right after the last end-of-step trim (``None``: none yet in this process).
+_free_after_trim: int | None = None
+#: How many times this process handed the heap's free pages back at the end of a step (for benchmarks).
+trims_after_step = 0
+
+
+def _libc(name: str) -> Any:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return False
 
 
 def return_free_host_memory() -> bool:
@@ -33,18 +66,71 @@ def return_free_host_memory() -> bool:
     """
     global _malloc_trim
     if _malloc_trim is None:
-        _malloc_trim = False
-        if sys.platform.startswith("linux"):
-            try:
-                import ctypes
+        _malloc_trim = _libc("malloc_trim")
+        if _malloc_trim:
+            import ctypes
 
-                _malloc_trim = ctypes.CDLL(None).malloc_trim
-                _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-            except (OSError, AttributeError):
-                _malloc_trim = False
+            _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     if not _malloc_trim:
         return False
     _malloc_trim(0)
+    return True
+
+
+def free_heap_bytes() -> int | None:
+    """The C heap's free bytes, every arena (glibc's ``mallinfo2().fordblks``); ``None`` without glibc 2.33+.
+
+    Pages handed back by ``malloc_trim`` stay counted (their chunks are still free, only not resident), so a
+    rise of this figure is memory the heap took from the system since.
+    """
+    global _mallinfo2
+    if _mallinfo2 is None:
+        _mallinfo2 = _libc("mallinfo2")
+        if _mallinfo2:
+            import ctypes
+
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(name, ctypes.c_size_t) for name in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                    "fordblks", "keepcost")]  # fmt: skip
+
+            _mallinfo2.argtypes, _mallinfo2.restype = [], MallInfo2
+    if not _mallinfo2:
+        return None
+    return int(_mallinfo2().fordblks)
+
+
+def should_trim_after_step(free_bytes: int | None, free_after_last_trim: int | None, growth_bytes: float) -> bool:
+    """Whether the end of a step hands the heap's free pages back (see :func:`trim_after_step`).
+
+    Args:
+        free_bytes: the heap's free bytes now (:func:`free_heap_bytes`); ``None`` where they cannot be read:
+            then every step hands them back.
+        free_after_last_trim: the heap's free bytes right after the last trim; ``None`` before the first.
+        growth_bytes: how far ``free_bytes`` may exceed ``free_after_last_trim`` before the pages go back
+            (``0``: every step; ``inf``: never).
+    """
+    if growth_bytes == float("inf"):
+        return False
+    if free_bytes is None or growth_bytes <= 0:
+        return True
+    return free_bytes - (free_after_last_trim or 0) >= growth_bytes
+
+
+def trim_after_step() -> bool:
+    """At the end of a step whose memory is on the host: hand the heap's free pages back if they grew by
+    :data:`TRIM_AFTER_STEP_GROWTH_BYTES` since the last time (:func:`should_trim_after_step`). Returns
+    whether it did."""
+    global _free_after_trim, trims_after_step
+    growth = TRIM_AFTER_STEP_GROWTH_BYTES
+    free = free_heap_bytes() if 0 < growth < float("inf") else None
+    if not should_trim_after_step(free, _free_after_trim, growth):
+        return False
+    if not return_free_host_memory():
+        return False
+    trims_after_step += 1
+    if free is not None:
+        _free_after_trim = free_heap_bytes()
     return True
 
 

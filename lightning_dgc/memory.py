@@ -19,7 +19,7 @@ bit, so nothing is lost or poisoned. Buffers of a kind an algorithm never writes
 (no momentum without momentum).
 
 The tensor math on these buffers (momentum correction, clipping) is :mod:`lightning_dgc.momentum`; handing
-the heap's free pages back at the end of a step, :mod:`lightning_dgc.heap`.
+the heap's free pages back at the end of a step when they grew, :mod:`lightning_dgc.heap`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dgc.heap import return_free_host_memory
+from lightning_dgc.heap import trim_after_step
 
 
 def bucket_order_flat(tensor: Tensor) -> Tensor:
@@ -95,7 +95,7 @@ class ResidualMemory:
         self._deliveries: list[Callable[[bool], None]] = []  # run by finish_step after the verdict
         self._skip: set[str] = set()  # names unused this step (unstaged): replays leave them alone
         #: Whether a buffer lives in host memory: each step then ends by handing the heap's free pages
-        #: back (:func:`return_free_host_memory`), where the step's host temporaries were freed.
+        #: back if they grew since the last time (:func:`lightning_dgc.heap.trim_after_step`).
         self.on_host = False
 
     # -- buffers ---------------------------------------------------------------------------------------
@@ -289,7 +289,7 @@ class ResidualMemory:
         else:
             self.discard()
         if self.on_host:
-            return_free_host_memory()
+            trim_after_step()
         return finite
 
     # -- inspection and checkpoints -------------------------------------------------------------------------

@@ -701,3 +701,25 @@ def test_records_are_scrubbed_when_written(tmp_path: Path) -> None:
         "command": "python -m lightning_dgc_recipes fit --data.root <data>/ptb --trainer.default_root_dir <tmp>/run7/root",
         "nested": [{"data_root": "<data>"}, {"where": "<path>", "ratio": "(N-1)/N x 4 r"}],
     }
+
+
+def _step_costs() -> dict[str, str]:
+    """``overhead_recipe.json`` as the pages quote it: CPU-clock medians over DDP's (``1.03x``), the monitor's
+    and the trim-every-step's additions to DGC's step in percent."""
+    cpu = _record("overhead_recipe")["summary"]["cpu"]
+    ratio, step = cpu["ratio_to_ddp"], cpu["step_s"]
+    out = {c: f"{ratio[c]['of_medians']:.2f}x" for c in ("dgc", "deft", "powersgd")}
+    out["monitor"] = f"{(step['dgc_monitor'] / step['dgc'] - 1) * 100:+.0f}%"
+    out["trim"] = f"{(step['dgc_trim_every_step'] / step['dgc'] - 1) * 100:+.0f}%"
+    return out
+
+
+def test_step_cost_figures_quote_the_overhead_record() -> None:
+    costs = _step_costs()
+    migrating = _text("docs/migrating-from-ddp.md")
+    assert f"{costs['dgc']} DDP's CPU time per step under DGC, {costs['deft']} under DEFT and {costs['powersgd']}" \
+        " under PowerSGD" in migrating, costs
+    assert f"`CompressionMonitor` {costs['monitor']} on DGC's step" in _text("docs/monitoring.md"), costs
+    assert f"a step of the CIFAR-10 CPU recipe's ResNet-20 {costs['trim']} of CPU time" in _text(
+        "docs/checkpoints.md"
+    ), costs

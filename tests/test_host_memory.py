@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from lightning_dgc import algorithms, heap, hook
-from lightning_dgc import memory as memory_module
 from lightning_dgc.heap import return_free_host_memory
 from lightning_dgc.memory import ResidualMemory
 from lightning_dgc.state import ExchangeState
@@ -59,13 +58,16 @@ def test_memory_knows_whether_it_lives_on_the_host() -> None:
     assert restored.on_host
 
 
-def _updates(monkeypatch: pytest.MonkeyPatch, trim_before_bytes: int) -> tuple[torch.Tensor, int]:
+def _updates(
+    monkeypatch: pytest.MonkeyPatch, trim_before_bytes: float, growth_bytes: float = 0
+) -> tuple[torch.Tensor, int]:
     """Three steps of DGC (momentum, CPU tensor-by-tensor selection); the updates and how often the heap
-    was trimmed (before a compressed tensor's v' was made, and at the end of every step)."""
+    was trimmed (before a compressed tensor's v' was made, and at the end of a step: every step with the
+    growth bound at 0)."""
     calls = []
     monkeypatch.setattr(heap, "TRIM_BEFORE_BYTES", trim_before_bytes)
-    for module in (heap, memory_module):  # before a large temporary; at the end of a step
-        monkeypatch.setattr(module, "return_free_host_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(heap, "TRIM_AFTER_STEP_GROWTH_BYTES", growth_bytes)
+    monkeypatch.setattr(heap, "return_free_host_memory", lambda: calls.append(1) or True)
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(256, 64)) for _ in range(4)]
     state = ExchangeState(algorithms.get("dgc").config_class(density=0.01, momentum=0.9))
@@ -89,6 +91,62 @@ def test_dgc_trims_the_heap_before_a_large_temporary_only(monkeypatch: pytest.Mo
     plain, calls = _updates(monkeypatch, 256 * 64 * 4 + 1)
     assert calls == 3
     assert torch.equal(trimmed, plain)
+    kept, calls = _updates(monkeypatch, float("inf"), float("inf"))  # never: the same bits again
+    assert calls == 0
+    assert torch.equal(kept, plain)
+
+
+@pytest.mark.parametrize(
+    ("free", "after_last", "growth", "trim"),
+    [
+        (100 << 20, None, 16 << 20, True),  # the first step: everything free is growth
+        (10 << 20, None, 16 << 20, False),  # ... unless it is under the bound
+        (120 << 20, 110 << 20, 16 << 20, False),  # the pages a step takes again every step: kept
+        (126 << 20, 110 << 20, 16 << 20, True),  # grown by the bound: handed back
+        (50 << 20, 110 << 20, 16 << 20, False),  # fewer free bytes than after the last trim
+        (0, 110 << 20, 0, True),  # bound 0: every step
+        (1 << 40, None, float("inf"), False),  # bound inf: never
+        (None, None, 16 << 20, True),  # free bytes unknown (no mallinfo2): every step, as without a bound
+        (None, None, float("inf"), False),
+    ],
+)
+def test_the_end_of_a_step_trims_when_the_free_heap_grew_by_the_bound(
+    free: int | None, after_last: int | None, growth: float, trim: bool
+) -> None:
+    assert heap.should_trim_after_step(free, after_last, growth) is trim
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 and malloc_trim: Linux only")
+def test_freed_blocks_are_handed_back_once_then_kept_while_the_free_heap_does_not_grow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Freed heap blocks raise the free bytes mallinfo2 reports; the first end-of-step trim after that hands
+    their pages back, and the next ones do nothing until the free bytes grow by the bound again."""
+    if heap.free_heap_bytes() is None or not return_free_host_memory():
+        pytest.skip("no glibc mallinfo2 (2.33+) or malloc_trim")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+    size, count = 100_000, 400  # 40 MB in blocks under glibc's smallest mmap threshold (128 KiB)
+    monkeypatch.setattr(heap, "TRIM_AFTER_STEP_GROWTH_BYTES", 16 << 20)
+    monkeypatch.setattr(heap, "_free_after_trim", heap.free_heap_bytes())
+    assert not heap.trim_after_step()  # nothing grew
+    blocks = [libc.malloc(size) for _ in range(count)]
+    assert all(blocks)
+    for block in blocks:
+        ctypes.memset(block, 1, size)
+    try:
+        before = heap.free_heap_bytes()
+        for block in blocks[:-1]:  # the last block stays: the freed ones are not at the heap's top
+            libc.free(block)
+        assert heap.free_heap_bytes() - before >= 0.9 * size * (count - 1)
+        kept, trims = _resident_bytes(), heap.trims_after_step
+        assert heap.trim_after_step()
+        assert heap.trims_after_step == trims + 1
+        assert kept - _resident_bytes() >= 0.75 * size * (count - 1)
+        assert not heap.trim_after_step()  # the same free bytes: nothing to hand back
+    finally:
+        libc.free(blocks[-1])
 
 
 def test_a_bucket_layout_gone_from_a_step_takes_its_plan_with_it() -> None:

@@ -166,9 +166,13 @@ def test_a_run_fraction_warmup_that_takes_the_whole_short_run_warns() -> None:
 
 
 def test_monitor_follows_the_trainers_log_every_n_steps() -> None:
-    logger = RecordingLogger()
-    _fit(DGCStrategy(density=0.01), [CompressionMonitor()], logger=logger, max_steps=7, log_every_n_steps=3)
+    """It logs at steps 3 and 6 of 7, and reads the strategy's statistics in those steps only."""
+    logger, strategy = RecordingLogger(), DGCStrategy(density=0.01)
+    reads, read = [], strategy.compression_stats
+    strategy.compression_stats = lambda: reads.append(1) or read()  # type: ignore[method-assign]
+    _fit(strategy, [CompressionMonitor()], logger=logger, max_steps=7, log_every_n_steps=3)
     assert [step for step, _ in logger.compression()] == [3, 6]
+    assert len(reads) == 2
 
 
 def test_monitor_without_a_logger_warns() -> None:
