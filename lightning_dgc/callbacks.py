@@ -131,6 +131,11 @@ class SparsityWarmup(L.Callback):
             first 0.8 epochs instead of all four. A per-epoch warm-up that takes half of ``max_epochs``
             or more warns and suggests it.
 
+    With ``DGCStrategy(density="auto")`` the schedule is a floor: the density in force is the larger of the
+    schedule's and the one the link asks for (:mod:`lightning_dgc.auto_density`), and the schedule ends at the
+    strategy's ``min_density``. The schedule says how light compression must be, the link how heavy it needs
+    to be; while the link is measured the exchange is dense.
+
     Example::
 
         Trainer(strategy=DGCStrategy(density=0.001), callbacks=[SparsityWarmup()])
@@ -202,7 +207,11 @@ class SparsityWarmup(L.Callback):
         # Read once per strategy: the warm-up itself changes `strategy.density`, so a second `fit`
         # with the same Trainer must not take a warm-up value for the final one.
         if strategy is not self._strategy:
-            self.final_density = check_density(strategy.density, "strategy.density")
+            auto = getattr(strategy, "auto_density", None)
+            # density="auto": the schedule is a floor under the link's density, ending at `min_density`
+            self.final_density = (
+                auto.min_density if auto is not None else check_density(strategy.density, "strategy.density")
+            )
             self._strategy = strategy
         epochs = getattr(trainer, "max_epochs", None)
         if self.run_fraction is None and self.interval == "epoch" and epochs is not None and epochs > 0:
@@ -303,6 +312,11 @@ class CompressionMonitor(L.Callback):
       ranks for DGC).
     * ``compression/max_rank_selection_ms`` (DEFT only, when reported): the slowest rank's
       selection time, the one that holds the step back.
+    * with ``density="auto"`` (:mod:`lightning_dgc.auto_density`): ``compression/auto_density`` (the density
+      the link asks for; ``compression/density`` is the one in force), ``compression/predicted_exchange_ms``
+      (the model's exchange time at the density in force), ``compression/measured_exchange_ms`` (the time the
+      step's collectives were in flight), ``compression/compute_window_ms`` and ``compression/link_mbit_s``
+      (what the last measuring phase found).
 
     Args:
         log_every_n_steps: log after every this many optimizer steps (when ``global_step`` is a
@@ -321,6 +335,11 @@ class CompressionMonitor(L.Callback):
         "selection_ms": "selection_ms",
         "buildup_factor": "buildup_factor",
         "max_rank_selection_ms": "max_rank_selection_ms",
+        "auto_density": "auto_density",
+        "predicted_exchange_ms": "predicted_exchange_ms",
+        "measured_exchange_ms": "measured_exchange_ms",
+        "compute_window_ms": "compute_window_ms",
+        "link_mbit_s": "link_mbit_s",
     }
 
     def __init__(self, log_every_n_steps: int | None = None, prefix: str = "compression/") -> None:
