@@ -10,9 +10,9 @@ of every bucket, as DDP's, with nothing selected and nothing held back) and time
 * the **compute window**: from the end of the previous optimizer step to the last bucket's hook (the data,
   the forward and the backward pass; the optimizer step of the step before).
 
-Every rank gathers every rank's figures once (one all-gather of 24 bytes per rank) and takes the highest
-throughput, the lowest latency and the shortest window: the rank that waited least for the others measured
-the link best, and the shortest window is the conservative one. :func:`choose_density` (pure) then prices
+Every rank gathers every rank's figures once (one all-gather of 40 bytes per rank, :func:`link_from_ranks`):
+the quickest settings check is the latency, the highest throughput and the shortest window are taken (the
+rank that waited least for the others measured the link best; the shortest window is the conservative one). :func:`choose_density` (pure) then prices
 every candidate density with the algorithm's own :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a
 :class:`~lightning_dgc.perfmodel.Network` of that throughput and latency, and keeps the largest density whose
 exchange takes at most :data:`AUTO_MARGIN` of the window, never below ``min_density``: 1 (dense) when DDP's
@@ -43,8 +43,9 @@ from lightning_dgc.checks import check_density
 from lightning_dgc.comm import Collectives, Pending
 from lightning_dgc.perfmodel.network import Network
 
-#: The share of the compute window the chosen exchange may take.
-AUTO_MARGIN = 0.5
+#: The share of the compute window the chosen exchange may take: without any overlap it adds at most a
+#: quarter to the step's compute.
+AUTO_MARGIN = 0.25
 #: Optimizer steps of a measuring phase (the run's first step, DDP's warm-up bucket, is not counted).
 MEASURE_STEPS = 5
 #: Transfer time per step below which a link is taken as too fast to time (loopback, a fast LAN): dense.
@@ -151,26 +152,40 @@ class StepSample:
     probe_s: float | None
 
 
-def estimate_link(samples: Sequence[StepSample], world_size: int) -> LinkEstimate:
-    """One rank's :class:`LinkEstimate` from its measured steps (pure)."""
+def summarize(samples: Sequence[StepSample]) -> list[float]:
+    """One rank's measured steps in five numbers, what the ranks gather: link bytes, time in flight and latency
+    steps over the steps, the quickest settings check (``inf``: none) and the median compute window (pure)."""
     probes = [s.probe_s for s in samples if s.probe_s is not None]
-    latency = statistics.median(probes) / max(1, world_size - 1) if probes else 0.0
-    volume = sum(s.volume_bytes for s in samples)
-    transfer = sum(max(0.0, s.busy_s - s.latency_steps * latency) for s in samples)
-    timed = [s for s in samples if s.volume_bytes > 0]
-    fast = not timed or transfer <= MIN_TRANSFER_S * len(timed)
     windows = [s.window_s for s in samples if s.window_s is not None]
-    return LinkEstimate(
-        math.inf if fast else 8 * volume / transfer, latency, statistics.median(windows) if windows else 0.0
-    )
+    return [
+        sum(s.volume_bytes for s in samples), sum(s.busy_s for s in samples if s.volume_bytes > 0),
+        float(sum(s.latency_steps for s in samples if s.volume_bytes > 0)), min(probes) if probes else math.inf,
+        statistics.median(windows) if windows else 0.0,
+    ]  # fmt: skip
 
 
-def combine(estimates: Sequence[LinkEstimate]) -> LinkEstimate:
-    """Every rank's estimates as one: the highest throughput, the lowest latency, the shortest window."""
-    return LinkEstimate(
-        max(e.throughput_bps for e in estimates), min(e.latency_s for e in estimates),
-        min(e.window_s for e in estimates),
-    )  # fmt: skip
+def link_from_ranks(rows: Sequence[Sequence[float]], world_size: int) -> LinkEstimate:
+    """Every rank's :func:`summarize` as one :class:`LinkEstimate` (pure).
+
+    The latency is the quickest settings check of any rank (its all-gather takes ``n - 1`` message steps; a
+    slower one waited for a later rank). Each rank's throughput is its link bytes over its time in flight less
+    the latency steps; the highest is taken (the rank that waited least for the others measured the link
+    best), ``inf`` when no rank's transfer time reaches :data:`MIN_TRANSFER_S` per collective (too fast to
+    time). The window is the shortest rank's.
+    """
+    probe = min(row[3] for row in rows)
+    latency = probe / max(1, world_size - 1) if math.isfinite(probe) else 0.0
+    throughputs = []
+    for volume, busy, steps, _, _ in rows:
+        transfer = busy - steps * latency
+        if volume > 0 and transfer > MIN_TRANSFER_S * max(1.0, steps / max(1, 2 * (world_size - 1))):
+            throughputs.append(8 * volume / transfer)
+    return LinkEstimate(max(throughputs, default=math.inf), latency, min(row[4] for row in rows))
+
+
+def estimate_link(samples: Sequence[StepSample], world_size: int) -> LinkEstimate:
+    """One rank's :class:`LinkEstimate` from its measured steps (pure; :func:`link_from_ranks` of one rank)."""
+    return link_from_ranks([summarize(samples)], world_size)
 
 
 class ExchangeRecorder:
@@ -180,8 +195,11 @@ class ExchangeRecorder:
         self.world_size = world_size
         self._lock = threading.Lock()
         self._calls: list[list[float]] = []  # [volume, latency steps, issued, done (nan: not yet)]
+        self._on_cuda = False  # whether this step's collectives run on CUDA tensors
 
-    def issued(self, collective: str, nbytes: int, future: torch.futures.Future) -> None:
+    def issued(self, collective: str, nbytes: int, pending: Pending) -> None:
+        """Note a collective just started; its completion is noted when its future is done (on the host: gloo's
+        collectives, and every collective on the CPU; NCCL's complete at launch, see :meth:`device_done`)."""
         n = self.world_size
         volume, steps = (
             (ring_allreduce_volume(nbytes, n), 2 * (n - 1)) if collective == "all_reduce"
@@ -190,16 +208,28 @@ class ExchangeRecorder:
         call = [volume, steps, time.perf_counter(), math.nan]
         with self._lock:
             self._calls.append(call)
+            self._on_cuda = self._on_cuda or pending.output.is_cuda
 
-        def done(_: torch.futures.Future) -> None:
+        def done() -> torch.Tensor:
             call[3] = time.perf_counter()
+            return pending.output
 
-        future.add_done_callback(done)
+        comm.when_all([pending], done, pending.output.device)
+
+    def device_done(self) -> None:
+        """After the step's exchange: on CUDA, wait for the device and take now as every collective's completion
+        (NCCL's futures complete at launch, so the host cannot see when each one ends)."""
+        if self._on_cuda:
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            with self._lock:
+                for call in self._calls:
+                    call[3] = now
 
     def close_step(self, window_s: float | None, probe_s: float | None) -> StepSample:
         """The step's sample (every collective is done by now); the next step starts empty."""
         with self._lock:
-            calls, self._calls = self._calls, []
+            calls, self._calls, self._on_cuda = self._calls, [], False
         now = time.perf_counter()
         intervals = sorted((c[2], c[3] if math.isfinite(c[3]) else now) for c in calls)
         busy, end = 0.0, -math.inf
@@ -223,12 +253,12 @@ class TimedCollectives(Collectives):
 
     def all_reduce(self, tensor: torch.Tensor, what: str) -> Pending:
         pending = self.inner.all_reduce(tensor, what)
-        self.recorder.issued("all_reduce", tensor.numel() * tensor.element_size(), pending.future)
+        self.recorder.issued("all_reduce", tensor.numel() * tensor.element_size(), pending)
         return pending
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, what: str) -> Pending:
         pending = self.inner.all_gather(tensor, out, what)
-        self.recorder.issued("all_gather", tensor.numel() * tensor.element_size(), pending.future)
+        self.recorder.issued("all_gather", tensor.numel() * tensor.element_size(), pending)
         return pending
 
 
@@ -290,6 +320,12 @@ class AutoDensity:
         if probe_s is not None:
             self._probe_s = probe_s
 
+    def exchange_done(self) -> None:
+        """After a backward pass's exchange was finished: while measuring, the device's collectives end now
+        (:meth:`ExchangeRecorder.device_done`; the CPU's were timed as they ended)."""
+        if self.measuring and self._recorder is not None:
+            self._recorder.device_done()
+
     def step_done(self, state: Any, group: Any = None) -> None:
         """After an optimizer step, on every rank: close the step's sample; decide, or start measuring again."""
         if self._recorder is None:
@@ -311,10 +347,9 @@ class AutoDensity:
         self._step_end = time.perf_counter()
 
     def _decide(self, state: Any, group: Any) -> None:
-        local = estimate_link(self._samples, state.world_size)
-        mine = torch.tensor([local.throughput_bps, local.latency_s, local.window_s], dtype=torch.float64)
+        mine = torch.tensor(summarize(self._samples), dtype=torch.float64)
         gathered = comm.all_gather_host(mine, group, "all-gather of the link measurements (density='auto')")
-        link = self.link = combine([LinkEstimate(*t.tolist()) for t in gathered])
+        link = self.link = link_from_ranks([t.tolist() for t in gathered], state.world_size)
         buckets = [(plan.layout, plan.dense_bytes) for plan in state.plans]
         algorithm, config = type(state.algorithm), state.config
         choice = self.choice = choose_density(link, buckets, state.world_size, algorithm, config, self.min_density)

@@ -223,6 +223,8 @@ class ExchangeAccess:
         finite = None
         if state.step_pending:  # the hook ran in this backward pass
             finite = state.finish_step()
+            if self._auto is not None:
+                self._auto.exchange_done()
             self._after_exchange()
         self._carry.after_backward(state, finite)
         return result

@@ -21,10 +21,11 @@ from lightning_dgc.auto_density import (
     StepSample,
     candidate_densities,
     choose_density,
-    combine,
     estimate_link,
     exchange_time,
+    link_from_ranks,
 )
+from lightning_dgc.comm import Pending
 from lightning_dgc.perfmodel import Network
 
 # A ResNet-20-like model in two buckets: conv weights, a classifier, biases and norms.
@@ -119,16 +120,24 @@ def test_the_estimate_recovers_a_fake_link() -> None:
 
 
 def test_the_ranks_combine_to_the_least_waited_figures() -> None:
-    link = combine([LinkEstimate(1e6, 2e-3, 0.4), LinkEstimate(2e6, 3e-3, 0.3)])
-    assert link == LinkEstimate(2e6, 2e-3, 0.3)
+    # 1 MB in 4 latency steps of 10 ms: rank 0 waited 0.3 s for rank 1 in its all-reduces and 0.2 s in one check
+    bandwidth, latency = 10e6, 0.01
+    transfer = 4 * latency + 8e6 / bandwidth
+    ranks = [[1e6, transfer + 0.3, 4, 0.2, 2.5], [1e6, transfer, 4, latency, 2.4]]
+    link = link_from_ranks(ranks, 2)
+    assert link.throughput_bps == pytest.approx(bandwidth)
+    assert link.latency_s == pytest.approx(latency) and link.window_s == 2.4
+    # a rank whose checks all waited long cannot make the link look too fast to time
+    assert link_from_ranks([[1e6, transfer, 4, 0.5, 2.5], ranks[1]], 2).throughput_bps == pytest.approx(bandwidth)
+    assert not link_from_ranks([[1e3, 4 * latency, 4, latency, 2.5]] * 2, 2).measurable
 
 
 def test_the_recorder_counts_ring_volumes_and_the_time_in_flight() -> None:
     recorder = ExchangeRecorder(world_size=2)
     first, second = torch.futures.Future(), torch.futures.Future()
     start = time.perf_counter()
-    recorder.issued("all_reduce", 1000, first)
-    recorder.issued("all_gather", 300, second)
+    recorder.issued("all_reduce", 1000, Pending("a", first, torch.zeros(250)))
+    recorder.issued("all_gather", 300, Pending("b", second, torch.zeros(150)))
     time.sleep(0.02)
     first.set_result(None)
     second.set_result(None)
