@@ -86,6 +86,8 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool]] = {
         ("--trainer.strategy.init_args.momentum_correction", "false"),
         False,
     ),
+    # DGC with density="auto": the link decides (the warm-up's densities are a floor under it)
+    "dgc_auto": ("configs/algo/dgc_warmup.yaml", ("--trainer.strategy.init_args.density", "auto"), True),
     # DGC ten times denser: how much of the transformer's (AdamW's) gap the density explains
     "dgc_density_0.01": (
         "configs/algo/dgc_warmup.yaml",
