@@ -19,6 +19,7 @@ from lightning_dgc.auto_density import (
     ExchangeRecorder,
     LinkEstimate,
     StepSample,
+    TimedCollectives,
     candidate_densities,
     choose_density,
     estimate_link,
@@ -172,3 +173,30 @@ def test_the_settings_are_checked() -> None:
     assert strategy.density == "auto" and strategy.config.min_density == 0.01
     assert strategy.auto_density is not None and strategy.auto_density.every == 50
     assert DGCStrategy(density=0.01).auto_density is None
+
+
+def test_the_link_is_measured_first_and_again_every_auto_every_steps() -> None:
+    """One process (nothing to exchange, so dense throughout): the run's first step and five measured ones,
+    a choice, and a new measuring phase every `auto_every` optimizer steps."""
+    from lightning_dgc.hook import exchange
+    from lightning_dgc.state import ExchangeState
+
+    config = DGCConfig(density="auto", auto_every=10)
+    state = ExchangeState(config)
+    param = torch.nn.Parameter(torch.randn(32, 64))
+    state.register_parameters([("w", param)])
+    auto = AutoDensity(config, "test")
+    auto.attach(state)
+    assert state.density == 1.0 and isinstance(state.collectives, TimedCollectives)
+    measuring = []
+    for _ in range(22):
+        param.grad = torch.randn_like(param)
+        auto.hooked(probe_s=1e-4)
+        exchange(state, [param], param.grad.reshape(-1).clone()).wait()
+        state.finish_step()
+        auto.exchange_done()
+        auto.step_done(state)
+        measuring.append(auto.measuring)
+    assert measuring == [True] * 5 + [False] * 4 + [True] * 5 + [False] * 5 + [True] * 3
+    assert auto.choice is not None and auto.choice.density == 1.0 and auto.steps == 22
+    assert set(auto.stats()) >= {"auto_density", "auto_measuring", "measured_exchange_ms", "compute_window_ms"}
