@@ -107,48 +107,55 @@ def run_pair(link: SlowLink, argv: list[str], record: Path, workdir: Path, timeo
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every run, interleaved: for each task and seed, each method on each link in turn (so that a change in
+    the machine's load spreads over every cell rather than one link's)."""
     con = common.console()
     runs: list[dict[str, Any]] = []
     links: list[dict[str, Any]] = []
     errors: list[str] = []
     with SlowLink() as link:
-        for mbit in args.rates:
+        for mbit in args.rates:  # each shaped link's TCP goodput, once
             link.set_rate(mbit, args.delay)
-            name = link_name(mbit)
-            goodput = None
-            if mbit is not None:
-                goodput = link.measure_mbit(seconds=min(2.0, max(0.5, 50 / mbit)))
-            links.append({"link": name, "rate_mbit": mbit, "delay_ms": args.delay, "measured_goodput_mbit": goodput})
-            con.print(f"[bold]link {name}[/bold]" + (f": TCP goodput {goodput:.3g} Mbit/s" if goodput else ""))
-            for task_name in args.tasks:
-                task = parity.TASKS[task_name]
-                for seed in args.seeds:
-                    for method in args.methods:
-                        workdir = Path(tempfile.mkdtemp(prefix="dgc_tta_"))
-                        argv, record = run_argv(args, task, method, name, seed, workdir)
+            goodput = link.measure_mbit(seconds=min(2.0, max(0.5, 50 / mbit))) if mbit is not None else None
+            links.append({"link": link_name(mbit), "rate_mbit": mbit, "delay_ms": args.delay,
+                          "measured_goodput_mbit": goodput})  # fmt: skip
+            con.print(f"[bold]link {link_name(mbit)}[/bold]" + (f": TCP goodput {goodput:.3g} Mbit/s" if goodput else ""))
+        for task_name in args.tasks:
+            task = parity.TASKS[task_name]
+            for seed in args.seeds:
+                for method in args.methods:
+                    for mbit in args.rates:
+                        link.set_rate(mbit, args.delay)
                         try:
-                            out = run_pair(link, argv, record, workdir, args.timeout)
+                            runs.append(one_run(args, link, task, method, link_name(mbit), seed))
                         except RuntimeError as error:
-                            errors.append(f"{task_name} {method} {name} seed {seed}: {error}")
+                            errors.append(f"{task_name} {method} {link_name(mbit)} seed {seed}: {error}")
                             con.print(f"[red]{errors[-1]}[/red]")
-                            continue
-                        finally:
-                            shutil.rmtree(workdir, ignore_errors=True)
-                        if method == "ddp":  # DDP reports no bytes: its ring all-reduce of the fp32 gradient
-                            for entry in out.get("history", []):
-                                entry["link_bytes"] = entry["step"] * ring_allreduce_volume(4 * out.get("params", 0), 2)
-                        final = out.get("final", {}).get(task.metric)
-                        con.print(f"  {task_name} {method} seed {seed}: {task.metric} {final}, step"
-                                  f" {out.get('median_step_s')} s, {out['launch_to_exit_s']:.0f} s in all")  # fmt: skip
-                        runs.append({
-                            "task": task_name, "method": method, "link": name, "seed": seed,
-                            "record": str(record.relative_to(common.REPO)),
-                            "command": parity.display_command(argv, workdir), "history": out.get("history", []),
-                            "final": out.get("final", {}), "median_step_s": out.get("median_step_s"),
-                            "compression": out.get("compression"), "densities": out.get("densities"), "auto": out.get("auto"),
-                            "global_step": out.get("global_step"), "launch_to_exit_s": out["launch_to_exit_s"],
-                        })  # fmt: skip
     return {"runs": runs, "links": links, "errors": errors}
+
+
+def one_run(args: argparse.Namespace, link: SlowLink, task: parity.Task, method: str, name: str, seed: int
+            ) -> dict[str, Any]:  # fmt: skip
+    """One recipe run on the link as it is shaped now: its record, summarised."""
+    workdir = Path(tempfile.mkdtemp(prefix="dgc_tta_"))
+    argv, record = run_argv(args, task, method, name, seed, workdir)
+    try:
+        out = run_pair(link, argv, record, workdir, args.timeout)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if method == "ddp":  # DDP reports no bytes: its ring all-reduce of the fp32 gradient
+        for entry in out.get("history", []):
+            entry["link_bytes"] = entry["step"] * ring_allreduce_volume(4 * out.get("params", 0), 2)
+    final = out.get("final", {}).get(task.metric)
+    common.console().print(f"  {task.name} {method} {name} seed {seed}: {task.metric} {final}, step"
+                           f" {out.get('median_step_s')} s, {out['launch_to_exit_s']:.0f} s in all")  # fmt: skip
+    return {
+        "task": task.name, "method": method, "link": name, "seed": seed, "record": str(record.relative_to(common.REPO)),
+        "command": parity.display_command(argv, workdir), "history": out.get("history", []),
+        "final": out.get("final", {}), "median_step_s": out.get("median_step_s"),
+        "compression": out.get("compression"), "densities": out.get("densities"), "auto": out.get("auto"),
+        "global_step": out.get("global_step"), "launch_to_exit_s": out["launch_to_exit_s"],
+    }  # fmt: skip
 
 
 # -- the report ------------------------------------------------------------------------------------------------
@@ -203,15 +210,28 @@ def report(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def show(rows: list[dict[str, Any]]) -> None:
+def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    """(title, columns, rows) of the report, for the terminal and ``benchmarks.report``."""
     columns = ["task", "link", "method", "target", "time to target s", "best (mean)", "step s", "DDP efficiency"]
     table = []
-    for r in rows:
+    for r in result.get("report") or report(result):
         reached = (f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] is not None
                    else f"not reached ({r['reached']}/{r['seeds']} seeds)")  # fmt: skip
         eff = None if r["ddp_efficiency"] is None else f"{r['ddp_efficiency']:.0%}"
         table.append([r["task"], r["link"], r["method"], r["target"], reached, r["best"], r["median_step_s"], eff])
-    common.print_table("Time to accuracy on shaped links (2 nodes x 1 process)", columns, table)
+    links = [[lk["link"], lk["measured_goodput_mbit"]] for lk in result.get("links", [])]
+    return [("Time to accuracy on shaped links (2 nodes x 1 process)", columns, table),
+            ("Link check: TCP goodput", ["link", "measured Mbit/s"], links)]  # fmt: skip
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """No pass/fail targets: the study reports times (``benchmarks.report`` asks every benchmark)."""
+    return []
+
+
+def show(result: dict[str, Any]) -> None:
+    for title, columns, rows in tables(result):
+        common.print_table(title, columns, rows)
 
 
 def plot(result: dict[str, Any], name: str) -> None:
@@ -274,14 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     result = measure(args)
-    result["report"] = rows = report(result)
+    result["report"] = report(result)
     result.update(wall_s=time.perf_counter() - t0, quick=args.quick, settings={
         "rates": [link_name(r) for r in args.rates], "delay_ms": args.delay, "tasks": args.tasks,
         "methods": {m: parity.ALGO_SPECS[METHODS[m]][:2] for m in args.methods}, "seeds": args.seeds,
         "schedule": {t: QUICK if args.quick else SCHEDULES[t] for t in args.tasks},
         "nodes": 2, "processes_per_node": 1, "threads_per_process": 1,
     })  # fmt: skip
-    show(rows)
+    show(result)
     common.write_json(f"{args.name}.json", result)
     plot(result, args.name)
     return 1 if result["errors"] else 0
