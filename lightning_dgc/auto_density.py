@@ -10,15 +10,18 @@ of every bucket, as DDP's, with nothing selected and nothing held back) and time
 * the **compute window**: from the end of the previous optimizer step to the last bucket's hook (the data,
   the forward and the backward pass; the optimizer step of the step before).
 
-Every rank gathers every rank's figures once (one all-gather of 40 bytes per rank, :func:`link_from_ranks`):
+Every rank gathers every rank's figures once (one all-gather of 48 bytes per rank, :func:`link_from_ranks`):
 the quickest settings check is the latency, the highest throughput and the shortest window are taken (the
 rank that waited least for the others measured the link best; the shortest window is the conservative one). :func:`choose_density` (pure) then prices
 every candidate density with the algorithm's own :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a
 :class:`~lightning_dgc.perfmodel.Network` of that throughput and latency, and keeps the largest density whose
 exchange takes at most :data:`AUTO_MARGIN` of the window, never below ``min_density``: 1 (dense) when DDP's
 all-reduce fits, or when no density is faster than it (a latency-bound link), or when the link is too fast to
-time. The same figures on every rank give the same density on every rank. The phase comes back every
-``auto_every`` optimizer steps (0: never), since links change.
+time. The same figures on every rank give the same density on every rank. The model prices bytes and
+latency only, not the selection or the memory's work: a compressed choice is then checked, its next
+:data:`MEASURE_STEPS` steps (after the first) timed end to end against the dense steps measured (the slowest
+rank's median each, one all-gather of 8 bytes), and the exchange goes back to dense if they were no faster.
+The phase comes back every ``auto_every`` optimizer steps (0: never), since links change.
 
 A density set from outside (``strategy.density = d``, :class:`~lightning_dgc.callbacks.SparsityWarmup`) is a
 floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
@@ -287,6 +290,10 @@ class AutoDensity:
         self._last_hook: float | None = None
         self._probe_s: float | None = None
         self._predict: Any = None  # density -> predicted seconds, once a link was measured
+        self.checking = False  # steps at a compressed choice, timed against the dense steps
+        self._periods: list[float] = []  # step periods (end to end) of the measuring or checking steps
+        self.dense_step_s: float | None = None  # the slowest rank's median dense step while measuring
+        self.checked_step_s: float | None = None  # ... and of the compressed steps that checked the choice
 
     @property
     def density(self) -> float:
@@ -305,7 +312,8 @@ class AutoDensity:
             state.collectives = TimedCollectives(state.collectives, self._recorder)
         else:
             self._recorder = state.collectives.recorder
-        self.steps, self.measuring, self._samples, self._step_end = 0, True, [], None
+        self.steps, self.measuring, self.checking, self._samples, self._periods = 0, True, False, [], []
+        self._step_end = None
         state.density = self.density
 
     def set_floor(self, value: float, state: Any) -> None:
@@ -336,24 +344,34 @@ class AutoDensity:
         sample = self._recorder.close_step(window, self._probe_s)
         self._probe_s = None
         self.last_measured_s = sample.busy_s
-        if self.measuring and self._step_end is not None:  # the run's first step (DDP's warm-up) is not counted
-            self._samples.append(sample)
+        now = time.perf_counter()
+        if self._step_end is not None:  # the run's first step (DDP's warm-up) is not counted
+            if self.measuring:
+                self._samples.append(sample)
+                self._periods.append(now - self._step_end)
+            elif self.checking:
+                self._periods.append(now - self._step_end)
         self.steps += 1
         if self.measuring and len(self._samples) >= MEASURE_STEPS:
             self._decide(state, group)
+        elif self.checking and len(self._periods) > MEASURE_STEPS:
+            self._check(state, group)
         elif not self.measuring and self.every and self.steps % self.every == 0:
-            self.measuring, self._samples = True, []
+            self.measuring, self.checking, self._samples, self._periods = True, False, [], []
             state.density = self.density
         self._step_end = time.perf_counter()
 
     def _decide(self, state: Any, group: Any) -> None:
-        mine = torch.tensor(summarize(self._samples), dtype=torch.float64)
-        gathered = comm.all_gather_host(mine, group, "all-gather of the link measurements (density='auto')")
-        link = self.link = link_from_ranks([t.tolist() for t in gathered], state.world_size)
+        mine = torch.tensor([*summarize(self._samples), statistics.median(self._periods)], dtype=torch.float64)
+        gathered = [t.tolist() for t in comm.all_gather_host(mine, group, "all-gather of the link measurements"
+                                                             " (density='auto')")]  # fmt: skip
+        link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size)
+        self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
         buckets = [(plan.layout, plan.dense_bytes) for plan in state.plans]
         algorithm, config = type(state.algorithm), state.config
         choice = self.choice = choose_density(link, buckets, state.world_size, algorithm, config, self.min_density)
-        self.measuring, self._samples, self.link_density = False, [], choice.density
+        self.measuring, self._samples, self._periods, self.link_density = False, [], [], choice.density
+        self.checking = choice.density < 1.0
         if link.measurable:
             network = Network(bandwidth=link.throughput_bps, latency=link.latency_s)
             cache: dict[float, float] = {}
@@ -377,6 +395,26 @@ class AutoDensity:
                 f" predicted exchange {choice.predicted_s * 1e3:.4g} ms, DDP's {choice.dense_s * 1e3:.4g} ms)."
             )
 
+    def _check(self, state: Any, group: Any) -> None:
+        """After the steps that check a compressed choice (every rank): dense again if they were no faster than
+        the dense steps measured (what the model does not price: the selection, the memory's work)."""
+        mine = torch.tensor([statistics.median(self._periods[1:])], dtype=torch.float64)  # the first: new plans
+        gathered = comm.all_gather_host(mine, group, "all-gather of the checked step times (density='auto')")
+        self.checked_step_s = max(float(t[0]) for t in gathered)
+        self.checking, self._periods = False, []
+        if self.dense_step_s is not None and self.checked_step_s >= self.dense_step_s and self.choice is not None:
+            self.choice = replace(self.choice, density=1.0, predicted_s=self.choice.dense_s,
+                                  reason="compressed steps were no faster than dense ones: dense")  # fmt: skip
+            self.link_density = 1.0
+            state.density = self.density
+            if state.global_rank == 0:
+                from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+                rank_zero_info(
+                    f"{self.owner}: density='auto' goes back to dense at step {self.steps}: steps of"
+                    f" {self.checked_step_s * 1e3:.4g} ms compressed against {self.dense_step_s * 1e3:.4g} ms dense."
+                )
+
     def stats(self) -> dict[str, float | int | bool]:
         """What ``compression_stats()`` adds: the link's density, predicted and measured exchange time, ..."""
         out: dict[str, float | int | bool] = {"auto_density": self.link_density, "auto_measuring": self.measuring}
@@ -387,6 +425,10 @@ class AutoDensity:
             if self.link.measurable:
                 out["link_mbit_s"] = self.link.throughput_bps / 1e6
                 out["link_latency_ms"] = self.link.latency_s * 1e3
+        if self.dense_step_s is not None:
+            out["dense_step_ms"] = self.dense_step_s * 1e3
+        if self.checked_step_s is not None:
+            out["checked_step_ms"] = self.checked_step_s * 1e3
         if self._predict is not None:
             out["predicted_exchange_ms"] = self._predict(self.density) * 1e3
         return out

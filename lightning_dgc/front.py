@@ -183,7 +183,7 @@ class ExchangeAccess:
         """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`); with
         ``density="auto"`` also ``auto_density`` (the link's density; the one in force is ``density``),
         ``auto_measuring``, ``predicted_exchange_ms``, ``measured_exchange_ms``, ``compute_window_ms``,
-        ``link_mbit_s`` and ``link_latency_ms`` (:meth:`AutoDensity.stats`)."""
+        ``link_mbit_s``, ``link_latency_ms``, ``dense_step_ms`` and ``checked_step_ms`` (:meth:`AutoDensity.stats`)."""
         stats = self._state.compression_stats() if self._state is not None else {}
         if stats and self._auto is not None:
             stats = {**stats, **self._auto.stats()}

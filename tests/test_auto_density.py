@@ -15,6 +15,7 @@ from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.auto_density import (
     AUTO_MARGIN,
+    MEASURE_STEPS,
     AutoDensity,
     ExchangeRecorder,
     LinkEstimate,
@@ -200,3 +201,44 @@ def test_the_link_is_measured_first_and_again_every_auto_every_steps() -> None:
     assert measuring == [True] * 5 + [False] * 4 + [True] * 5 + [False] * 5 + [True] * 3
     assert auto.choice is not None and auto.choice.density == 1.0 and auto.steps == 22
     assert set(auto.stats()) >= {"auto_density", "auto_measuring", "measured_exchange_ms", "compute_window_ms"}
+
+
+def test_a_compressed_choice_that_steps_no_faster_than_dense_goes_back_to_dense() -> None:
+    """The model prices bytes only: the steps after a compressed choice are timed against the dense steps
+    measured, and the exchange goes back to dense when they were no faster (one process, real clocks)."""
+    from lightning_dgc.hook import exchange
+    from lightning_dgc.state import ExchangeState
+
+    config = DGCConfig(density="auto", auto_every=0)
+    state = ExchangeState(config)
+    param = torch.nn.Parameter(torch.randn(32, 64))
+    state.register_parameters([("w", param)])
+    auto = AutoDensity(config, "test")
+    auto.attach(state)
+
+    def step(extra_s: float) -> None:
+        param.grad = torch.randn_like(param)
+        auto.hooked(probe_s=1e-4)
+        exchange(state, [param], param.grad.reshape(-1).clone()).wait()
+        state.finish_step()
+        auto.exchange_done()
+        time.sleep(extra_s)  # the step's own work
+        auto.step_done(state)
+
+    for _ in range(MEASURE_STEPS + 1):
+        step(0.0)
+    assert not auto.measuring and not auto.checking and auto.dense_step_s is not None
+    # one process exchanges nothing, so the link asked for 1: start the check as a choice of 0.25 would
+    auto.link_density, auto.checking = 0.25, True
+    state.density = auto.density
+    for _ in range(MEASURE_STEPS + 1):
+        assert state.density == 0.25
+        step(0.05)  # compressed steps slower than the dense ones
+    assert not auto.checking and auto.checked_step_s > auto.dense_step_s
+    assert auto.link_density == 1.0 and state.density == 1.0 and "no faster" in auto.choice.reason
+    auto.link_density, auto.checking, auto.dense_step_s = 0.25, True, 10.0  # now faster than dense
+    state.density = auto.density
+    for _ in range(MEASURE_STEPS + 1):
+        step(0.0)
+    assert not auto.checking and auto.link_density == 0.25 and state.density == 0.25
+    assert auto.stats()["checked_step_ms"] < auto.stats()["dense_step_ms"]
