@@ -41,7 +41,7 @@ RESULTS = REPO / "benchmarks" / "results"
 LAUNCH_ENV = "LIGHTNING_DGC_BENCH_LAUNCH"
 #: ``compression_stats()`` keys of ``density="auto"`` that :class:`RunRecorder` keeps (the last step's).
 AUTO_STATS = ("auto_density", "auto_measuring", "predicted_exchange_ms", "measured_exchange_ms",
-              "compute_window_ms", "link_mbit_s", "link_latency_ms")  # fmt: skip
+              "compute_window_ms", "link_mbit_s", "link_latency_ms", "dense_step_ms", "checked_step_ms")  # fmt: skip
 
 #: Strategy names of the speed benchmarks, in the order they are reported.
 SPEED_STRATEGIES = ("ddp", "powersgd", "dgc", "deft")
