@@ -46,6 +46,11 @@ from lightning_dgc.checks import check_density
 from lightning_dgc.comm import Collectives, Pending
 from lightning_dgc.perfmodel.network import Network
 
+__all__ = [
+    "AUTO_MARGIN", "MEASURE_STEPS", "AutoDensity", "Choice", "LinkEstimate", "StepSample", "candidate_densities",
+    "choose_density", "estimate_link", "exchange_time", "link_from_ranks", "summarize",
+]  # fmt: skip
+
 #: The share of the compute window the chosen exchange may take: without any overlap it adds at most a
 #: quarter to the step's compute.
 AUTO_MARGIN = 0.25
