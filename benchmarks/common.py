@@ -37,6 +37,11 @@ import lightning as L
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+#: The launcher's ``time.time()`` when it started a run (read by :class:`RunRecorder`: wall-clock since launch).
+LAUNCH_ENV = "LIGHTNING_DGC_BENCH_LAUNCH"
+#: ``compression_stats()`` keys of ``density="auto"`` that :class:`RunRecorder` keeps (the last step's).
+AUTO_STATS = ("auto_density", "auto_measuring", "predicted_exchange_ms", "measured_exchange_ms",
+              "compute_window_ms", "link_mbit_s", "link_latency_ms", "dense_step_ms", "checked_step_ms")  # fmt: skip
 
 #: Strategy names of the speed benchmarks, in the order they are reported.
 SPEED_STRATEGIES = ("ddp", "powersgd", "dgc", "deft")
@@ -540,6 +545,11 @@ class RunRecorder(L.Callback):
     operands from ``setup`` to ``teardown`` (:class:`benchmarks.bf16_cpu.Fp32Bf16Matmul`), and the record
     says how many (``bf16_matmuls_as_fp32``, rank 0's count).
 
+    Each ``history`` entry also holds the wall-clock seconds since the run's launch (``wall_s``: from
+    :data:`LAUNCH_ENV`, the launcher's ``time.time()``, when set; else since ``fit`` started), the seconds spent
+    validating so far (``val_s``) and the run's bytes so far (``bytes_sent``, ``link_bytes``: this rank's, from
+    ``compression_stats()``); ``median_step_s`` is the median time of a training batch from the sixth on.
+
     Args:
         path: JSON file to write (rewritten after every validation, so a stopped run keeps its last state).
     """
@@ -557,6 +567,12 @@ class RunRecorder(L.Callback):
         self._last_step: Any = None
         self._t0 = time.perf_counter()
         self._bf16_matmul: Any = None
+        self._launch = time.time()
+        self._val_s = 0.0
+        self._val_start = 0.0
+        self._batch_start = 0.0
+        self._step_times: list[float] = []
+        self.auto: dict[str, Any] = {}
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         from benchmarks import bf16_cpu
@@ -571,6 +587,7 @@ class RunRecorder(L.Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         self._t0 = time.perf_counter()
+        self._launch = float(os.environ.get(LAUNCH_ENV, time.time()))
         self._params = sum(p.numel() for p in pl_module.parameters())
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
@@ -586,9 +603,16 @@ class RunRecorder(L.Callback):
         self.train_loss_epochs.append({"epoch": trainer.current_epoch, "train_loss": float(mean)})
         self._write(trainer)
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._val_start = time.perf_counter()
+
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._step_times.append(time.perf_counter() - self._batch_start)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if loss is not None:
             self._loss_sum = self._loss_sum + loss.detach().double()
@@ -614,19 +638,26 @@ class RunRecorder(L.Callback):
         self.totals["bytes_sent"] += int(stats["bytes_sent"])
         self.totals["link_bytes"] += float(stats.get("link_bytes", 0.0))
         self.totals["selection_ms"] += float(stats.get("selection_ms", 0.0))
+        if "auto_density" in stats:  # density="auto": what the link asked for, predicted and measured
+            self.auto = {k: stats[k] for k in AUTO_STATS if k in stats}
         if not self.densities or self.densities[-1] != stats.get("density"):
             self.densities.append(float(stats.get("density", 1.0)))
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.sanity_checking:
             return
+        self._val_s += time.perf_counter() - self._val_start
         metrics = {}
         for key, value in trainer.callback_metrics.items():
             try:
                 metrics[key] = float(value)
             except (TypeError, ValueError):
                 continue
-        self.history.append({"epoch": trainer.current_epoch, "step": trainer.global_step, **metrics})
+        self.history.append({
+            "epoch": trainer.current_epoch, "step": trainer.global_step, "wall_s": time.time() - self._launch,
+            "val_s": self._val_s, "bytes_sent": self.totals["bytes_sent"], "link_bytes": self.totals["link_bytes"],
+            **metrics,
+        })  # fmt: skip
         self._write(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
@@ -651,6 +682,8 @@ class RunRecorder(L.Callback):
             "params": self._params,
             "compression": totals if totals["steps"] else None,
             "densities": self.densities,
+            **({"auto": self.auto} if self.auto else {}),
+            "median_step_s": median(self._step_times[5:]) if len(self._step_times) > 5 else None,
         }
         if self._bf16_matmul is not None:
             payload["bf16_matmuls_as_fp32"] = self._bf16_matmul.calls

@@ -93,6 +93,8 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "deft_regimes": ("configs/algo/deft.yaml", (), "regimes"),
     # AdamW: the regimes over a target of 0.005 (0.05 in the start window)
     "dgc_regimes_0.005": ("configs/algo/dgc_regimes.yaml", ("--trainer.strategy.init_args.density", "0.005"), "regimes"),
+    # DGC with density="auto": the link decides (the warm-up's densities are a floor under it)
+    "dgc_auto": ("configs/algo/dgc_warmup.yaml", ("--trainer.strategy.init_args.density", "auto"), True),
     # DGC ten times denser: how much of the transformer's (AdamW's) gap the density explains
     "dgc_density_0.01": (
         "configs/algo/dgc_warmup.yaml",

@@ -69,6 +69,10 @@ OWN: dict[str, tuple[str, str]] = {
         "benchmarks.parity",
         ".venv/bin/python -m benchmarks.parity [--quick | --full] [--data-root DIR]",
     ),
+    "time_to_accuracy": (
+        "benchmarks.time_to_accuracy",
+        "sudo .venv/bin/python -m benchmarks.time_to_accuracy [--quick] [--rates 10mbit,1gbit,none]",
+    ),
 }
 #: Other result files: (file name prefix, module that writes them), first match wins.
 OTHERS: tuple[tuple[str, str], ...] = (
@@ -86,6 +90,7 @@ SECTION_TITLES = {
     "slow_links": "Slow links, end to end (1 Gbit/s and 100 Mbit/s)",
     "overhead": "Overhead of the exchange, and the compression ratio",
     "parity": "Accuracy parity on real data",
+    "time_to_accuracy": "Time to accuracy on shaped links",
     "run_all": "Last `run_all`",
 }
 

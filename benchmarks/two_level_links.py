@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.slow_links import ADDRESSES, INTERFACES, SlowLink, missing_requirements
+from benchmarks.netns import ADDRESSES, INTERFACES, SlowLink, missing_requirements
 
 STRATEGIES = ("ddp", "dgc", "dgc_node", "deft", "deft_node", "powersgd", "powersgd_node")
 MASTER_PORT = 29527

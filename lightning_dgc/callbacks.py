@@ -135,6 +135,11 @@ class SparsityWarmup(L.Callback):
             world size (:func:`lightning_dgc.regimes.breakeven_density`: 1/N for DGC, so 0.125 at 8
             processes) runs at that density instead. Stages of density 1 (dense) are DDP's all-reduce.
 
+    With ``DGCStrategy(density="auto")`` the schedule is a floor: the density in force is the larger of the
+    schedule's and the one the link asks for (:mod:`lightning_dgc.auto_density`), and the schedule ends at the
+    strategy's ``min_density``. The schedule says how light compression must be, the link how heavy it needs
+    to be; while the link is measured the exchange is dense.
+
     Example::
 
         Trainer(strategy=DGCStrategy(density=0.001), callbacks=[SparsityWarmup()])
@@ -218,7 +223,11 @@ class SparsityWarmup(L.Callback):
         # Read once per strategy: the warm-up itself changes `strategy.density`, so a second `fit`
         # with the same Trainer must not take a warm-up value for the final one.
         if strategy is not self._strategy:
-            self.final_density = check_density(strategy.density, "strategy.density")
+            auto = getattr(strategy, "auto_density", None)
+            # density="auto": the schedule is a floor under the link's density, ending at `min_density`
+            self.final_density = (
+                auto.min_density if auto is not None else check_density(strategy.density, "strategy.density")
+            )
             self._strategy = strategy
         if self.byte_cap:
             from lightning_dgc.regimes import breakeven_density
@@ -327,6 +336,11 @@ class CompressionMonitor(L.Callback):
       outer exchange so far divided by the optimizer steps (the other byte counts are the step's: 0 inside a round).
     * ``compression/max_rank_selection_ms`` (DEFT only, when reported): the slowest rank's
       selection time, the one that holds the step back.
+    * with ``density="auto"`` (:mod:`lightning_dgc.auto_density`): ``compression/auto_density`` (the density
+      the link asks for; ``compression/density`` is the one in force), ``compression/predicted_exchange_ms``
+      (the model's exchange time at the density in force), ``compression/measured_exchange_ms`` (the time the
+      step's collectives were in flight), ``compression/compute_window_ms`` and ``compression/link_mbit_s``
+      (what the last measuring phase found).
 
     Args:
         log_every_n_steps: log after every this many optimizer steps (when ``global_step`` is a
@@ -346,6 +360,11 @@ class CompressionMonitor(L.Callback):
         "buildup_factor": "buildup_factor",
         "max_rank_selection_ms": "max_rank_selection_ms",
         "link_bytes_per_step": "link_bytes_per_step",
+        "auto_density": "auto_density",
+        "predicted_exchange_ms": "predicted_exchange_ms",
+        "measured_exchange_ms": "measured_exchange_ms",
+        "compute_window_ms": "compute_window_ms",
+        "link_mbit_s": "link_mbit_s",
     }
 
     def __init__(self, log_every_n_steps: int | None = None, prefix: str = "compression/") -> None:

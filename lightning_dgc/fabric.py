@@ -151,6 +151,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         ddp = super().setup_module(module)
         state = self._state = ExchangeState(self._config)
         state.register_parameters(list(ddp.module.named_parameters()))
+        self._attach_auto_density(state)
         ddp.register_comm_hook(state, self._hook())
         self._module = ddp
         self._set_up_rank_checks()

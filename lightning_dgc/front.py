@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -17,6 +18,7 @@ from typing_extensions import override
 from lightning_dgc import algorithms, comm
 from lightning_dgc.agreement import check_parameters_agree, check_settings_agree
 from lightning_dgc.algorithms import AlgorithmConfig
+from lightning_dgc.auto_density import AutoDensity
 from lightning_dgc.checks import check_density
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.state import ExchangeState, algorithm_for, sparse_gradient_message
@@ -115,6 +117,7 @@ class ExchangeAccess:
     _host_group: Any = None
     _rank_checks_set_up = False
     _optimizer_steps = 0
+    _auto: AutoDensity | None = None
     #: What sets the model (and so the exchange state) up, named in the error before it has run.
     set_up_by: ClassVar[str] = "the strategy's setup"
 
@@ -141,9 +144,11 @@ class ExchangeAccess:
         return self._state
 
     @property
-    def density(self) -> float | None:
+    def density(self) -> float | str | None:
         """The density in force, ``None`` for an algorithm without one (set it to change the sparsity
-        during training, identically on all ranks: ``SparsityWarmup`` does)."""
+        during training, identically on all ranks: ``SparsityWarmup`` does). With ``density="auto"``: ``"auto"``
+        until the model is set up, then the density in force; a density set is then a floor (the density in
+        force is the larger of it and the link's, see :mod:`lightning_dgc.auto_density`)."""
         return self.config.density
 
     @density.setter
@@ -153,14 +158,36 @@ class ExchangeAccess:
                 f"the {self.algorithm} algorithm has no density: its configuration declares no `density` field;"
                 " do not set one (e.g. drop SparsityWarmup)."
             )
-        if self._state is not None:
+        auto = self.auto_density
+        if auto is not None:
+            auto.set_floor(value, self._state)
+        elif self._state is not None:
             self._state.density = value
         else:
             self._config.density = check_density(value)
 
+    @property
+    def auto_density(self) -> AutoDensity | None:
+        """The automatic density (``density="auto"``: :class:`~lightning_dgc.auto_density.AutoDensity`), else ``None``."""
+        if self._auto is None and getattr(self._config, "density", None) == "auto":
+            self._auto = AutoDensity(self._config, type(self).__name__)
+        return self._auto
+
+    def _attach_auto_density(self, state: ExchangeState) -> None:
+        """With ``density="auto"``: time ``state``'s collectives and start measuring (every rank, at setup)."""
+        auto = self.auto_density
+        if auto is not None:
+            auto.attach(state)
+
     def compression_stats(self) -> dict[str, float | int | bool]:
-        """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`)."""
-        return self._state.compression_stats() if self._state is not None else {}
+        """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`); with
+        ``density="auto"`` also ``auto_density`` (the link's density; the one in force is ``density``),
+        ``auto_measuring``, ``predicted_exchange_ms``, ``measured_exchange_ms``, ``compute_window_ms``,
+        ``link_mbit_s``, ``link_latency_ms``, ``dense_step_ms`` and ``checked_step_ms`` (:meth:`AutoDensity.stats`)."""
+        stats = self._state.compression_stats() if self._state is not None else {}
+        if stats and self._auto is not None:
+            stats = {**stats, **self._auto.stats()}
+        return stats
 
     def request_buildup(self) -> None:
         """Measure the build-up factor (``compression_stats()["buildup_factor"]``) in the coming step."""
@@ -196,6 +223,8 @@ class ExchangeAccess:
         finite = None
         if state.step_pending:  # the hook ran in this backward pass
             finite = state.finish_step()
+            if self._auto is not None:
+                self._auto.exchange_done()
             self._after_exchange()
         self._carry.after_backward(state, finite)
         return result
@@ -239,6 +268,8 @@ class ExchangeAccess:
     def _after_optimizer_step(self, params: Iterable[torch.Tensor]) -> None:
         """Every ``check_ranks_every`` optimizer steps: raise on every rank if their parameters differ."""
         self._optimizer_steps += 1
+        if self._auto is not None and self._state is not None:
+            self._auto.step_done(self._state, self._host_group)
         every = self.check_ranks_every
         if every and self._optimizer_steps % every == 0:
             check_parameters_agree(params, type(self).__name__, self._optimizer_steps, self._host_group)
@@ -253,8 +284,13 @@ class ExchangeAccess:
             counted = strategy()
             if counted is not None:
                 counted.hook_calls += 1
+                probe = None
                 if not state.step_pending:  # the step's first bucket: the settings must agree before it is sent
+                    start = time.perf_counter()
                     check_settings_agree(state, type(counted).__name__, counted._host_group)
+                    probe = time.perf_counter() - start
+                if counted._auto is not None:
+                    counted._auto.hooked(probe)
             return exchange_hook(state, bucket)
 
         return counted_hook

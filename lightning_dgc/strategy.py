@@ -190,6 +190,7 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             # else a second fit: the memory carries on
             state = self._state = ExchangeState(self._config, topology=self._two_level_topology())
         state.register_parameters(named)
+        self._attach_auto_density(state)
         self._set_up_rank_checks()
         state.finish_writes_grads = True  # the averaged gradients are written after the memory's commit
         self.model.register_comm_hook(state, self._hook())
@@ -408,7 +409,7 @@ class DGCStrategy(CompressionStrategy):
 
     def __init__(
         self,
-        density: float = DGCConfig.density,
+        density: float | Literal["auto"] = DGCConfig.density,
         sample_ratio: float = DGCConfig.sample_ratio,
         selection: Selection = DGCConfig.selection,
         selection_backend: SelectionBackend = DGCConfig.selection_backend,
@@ -419,6 +420,8 @@ class DGCStrategy(CompressionStrategy):
         local_clip_norm: float | None = DGCConfig.local_clip_norm,
         value_dtype: ValueDType = DGCConfig.value_dtype,
         seed: int = DGCConfig.seed,
+        min_density: float = DGCConfig.min_density,
+        auto_every: int = DGCConfig.auto_every,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         hierarchical: Literal["auto"] | bool = "auto",
         check_ranks_every: int | None = DEFAULT_CHECK_RANKS_EVERY,
@@ -431,7 +434,7 @@ class DGCStrategy(CompressionStrategy):
             "selection_backend": selection_backend,
             "min_compress_numel": min_compress_numel, "momentum": momentum, "nesterov": nesterov,
             "momentum_masking": momentum_masking, "local_clip_norm": local_clip_norm, "value_dtype": value_dtype,
-            "seed": seed,
+            "seed": seed, "min_density": min_density, "auto_every": auto_every,
         }  # fmt: skip
         super().__init__(
             self.config_class(**options, **self._more_options()), max_consecutive_skips=max_consecutive_skips,
@@ -460,7 +463,7 @@ class DEFTStrategy(DGCStrategy):
 
     def __init__(
         self,
-        density: float = DEFTConfig.density,
+        density: float | Literal["auto"] = DEFTConfig.density,
         momentum_correction: bool = DEFTConfig.momentum_correction,
         k_allocation: Literal["norm", "size"] = DEFTConfig.k_allocation,
         fragmenting: bool = DEFTConfig.fragmenting,

@@ -49,7 +49,11 @@ class DGCConfig(AlgorithmConfig):
     """Hyper-parameters of DGC, identical on every rank (checked at setup).
 
     Selection:
-        density: fraction of each compressed tensor's values sent per step, in (0, 1].
+        density: fraction of each compressed tensor's values sent per step, in (0, 1], or ``"auto"``: picked
+            from the link the run measures (:mod:`lightning_dgc.auto_density`), never below ``min_density``.
+        min_density: with ``density="auto"``, the lowest density it may pick, in (0, 1].
+        auto_every: with ``density="auto"``, measure the link again (a few dense steps) every this many
+            optimizer steps; 0: once, at the start of each ``fit``.
         sample_ratio: fraction of a tensor sampled to estimate the top-k threshold, in (0, 1].
         selection: ``"sampled"`` (DGC's threshold sampling, exact k guaranteed) or ``"exact"``.
         selection_backend: how the sampled selection runs. ``"torch"``: the bucket's compressed tensors
@@ -74,7 +78,7 @@ class DGCConfig(AlgorithmConfig):
         seed: seeds the per-rank sampling generator.
     """
 
-    density: float = 0.001
+    density: float | Literal["auto"] = 0.001
     sample_ratio: float = 0.01
     selection: Selection = "sampled"
     selection_backend: SelectionBackend = "auto"
@@ -86,6 +90,8 @@ class DGCConfig(AlgorithmConfig):
     local_clip_norm: float | None = None
     value_dtype: ValueDType = "fp32"
     seed: int = 0
+    min_density: float = 0.001
+    auto_every: int = 1000
 
     def validate(self) -> None:
         """Raise a ``ValueError`` that says how to fix the first invalid setting.
@@ -93,7 +99,21 @@ class DGCConfig(AlgorithmConfig):
         Numbers of any real type are accepted (``numpy.float32(0.1)``, ``fractions.Fraction``) and
         stored as plain ``float``/``int``, so that the config stays JSON- and checkpoint-friendly.
         """
-        self.density = check_density(self.density)
+        if isinstance(self.density, str):
+            if self.density != "auto":
+                raise ValueError(
+                    f"`density` must be a number in (0, 1] or 'auto' (picked from the measured link), got"
+                    f" {self.density!r}."
+                )
+        else:
+            self.density = check_density(self.density)
+        self.min_density = check_density(self.min_density, "min_density")
+        self.auto_every = whole_number(self.auto_every, "auto_every")
+        if self.auto_every < 0:
+            raise ValueError(
+                f"`auto_every` must be >= 0 (optimizer steps between two measurements of the link; 0: once),"
+                f" got {self.auto_every!r}."
+            )
         self.sample_ratio = real_number(self.sample_ratio, "sample_ratio")
         if not 0.0 < self.sample_ratio <= 1.0:
             raise ValueError(

@@ -173,7 +173,7 @@ class StepLog(L.Callback):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="dgc")
-    p.add_argument("--density", type=float, default=None)
+    p.add_argument("--density", type=lambda v: v if v == "auto" else float(v), default=None, help="a number or 'auto'")
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--max-steps", type=int, default=40)

@@ -200,3 +200,18 @@ def test_callbacks_refuse_a_strategy_without_dgc(callback: L.Callback) -> None:
 def test_monitor_rejects_a_bad_interval() -> None:
     with pytest.raises(ValueError, match="log_every_n_steps"):
         CompressionMonitor(log_every_n_steps=0)
+
+
+def test_a_warmup_is_a_floor_under_the_automatic_density_and_the_monitor_logs_it() -> None:
+    """density="auto" on one process: measured dense, then nothing to exchange keeps it dense; the warm-up's
+    densities set the floor and its schedule ends at `min_density`; the monitor logs the automatic figures."""
+    strategy = DGCStrategy(density="auto", min_density=0.02)
+    warmup, logger, recorder = SparsityWarmup(densities=[0.5, 0.25], interval="step"), RecordingLogger(), Recorder()
+    _fit(strategy, [warmup, CompressionMonitor(log_every_n_steps=1), recorder], logger=logger, max_steps=9)
+    assert warmup.final_density == 0.02 and strategy.auto_density.floor == 0.02
+    assert [density for _, _, density in recorder.batches] == [1.0] * 9
+    last = logger.compression()[-1][1]
+    assert last["compression/auto_density"] == 1.0 and last["compression/density"] == 1.0
+    assert "compression/measured_exchange_ms" in last and last["compression/compute_window_ms"] > 0
+    strategy.density = 0.3  # a schedule's density while the link asks for 1: the larger wins
+    assert strategy.density == 1.0 and strategy.auto_density.floor == 0.3

@@ -1,0 +1,311 @@
+"""Time to accuracy on shaped links: real recipe training against the wall clock, two nodes over a veth pair.
+
+    sudo .venv/bin/python -m benchmarks.time_to_accuracy --quick --rates 10mbit,none
+    sudo .venv/bin/python -m benchmarks.time_to_accuracy --rates 10mbit,100mbit,1gbit,none --seeds 42,43
+
+Setup (root, ``ip`` and ``tc`` from iproute2; otherwise skipped with a message): the emulated link of
+:mod:`benchmarks.netns`, two network namespaces joined by a veth pair whose ends are shaped with ``tc tbf``
+(``--delay`` adds a ``netem`` delay each way). Each rate of ``--rates`` is one link: ``10mbit``, ``1gbit``, or
+``none`` (unshaped: the compute-only bound). One node per namespace, one process each
+(``Trainer(num_nodes=2, devices=1)``, gloo bound to the veth, one compute thread each).
+
+Each run is a recipe, ``python -m lightning_dgc_recipes fit`` with the task's CPU config and the method's
+algorithm config, as :mod:`benchmarks.parity` builds it (the same global batch, warm-up and learning-rate
+schedule), evaluated every ``val_every`` optimizer steps; :class:`benchmarks.common.RunRecorder` writes each
+evaluation's wall-clock since launch, evaluation time so far, step, metrics and bytes. Methods: ``ddp``,
+``dgc`` (``configs/algo/dgc_warmup.yaml``), ``deft``, ``powersgd`` and ``auto`` (DGC with
+``density="auto"``); :data:`METHODS` maps each to a :data:`benchmarks.parity.ALGO_SPECS` entry (add one there
+and here for a new method).
+
+The report, per task: the target is DDP's final metric (mean over its runs) minus 0.5 points of accuracy
+(perplexity: plus 2%); each method's time to reach it on each link is the wall-clock since launch less the
+evaluations' time, mean over seeds ('not reached' with the best metric otherwise); DDP's scaling efficiency per
+link is the compute-only step (DDP's median step on the unshaped link) over DDP's step there. The plot draws
+the metric against the wall-clock per link, with DDP's unshaped curve as the compute-only bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import common, parity
+from benchmarks.netns import ADDRESSES, INTERFACES, SlowLink, missing_requirements
+from lightning_dgc.algorithms.base import ring_allreduce_volume
+
+#: method -> its entry of :data:`benchmarks.parity.ALGO_SPECS` (algorithm YAML, extra arguments, warm-up).
+METHODS: dict[str, str] = {"ddp": "ddp", "dgc": "dgc", "deft": "deft", "powersgd": "powersgd", "auto": "dgc_auto"}
+TASKS = ("cifar10", "ptb")
+#: task -> (epochs, train batches per epoch, evaluate every this many optimizer steps): whole batches only,
+#: so that the evaluations fall evenly and the last one ends the run.
+SCHEDULES: dict[str, tuple[int, int, int]] = {"cifar10": (10, 78, 39), "ptb": (4, 630, 126)}
+QUICK = (1, 24, 8)  # epochs, batches, evaluate every; with 4 validation batches
+QUICK_VAL_BATCHES = 4
+MASTER_PORT = 29537
+
+
+def parse_rate(text: str) -> float | None:
+    """``"10mbit"`` -> 10.0 (Mbit/s), ``"1gbit"`` -> 1000.0, ``"500kbit"`` -> 0.5, ``"none"`` -> ``None``."""
+    text = text.strip().lower()
+    if text in ("none", "unshaped", "0"):
+        return None
+    match = re.fullmatch(r"([0-9.]+)\s*(k|m|g)?(bit|bps)?", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"a rate is like 10mbit, 1gbit, 500kbit or none, got {text!r}")
+    return float(match.group(1)) * {"k": 1e-3, "m": 1.0, "g": 1e3, None: 1.0}[match.group(2)]
+
+
+def parse_delay(text: str) -> float:
+    match = re.fullmatch(r"([0-9.]+)\s*(ms)?", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"a delay is like 10ms, got {text!r}")
+    return float(match.group(1))
+
+
+def link_name(mbit: float | None) -> str:
+    return "none" if mbit is None else (f"{mbit / 1e3:g}gbit" if mbit >= 1e3 else f"{mbit:g}mbit")
+
+
+# -- one run -------------------------------------------------------------------------------------------------
+def run_argv(args: argparse.Namespace, task: parity.Task, method: str, link: str, seed: int, workdir: Path
+             ) -> tuple[list[str], Path]:  # fmt: skip
+    """The recipe's command for one node (both run the same) and its record's path."""
+    epochs, batches, val_every = QUICK if args.quick else SCHEDULES[task.name]
+    name = f"{args.name}/{link}"
+    argv, record = parity.command(task, METHODS[method], args.data_root, epochs, batches, workdir, name=name,
+                                  seed=seed)  # fmt: skip
+    argv += ["--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.check_val_every_n_epoch", "null",
+             "--trainer.val_check_interval", str(args.val_every or val_every)]  # fmt: skip
+    if args.quick:
+        argv += ["--trainer.limit_val_batches", str(QUICK_VAL_BATCHES)]
+    return argv, record
+
+
+def run_pair(link: SlowLink, argv: list[str], record: Path, workdir: Path, timeout_s: float) -> dict[str, Any]:
+    """Both nodes' processes, one per namespace; the record rank 0 wrote."""
+    record.unlink(missing_ok=True)
+    launch = time.time()
+    procs = []
+    for side in (0, 1):
+        env = common.distributed_env(side, 2, ADDRESSES[0], MASTER_PORT, GLOO_SOCKET_IFNAME=INTERFACES[side],
+                                     **{common.LAUNCH_ENV: repr(launch)})  # fmt: skip
+        procs.append(common.start([*link.exec_prefix(side), *argv], env, workdir / f"node{side}.log"))
+    codes = common.wait_all(procs, timeout_s)
+    if codes != [0, 0] or not record.exists():
+        logs = "\n".join(common.tail(workdir / f"node{side}.log", 15) for side in (0, 1))
+        raise RuntimeError(f"run failed (exit codes {codes}):\n{logs}")
+    return {**json.loads(record.read_text()), "launch_to_exit_s": time.time() - launch}
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every run, interleaved: for each task and seed, each method on each link in turn (so that a change in
+    the machine's load spreads over every cell rather than one link's)."""
+    con = common.console()
+    runs: list[dict[str, Any]] = []
+    links: list[dict[str, Any]] = []
+    errors: list[str] = []
+    with SlowLink() as link:
+        for mbit in args.rates:  # each shaped link's TCP goodput, once
+            link.set_rate(mbit, args.delay)
+            goodput = link.measure_mbit(seconds=min(2.0, max(0.5, 50 / mbit))) if mbit is not None else None
+            links.append({"link": link_name(mbit), "rate_mbit": mbit, "delay_ms": args.delay,
+                          "measured_goodput_mbit": goodput})  # fmt: skip
+            con.print(f"[bold]link {link_name(mbit)}[/bold]" + (f": TCP goodput {goodput:.3g} Mbit/s" if goodput else ""))
+        for task_name in args.tasks:
+            task = parity.TASKS[task_name]
+            for seed in args.seeds:
+                for method in args.methods:
+                    for mbit in args.rates:
+                        link.set_rate(mbit, args.delay)
+                        try:
+                            runs.append(one_run(args, link, task, method, link_name(mbit), seed))
+                        except RuntimeError as error:
+                            errors.append(f"{task_name} {method} {link_name(mbit)} seed {seed}: {error}")
+                            con.print(f"[red]{errors[-1]}[/red]")
+    return {"runs": runs, "links": links, "errors": errors}
+
+
+def one_run(args: argparse.Namespace, link: SlowLink, task: parity.Task, method: str, name: str, seed: int
+            ) -> dict[str, Any]:  # fmt: skip
+    """One recipe run on the link as it is shaped now: its record, summarised."""
+    workdir = Path(tempfile.mkdtemp(prefix="dgc_tta_"))
+    argv, record = run_argv(args, task, method, name, seed, workdir)
+    try:
+        out = run_pair(link, argv, record, workdir, args.timeout)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if method == "ddp":  # DDP reports no bytes: its ring all-reduce of the fp32 gradient
+        for entry in out.get("history", []):
+            entry["link_bytes"] = entry["step"] * ring_allreduce_volume(4 * out.get("params", 0), 2)
+    final = out.get("final", {}).get(task.metric)
+    common.console().print(f"  {task.name} {method} {name} seed {seed}: {task.metric} {final}, step"
+                           f" {out.get('median_step_s')} s, {out['launch_to_exit_s']:.0f} s in all")  # fmt: skip
+    return {
+        "task": task.name, "method": method, "link": name, "seed": seed, "record": str(record.relative_to(common.REPO)),
+        "command": parity.display_command(argv, workdir), "history": out.get("history", []),
+        "final": out.get("final", {}), "median_step_s": out.get("median_step_s"),
+        "compression": out.get("compression"), "densities": out.get("densities"), "auto": out.get("auto"),
+        "global_step": out.get("global_step"), "launch_to_exit_s": out["launch_to_exit_s"],
+    }  # fmt: skip
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+def target(task: parity.Task, ddp_finals: list[float]) -> float | None:
+    """DDP's final metric (mean) minus the task's tolerance: 0.5 points of accuracy, or perplexity plus 2%."""
+    if not ddp_finals:
+        return None
+    final = statistics.mean(ddp_finals)
+    if task.relative:
+        return final * (1 - task.tolerance) if task.higher_is_better else final * (1 + task.tolerance)
+    return final - task.tolerance if task.higher_is_better else final + task.tolerance
+
+
+def time_to(history: list[dict[str, Any]], metric: str, goal: float, higher: bool) -> float | None:
+    """Wall-clock since launch, less the evaluations, at the first evaluation that reaches ``goal``."""
+    for entry in history:
+        value = entry.get(metric)
+        if value is not None and (value >= goal if higher else value <= goal):
+            return entry["wall_s"] - entry.get("val_s", 0.0)
+    return None
+
+
+def report(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per task, link and method: time to target (mean over seeds) or the best metric, the step."""
+    rows = []
+    runs = result.get("runs", [])
+    for task_name in dict.fromkeys(r["task"] for r in runs):
+        task = parity.TASKS[task_name]
+        mine = [r for r in runs if r["task"] == task_name]
+        goal = target(task, [r["final"][task.metric] for r in mine if r["method"] == "ddp" and task.metric in r["final"]])
+        bound = [r["median_step_s"] for r in mine if r["method"] == "ddp" and r["link"] == "none" and r["median_step_s"]]
+        compute_only = statistics.mean(bound) if bound else None
+        for link in dict.fromkeys(r["link"] for r in mine):
+            for method in dict.fromkeys(r["method"] for r in mine):
+                seeds = [r for r in mine if (r["link"], r["method"]) == (link, method)]
+                if not seeds:
+                    continue
+                times = [time_to(r["history"], task.metric, goal, task.higher_is_better) if goal is not None else None
+                         for r in seeds]  # fmt: skip
+                values = [[h[task.metric] for h in r["history"] if task.metric in h] for r in seeds]
+                best = [(max(v) if task.higher_is_better else min(v)) for v in values if v]
+                steps = [r["median_step_s"] for r in seeds if r["median_step_s"]]
+                step = statistics.mean(steps) if steps else None
+                rows.append({
+                    "task": task_name, "link": link, "method": method, "seeds": len(seeds), "target": goal,
+                    "time_to_target_s": statistics.mean(times) if all(t is not None for t in times) else None,
+                    "reached": sum(t is not None for t in times), "best": statistics.mean(best) if best else None,
+                    "final": statistics.mean([r["final"].get(task.metric, math.nan) for r in seeds]),
+                    "median_step_s": step,
+                    "ddp_efficiency": compute_only / step if method == "ddp" and compute_only and step else None,
+                })  # fmt: skip
+    return rows
+
+
+def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    """(title, columns, rows) of the report, for the terminal and ``benchmarks.report``."""
+    columns = ["task", "link", "method", "target", "time to target s", "best (mean)", "step s", "DDP efficiency"]
+    table = []
+    for r in result.get("report") or report(result):
+        reached = (f"{r['time_to_target_s']:.0f}" if r["time_to_target_s"] is not None
+                   else f"not reached ({r['reached']}/{r['seeds']} seeds)")  # fmt: skip
+        eff = None if r["ddp_efficiency"] is None else f"{r['ddp_efficiency']:.0%}"
+        table.append([r["task"], r["link"], r["method"], r["target"], reached, r["best"], r["median_step_s"], eff])
+    links = [[lk["link"], lk["measured_goodput_mbit"]] for lk in result.get("links", [])]
+    return [("Time to accuracy on shaped links (2 nodes x 1 process)", columns, table),
+            ("Link check: TCP goodput", ["link", "measured Mbit/s"], links)]  # fmt: skip
+
+
+def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """No pass/fail targets: the study reports times (``benchmarks.report`` asks every benchmark)."""
+    return []
+
+
+def show(result: dict[str, Any]) -> None:
+    for title, columns, rows in tables(result):
+        common.print_table(title, columns, rows)
+
+
+def plot(result: dict[str, Any], name: str) -> None:
+    plt = common.pyplot()
+    runs = result.get("runs", [])
+    if plt is None or not runs:
+        return
+    tasks = list(dict.fromkeys(r["task"] for r in runs))
+    links = list(dict.fromkeys(r["link"] for r in runs))
+    fig, axes = plt.subplots(len(tasks), len(links), figsize=(4.2 * len(links), 3.4 * len(tasks)), squeeze=False)
+    colors = {m: f"C{i}" for i, m in enumerate(METHODS)}
+    for row, task_name in zip(axes, tasks, strict=True):
+        task = parity.TASKS[task_name]
+        bound = [r for r in runs if (r["task"], r["method"], r["link"]) == (task_name, "ddp", "none")]
+        for ax, link in zip(row, links, strict=True):
+            if bound:
+                h = [e for e in bound[0]["history"] if task.metric in e]
+                ax.plot([(e["wall_s"] - e.get("val_s", 0)) / 60 for e in h], [e[task.metric] for e in h], color="grey",
+                        ls="--", lw=1, label="compute only (DDP, unshaped)")  # fmt: skip
+            for r in runs:
+                if (r["task"], r["link"]) != (task_name, link):
+                    continue
+                h = [e for e in r["history"] if task.metric in e]
+                first = r["seed"] == min(x["seed"] for x in runs if (x["task"], x["link"], x["method"]) == (task_name, link, r["method"]))
+                ax.plot([(e["wall_s"] - e.get("val_s", 0)) / 60 for e in h], [e[task.metric] for e in h],
+                        color=colors.get(r["method"]), lw=1.2, alpha=1 if first else 0.4,
+                        label=r["method"] if first else None)  # fmt: skip
+            ax.set_title(f"{task_name}, link {link}")
+            ax.set_xlabel("wall-clock since launch, evaluations excluded (min)")
+            ax.set_ylabel(task.metric_label)
+        row[0].legend(fontsize=7)
+    common.save_figure(fig, f"{name}.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.time_to_accuracy",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK[1]} steps, evaluated every {QUICK[2]}")
+    parser.add_argument("--rates", type=lambda s: [parse_rate(x) for x in s.split(",")], default=[10.0, 100.0, None],
+                        help="links, comma-separated: 10mbit, 1gbit, none (unshaped) (default 10mbit,100mbit,none)")  # fmt: skip
+    parser.add_argument("--delay", type=parse_delay, default=None, help="extra delay each way, e.g. 10ms (netem)")
+    parser.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS), help=f"of {', '.join(TASKS)}")
+    parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
+                        help=f"of {', '.join(METHODS)}")  # fmt: skip
+    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42])
+    parser.add_argument("--val-every", type=int, default=None, help="evaluate every this many steps (default per task)")
+    parser.add_argument("--data-root", type=Path, default=common.REPO.parent / "shared" / "data")
+    parser.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per run")
+    parser.add_argument("--name", default=None, help="results/<name>.json and .png (default time_to_accuracy[_quick])")
+    args = parser.parse_args(argv)
+    args.name = args.name or ("time_to_accuracy_quick" if args.quick else "time_to_accuracy")
+    unknown = [m for m in args.methods if m not in METHODS] + [t for t in args.tasks if t not in TASKS]
+    if unknown:
+        parser.error(f"unknown method or task {unknown[0]!r}: methods {list(METHODS)}, tasks {list(TASKS)}")
+    reason = missing_requirements()
+    if reason is None and not args.data_root.is_dir():
+        reason = f"data root {args.data_root} not found (pass --data-root)"
+    if reason:
+        common.console().print(f"[yellow]time_to_accuracy skipped: {reason}[/yellow]")
+        return 0
+    t0 = time.perf_counter()
+    result = measure(args)
+    result["report"] = report(result)
+    result.update(wall_s=time.perf_counter() - t0, quick=args.quick, settings={
+        "rates": [link_name(r) for r in args.rates], "delay_ms": args.delay, "tasks": args.tasks,
+        "methods": {m: parity.ALGO_SPECS[METHODS[m]][:2] for m in args.methods}, "seeds": args.seeds,
+        "schedule": {t: QUICK if args.quick else SCHEDULES[t] for t in args.tasks},
+        "nodes": 2, "processes_per_node": 1, "threads_per_process": 1,
+    })  # fmt: skip
+    show(result)
+    common.write_json(f"{args.name}.json", result)
+    plot(result, args.name)
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
