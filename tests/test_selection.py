@@ -327,7 +327,6 @@ def test_selection_from_chunks_gives_the_whole_vectors_indices_bit_for_bit(
     """``sampled_topk_of`` (DGC's v' made chunk by chunk, never whole) selects what ``sampled_topk`` selects
     from the whole v', with the same draws, on every path of the pass; its values at the result are v''s."""
     from lightning_dgc.momentum import compensated_velocity_each
-
     from lightning_dgc.selection import workspace as scratch
 
     for module in (dgc_selection, scratch):  # the pass and its scratch buffers read both
