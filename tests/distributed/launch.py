@@ -44,6 +44,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, **kwargs: Any) -> lis
     With ``device="cuda..."`` in ``kwargs`` the children are spawned (CUDA cannot be used after a
     fork) and share that GPU, still over gloo (NCCL refuses two ranks on one device).
     """
+    if dist.is_initialized():  # a one-process group an earlier test in this process left (a forked child inherits it)
+        dist.destroy_process_group()
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _worker,

@@ -185,9 +185,9 @@ def test_warmup_reads_the_final_density_once_per_strategy() -> None:
     strategy, warmup = DGCStrategy(density=0.001), SparsityWarmup(densities=[0.5])
     _fit(strategy, [warmup], max_steps=2)  # stops in epoch 0: density 0.5 left in force
     assert strategy.density == 0.5 and warmup.final_density == 0.001
-    warmup.setup(SimpleNamespace(strategy=strategy), Regression(), "fit")  # type: ignore[arg-type]
+    warmup.setup(SimpleNamespace(strategy=strategy, world_size=1), Regression(), "fit")  # type: ignore[arg-type]
     assert warmup.final_density == 0.001
-    warmup.setup(SimpleNamespace(strategy=DGCStrategy(density=0.01)), Regression(), "fit")  # type: ignore[arg-type]
+    warmup.setup(SimpleNamespace(strategy=DGCStrategy(density=0.01), world_size=1), Regression(), "fit")  # type: ignore[arg-type]
     assert warmup.final_density == 0.01
 
 
