@@ -87,9 +87,10 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         ("--trainer.strategy.init_args.momentum_correction", "false"),
         False,
     ),
-    # the critical-regime schedule (configs/algo/dgc_regimes.yaml), without and with the warm-up
-    "dgc_regimes": ("configs/algo/dgc_regimes.yaml", (), "regimes"),
+    # the critical-regime schedule: configs/algo/dgc_regimes.yaml as shipped (with the paper's warm-up), and
+    # CriticalRegimes alone (the warm-up left out)
     "dgc_regimes_warmup": ("configs/algo/dgc_regimes.yaml", (), "regimes+warmup"),
+    "dgc_regimes": ("configs/algo/dgc_regimes.yaml", (), "regimes"),
     "deft_regimes": ("configs/algo/deft.yaml", (), "regimes"),
     # AdamW: the regimes over a target of 0.005 (0.05 in the start window)
     "dgc_regimes_0.005": ("configs/algo/dgc_regimes.yaml", ("--trainer.strategy.init_args.density", "0.005"), "regimes"),
