@@ -96,15 +96,16 @@ def test_readme_links_point_at_files() -> None:
 
 
 #: The README's accuracy rows: the text that starts the row, its records (``benchmarks/results/<name>.json``)
-#: and the algorithm of each column (DGC, DEFT, PowerSGD; several where a cell quotes two).
+#: and the algorithm of each column (DGC, DEFT, PowerSGD, DiLoCo; several where a cell quotes several).
 ACCURACY_ROWS = [
-    ("CIFAR-10 subset top-1", "parity_seeds_cifar8", [["dgc"], ["deft"], ["powersgd"]]),
-    ("the same, 2 workers", "parity_seeds_cifar2", [["dgc"], ["deft"], ["powersgd"]]),
-    ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"]]),
-    ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"]]),
-    ("PTB transformer", "parity_seeds_xfmr2", [["dgc", "dgc_density_0.01"], [], ["powersgd"]]),
-    ("the same, 8 workers (DDP 157", "parity_seeds_xfmr8", [["dgc_density_0.01"], [], ["powersgd"]]),
-]
+    ("CIFAR-10 subset top-1", "parity_seeds_cifar8", [["dgc", "dgc_regimes_warmup"], ["deft"], ["powersgd"], []]),
+    ("the same, 2 workers", "parity_seeds_cifar2",
+     [["dgc", "dgc_regimes_warmup", "dgc_regimes"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
+    ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"], []]),
+    ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"], []]),
+    ("PTB transformer", "parity_seeds_xfmr2", [["dgc", "dgc_density_0.01"], [], ["powersgd"], []]),
+    ("the same, 8 workers (DDP 157", "parity_seeds_xfmr8", [["dgc_density_0.01"], [], ["powersgd"], []]),
+]  # fmt: skip
 
 
 def _study(name: str) -> tuple[dict[str, dict], bool]:
@@ -150,7 +151,7 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
             s = summary[algo]
             expected.append((column, _difference_text(s, percent, digits)))
             if quotes_kb:
-                expected.append((column, f"{s['link_kb_per_step']:,.0f} kB"))
+                expected.append((column, f"{s['link_kb_per_step']:,.0f} kB ({s['compression']:.1f}x)"))
     missing = [(cells[column], text) for column, text in expected if text not in cells[column]]
     assert not missing, f"README row {start!r} does not quote {name}.json: (cell, expected) {missing}"
     counts = {len(s["seeds"]) for s in summary.values()}
