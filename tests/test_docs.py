@@ -160,7 +160,8 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
 
 
 # the algorithm guide's table: one column per algorithm (a study's DEFT variants are on deft.md)
-INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "deft": 3, "powersgd": 4}
+INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "dgc_regimes_warmup": 2, "dgc_regimes": 2,
+                 "dgc_regimes_0.005": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", [row[1] for row in ACCURACY_ROWS])
