@@ -59,3 +59,13 @@ def drop_foreign_hook_arguments(kwargs: dict[str, object], owner: str, alternati
                 f" Use {alternative} for other hooks."
             )
         kwargs.pop(name, None)
+
+
+def sparse_gradient_message(names: list[str]) -> str:
+    """The error for parameters whose gradients are sparse tensors (``nn.Embedding(sparse=True)``)."""
+    return (
+        f"Parameter(s) {names} get sparse gradients (e.g. nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)),"
+        " which the compressed exchange cannot take: it selects from dense gradient buckets. Create the module"
+        " with sparse=False (the exchange already sends only the largest values), or train with"
+        " strategy='ddp'."
+    )

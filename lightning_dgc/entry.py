@@ -15,7 +15,9 @@ from lightning_dgc import shards
 
 def restore_error(problems: list[str]) -> str:
     """The error for exchange state that a run cannot resume from."""
-    shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+    shown = "\n  ".join(problems[:20]) + (
+        f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    )
     return (
         f"The checkpoint's {CHECKPOINT_KEY!r} exchange state does not fit this run:\n  {shown}\nResume with the"
         " model and the settings that wrote it, or delete the checkpoint's"
@@ -71,7 +73,9 @@ def check_checkpoint_entry(entry: object) -> None:
         )
     topology = entry.get("topology")
     # a two-level exchange's ranks hold the pieces of their local rank: compare ranks of the same local rank
-    per_node = int(topology.get("per_node", 1)) if isinstance(topology, dict) and topology.get("hierarchical") else 1
+    per_node = (
+        int(topology.get("per_node", 1)) if isinstance(topology, dict) and topology.get("hierarchical") else 1
+    )
     layouts: dict[int, dict[tuple[str, str], tuple[int, ...]]] = {}
     for r, state in enumerate(ranks):
         where = f"{key}['ranks'][{r}]"
@@ -82,11 +86,15 @@ def check_checkpoint_entry(entry: object) -> None:
             isinstance(by_name, dict) and all(isinstance(t, Tensor) for t in by_name.values())
             for by_name in memory.values()
         ):
-            raise ValueError(f"{where}['memory'] must map every buffer kind to {{parameter name: tensor}}.{fix}")
+            raise ValueError(
+                f"{where}['memory'] must map every buffer kind to {{parameter name: tensor}}.{fix}"
+            )
         if listed is not None and not (
             isinstance(listed, dict) and all(isinstance(names, list | tuple) for names in listed.values())
         ):
-            raise ValueError(f"{where}['buffers'] must map every buffer kind to a list of parameter names.{fix}")
+            raise ValueError(
+                f"{where}['buffers'] must map every buffer kind to a list of parameter names.{fix}"
+            )
         missing = missing_buffers(state)
         if missing:
             shown = ", ".join(f"{kind!r} of {name!r}" for kind, name in missing[:10])
@@ -97,9 +105,7 @@ def check_checkpoint_entry(entry: object) -> None:
                 f"{fix} To restart only these buffers from zeros, delete 'buffers' from every state of {key}['ranks']."
             )
         mine = {
-            (kind, name): tuple(t.shape)
-            for kind, by_name in memory.items()
-            for name, t in by_name.items()
+            (kind, name): tuple(t.shape) for kind, by_name in memory.items() for name, t in by_name.items()
         }
         first = layouts.setdefault(r % per_node, mine)
         if mine != first:
@@ -167,3 +173,52 @@ def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[d
     merged = {k: v for k, v in first.items() if k not in ("memory", "generator", "rank", "buffers")}
     merged["memory"] = memory
     return merged, True
+
+
+def state_problems(exchange: Any, state: dict[str, Any]) -> list[str]:
+    """What in a rank's saved state (``ExchangeState.state_dict``) the run of ``exchange`` (an
+    :class:`~lightning_dgc.state.ExchangeState`) cannot take, one line per problem (empty: it loads): every
+    buffer against what the run keeps for its parameter (the algorithm's ``memory_shape``: a tensor, fp32, of that
+    shape, finite), and the saved settings that shape the memory (``Algorithm.state_settings``) against the run's."""
+    problems = [
+        f"the checkpoint has no {kind!r} buffer of parameter {name!r}, which the run that wrote it kept (it"
+        " would restart from zeros): the checkpoint was edited or damaged. To restart it from zeros on"
+        " purpose, delete the state's 'buffers' list."
+        for kind, name in missing_buffers(state)
+    ]
+    saved_config = state.get("config")
+    for setting in exchange.algorithm.state_settings if isinstance(saved_config, dict) else ():
+        ours = getattr(exchange.config, setting)
+        if setting in saved_config and saved_config[setting] != ours:
+            problems.append(
+                f"the checkpoint's exchange state was made with {setting}={saved_config[setting]!r}, this run has"
+                f" {setting}={ours!r}: its buffers have other shapes. Resume with"
+                f" {setting}={saved_config[setting]!r}."
+            )
+    for kind, by_name in state["memory"].items():
+        for name, tensor in by_name.items():
+            where = f"the checkpoint's {kind!r} buffer of parameter {name!r}"
+            try:  # a parameter, or a piece "<param>[a:b]" of one in a two-level exchange
+                param: Tensor | None = exchange.param(name)
+            except (KeyError, ValueError, RuntimeError):
+                param = None
+            expected = (
+                None if param is None else exchange.algorithm.memory_shape(kind, name, tuple(param.shape))
+            )
+            if param is None:
+                problems.append(f"{where}: the model has no parameter of that name.")
+            elif expected is None:
+                problems.append(
+                    f"{where}: this run of {exchange.algorithm.name} keeps no such buffer for it."
+                )
+            elif not isinstance(tensor, Tensor):
+                problems.append(f"{where} is a {type(tensor).__name__}, not a tensor.")
+            elif tuple(tensor.shape) != tuple(expected):
+                problems.append(
+                    f"{where} has shape {tuple(tensor.shape)}, this run expects {tuple(expected)}."
+                )
+            elif tensor.dtype != torch.float32:
+                problems.append(f"{where} is {tensor.dtype}, the memory is torch.float32.")
+            elif not bool(torch.isfinite(tensor).all()):
+                problems.append(f"{where} holds NaN or inf values (the run that saved it had diverged?).")
+    return problems

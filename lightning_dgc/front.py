@@ -19,9 +19,9 @@ from lightning_dgc import algorithms, comm
 from lightning_dgc.agreement import check_parameters_agree, check_settings_agree
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.auto_density import AutoDensity
-from lightning_dgc.checks import check_density
+from lightning_dgc.checks import check_density, sparse_gradient_message
 from lightning_dgc.hook import exchange_hook
-from lightning_dgc.state import ExchangeState, algorithm_for, sparse_gradient_message
+from lightning_dgc.state import ExchangeState, algorithm_for
 from lightning_dgc.takeover import skip_non_finite_step
 
 

@@ -12,9 +12,9 @@ from torch import Tensor
 
 from lightning_dgc import algorithms, comm, shards
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, WireCost
-from lightning_dgc.checks import check_density
+from lightning_dgc.checks import check_density, sparse_gradient_message
 from lightning_dgc.comm import Collectives, Topology, TorchCollectives
-from lightning_dgc.entry import check_checkpoint_entry, missing_buffers, restore_error, state_for_topology
+from lightning_dgc.entry import check_checkpoint_entry, restore_error, state_for_topology, state_problems
 from lightning_dgc.memory import ResidualMemory, bucket_order_flat
 from lightning_dgc.stats import ExchangeStatistics
 from lightning_dgc.two_level import TwoLevelPlan
@@ -408,42 +408,7 @@ class ExchangeState:
         and the saved settings that shape the memory (``Algorithm.state_settings``) against the run's.
         Call :meth:`register_parameters` first. Empty: it loads.
         """
-        problems = [
-            f"the checkpoint has no {kind!r} buffer of parameter {name!r}, which the run that wrote it kept (it"
-            " would restart from zeros): the checkpoint was edited or damaged. To restart it from zeros on"
-            " purpose, delete the state's 'buffers' list."
-            for kind, name in missing_buffers(state)
-        ]
-        saved_config = state.get("config")
-        for setting in self.algorithm.state_settings if isinstance(saved_config, dict) else ():
-            ours = getattr(self.config, setting)
-            if setting in saved_config and saved_config[setting] != ours:
-                problems.append(
-                    f"the checkpoint's exchange state was made with {setting}={saved_config[setting]!r}, this run has"
-                    f" {setting}={ours!r}: its buffers have other shapes. Resume with"
-                    f" {setting}={saved_config[setting]!r}."
-                )
-        for kind, by_name in state["memory"].items():
-            for name, tensor in by_name.items():
-                where = f"the checkpoint's {kind!r} buffer of parameter {name!r}"
-                try:  # a parameter, or a piece "<param>[a:b]" of one in a two-level exchange
-                    param: Tensor | None = self.param(name)
-                except (KeyError, ValueError, RuntimeError):
-                    param = None
-                expected = None if param is None else self.algorithm.memory_shape(kind, name, tuple(param.shape))
-                if param is None:
-                    problems.append(f"{where}: the model has no parameter of that name.")
-                elif expected is None:
-                    problems.append(f"{where}: this run of {self.algorithm.name} keeps no such buffer for it.")
-                elif not isinstance(tensor, Tensor):
-                    problems.append(f"{where} is a {type(tensor).__name__}, not a tensor.")
-                elif tuple(tensor.shape) != tuple(expected):
-                    problems.append(f"{where} has shape {tuple(tensor.shape)}, this run expects {tuple(expected)}.")
-                elif tensor.dtype != torch.float32:
-                    problems.append(f"{where} is {tensor.dtype}, the memory is torch.float32.")
-                elif not bool(torch.isfinite(tensor).all()):
-                    problems.append(f"{where} holds NaN or inf values (the run that saved it had diverged?).")
-        return problems
+        return state_problems(self, state)
 
     def restore(self, entry: dict[str, Any], device: torch.device | None = None) -> bool:
         """Load this rank's state from a checkpoint entry (:func:`state_for_rank`), checked first on every
@@ -486,13 +451,3 @@ class ExchangeState:
             self.generator.set_state(state["generator"])
         self.algorithm.load_extra_state(state.get("extra", {}))
         self.clear_plans()
-
-
-def sparse_gradient_message(names: list[str]) -> str:
-    """The error for parameters whose gradients are sparse tensors (``nn.Embedding(sparse=True)``)."""
-    return (
-        f"Parameter(s) {names} get sparse gradients (e.g. nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True)),"
-        " which the compressed exchange cannot take: it selects from dense gradient buckets. Create the module"
-        " with sparse=False (the exchange already sends only the largest values), or train with"
-        " strategy='ddp'."
-    )
