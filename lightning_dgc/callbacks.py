@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_dgc.checks import check_density, flag, real_number
+from lightning_dgc.checks import check_density, check_schedulable, flag, real_number
 
 Interval = Literal["epoch", "step"]
 
@@ -212,14 +212,7 @@ class SparsityWarmup(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if getattr(strategy, "density", None) is None:
-            algorithm = getattr(strategy, "algorithm", None)
-            what = f"{type(strategy).__name__} ({algorithm})" if algorithm else type(strategy).__name__
-            raise TypeError(
-                f"SparsityWarmup changes the density of a DGC exchange, but the Trainer's strategy is {what},"
-                ' which has none. Use `Trainer(strategy="dgc")` (or `strategy=DGCStrategy(...)`, or "deft")'
-                " with this callback."
-            )
+        check_schedulable(strategy, "SparsityWarmup")
         # Read once per strategy: the warm-up itself changes `strategy.density`, so a second `fit`
         # with the same Trainer must not take a warm-up value for the final one.
         if strategy is not self._strategy:

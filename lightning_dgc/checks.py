@@ -69,3 +69,15 @@ def sparse_gradient_message(names: list[str]) -> str:
         " with sparse=False (the exchange already sends only the largest values), or train with"
         " strategy='ddp'."
     )
+
+
+def check_schedulable(strategy: object, owner: str) -> None:
+    """A ``TypeError`` naming the fix unless ``strategy`` has a density that a schedule (``owner``) can change."""
+    if getattr(strategy, "density", None) is not None:
+        return
+    algorithm = getattr(strategy, "algorithm", None)
+    what = f"{type(strategy).__name__} ({algorithm})" if algorithm else type(strategy).__name__
+    raise TypeError(
+        f"{owner} changes the density of a sparse exchange, but the Trainer's strategy is {what}, which has none."
+        ' Use `Trainer(strategy="dgc")` (or `strategy=DGCStrategy(...)`, or "deft") with this callback.'
+    )

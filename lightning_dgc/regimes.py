@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dgc.algorithms.base import TensorSpec, ring_allreduce_volume
-from lightning_dgc.checks import check_density, flag, real_number
+from lightning_dgc.checks import check_density, check_schedulable, flag, real_number
 
 Criterion = Literal["auto", "lr", "norm", "both"]
 
@@ -212,13 +212,7 @@ class CriticalRegimes(L.Callback):
         from lightning_dgc.callbacks import SparsityWarmup
 
         strategy = trainer.strategy
-        if getattr(strategy, "density", None) is None:
-            algorithm = getattr(strategy, "algorithm", None)
-            what = f"{type(strategy).__name__} ({algorithm})" if algorithm else type(strategy).__name__
-            raise TypeError(
-                f"CriticalRegimes changes the density of a sparse exchange, but the Trainer's strategy is {what},"
-                ' which has none. Use it with `strategy="dgc"` or `"deft"` (or their strategy classes).'
-            )
+        check_schedulable(strategy, "CriticalRegimes")
         if strategy is not self._strategy:
             self.target = check_density(strategy.density, "strategy.density")
             self._strategy = strategy
