@@ -132,8 +132,9 @@ class SparsityWarmup(L.Callback):
             or more warns and suggests it.
         byte_cap: never send more than DDP would (default ``True``): a stage denser than the density at
             which the algorithm's exchange carries as many link bytes as DDP's ring all-reduce at this
-            world size (:func:`lightning_dgc.regimes.breakeven_density`: 1/N for DGC, so 0.125 at 8
-            processes) runs at that density instead. Stages of density 1 (dense) are DDP's all-reduce.
+            world size (:func:`lightning_dgc.regimes.breakeven_density`: about 1.3/N for DGC, whose values
+            and indices take about 6 bytes against the all-reduce's 2 x 4 (N-1)/N: 0.167 at 8 processes)
+            runs at that density instead. Stages of density 1 (dense) are DDP's all-reduce.
 
     With ``DGCStrategy(density="auto")`` the schedule is a floor: the density in force is the larger of the
     schedule's and the one the link asks for (:mod:`lightning_dgc.auto_density`), and the schedule ends at the

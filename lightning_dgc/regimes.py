@@ -214,7 +214,8 @@ class CriticalRegimes(L.Callback):
         strategy = trainer.strategy
         check_schedulable(strategy, "CriticalRegimes")
         if strategy is not self._strategy:
-            self.target = check_density(strategy.density, "strategy.density")
+            auto = getattr(strategy, "auto_density", None)  # density="auto": a floor over the link's density
+            self.target = auto.min_density if auto is not None else check_density(strategy.density, "strategy.density")
             self._strategy = strategy
         self._warmups = [callback for callback in trainer.callbacks if isinstance(callback, SparsityWarmup)]
         for warmup in self._warmups:

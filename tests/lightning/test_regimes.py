@@ -116,3 +116,16 @@ def test_the_schedule_on_an_algorithm_without_a_density_is_an_error() -> None:
     )  # fmt: skip
     with pytest.raises(TypeError, match='CriticalRegimes changes the density.*has none.*strategy="dgc"'):
         trainer.fit(Regression(), _loader())
+
+
+def test_with_the_automatic_density_the_schedule_is_a_floor_from_min_density() -> None:
+    """``density="auto"``: the target is ``min_density`` and the windows raise the floor under the link's choice."""
+    schedule = CriticalRegimes(window=0.25)
+    trainer = L.Trainer(
+        strategy=DGCStrategy(density="auto", min_density=0.002), accelerator="cpu", devices=1, logger=False,
+        callbacks=[schedule], enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        max_steps=8,
+    )  # fmt: skip
+    trainer.fit(DecayingRegression(), _loader())
+    assert schedule.target == 0.002 and schedule.critical_density == 0.02
+    assert schedule.starts == [0]  # the learning rate drops at step 8, after the run
