@@ -107,7 +107,9 @@ class CriticalRegimes(L.Callback):
     in the Trainer's callbacks asks for at this step (the strategy's density without one); ``critical``
     is ``factor`` times the strategy's density inside a window, capped at :func:`breakeven_density`.
     The schedule takes the warm-up over (the warm-up no longer sets the density itself), so the order of
-    the callbacks does not matter. It is the same on every rank and after a resume.
+    the callbacks does not matter. It is the same on every rank and after a resume. With
+    ``density="auto"`` the target is the strategy's ``min_density`` and the density set is a floor under the
+    link's choice (:mod:`lightning_dgc.auto_density`).
 
     Args:
         window: how long a critical regime lasts, as a fraction of the run's optimizer steps
