@@ -62,16 +62,23 @@ def plot(panels: dict[str, list[dict[str, Any]]]) -> None:
     plt = common.pyplot()
     if plt is None or not panels:
         return
+    from matplotlib.ticker import ScalarFormatter
+
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    algos = list(dict.fromkeys(p["algo"] for pts in panels.values() for p in pts))
+    colour = {algo: f"C{i % 10}" for i, algo in enumerate(algos)}  # one colour per algorithm on every panel
     for ax, (name, pts) in zip(axes[0], panels.items(), strict=True):
         relative = pts and pts[0]["task"].startswith("ptb")
         scale = 100.0
-        for i, p in enumerate(pts):
+        for p in pts:
             error = (p["difference_std"] or 0.0) * scale
-            ax.errorbar(p["compression"], p["difference"] * scale, yerr=error, fmt="o", color=f"C{i % 10}",
-                        capsize=3, label=p["algo"])  # fmt: skip
+            ax.errorbar(p["compression"], p["difference"] * scale, yerr=error, fmt="o", color=colour[p["algo"]],
+                        capsize=3, label=p["algo"] + ("" if p["seeds"] > 1 else " (1 seed)"))  # fmt: skip
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(ScalarFormatter())
+        ax.tick_params(axis="x", which="minor", labelsize=7)
         ax.set_xlabel("DDP's link bytes / the algorithm's, whole run")
         ax.set_ylabel("perplexity vs DDP (%, lower is better)" if relative else "top-1 vs DDP (pp)")
         if pts:
