@@ -33,6 +33,7 @@ Lightning does on a CPU; no GPU figure comes out of it).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -137,7 +138,11 @@ def run_tests(out: Path, budget_s: float, device: str = "cuda", per_test_timeout
     recorder = CudaTestRecorder(out.with_name(PARTIAL))
     files = [str(p.relative_to(REPO)) for p in cuda_test_files(REPO / "tests")]
     timeout = max(1, int(min(per_test_timeout_s, budget_s - 5)))
-    code = pytest.main(["-q", "-p", "no:cacheprovider", "-o", f"timeout={timeout}", *files], plugins=[recorder])
+    # in this process, where the recorder sees each test (the suite's own runs spread over workers: -n auto)
+    in_process = ["-n", "0"] if importlib.util.find_spec("xdist") is not None else []
+    code = pytest.main(
+        ["-q", "-p", "no:cacheprovider", *in_process, "-o", f"timeout={timeout}", *files], plugins=[recorder]
+    )
     summary = summarize_tests(recorder.tests, int(code))
     summary["files"] = files
     if device == "cpu":  # on the CPU the CUDA tests skip: the run checks only that they are found
