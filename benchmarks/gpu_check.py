@@ -57,7 +57,7 @@ PARTIAL = "partial.json"
 ALGORITHMS = ("dgc", "deft", "powersgd")
 PRECISIONS = ("16-mixed", "bf16-true")
 STATUSES = ("ok", "failed", "error", "timeout", "skipped")
-#: Every process a part started in a process session of its own (`start_new_session`: the ranks of a fit), stopped with the part.
+#: Every process a part started as the leader of a new process group (`start_new_session`: the ranks of a fit), stopped with the part.
 _STARTED: list[Any] = []
 
 
@@ -368,7 +368,7 @@ def _stop_started(signum: int, frame: Any) -> None:
 
 def run_child(name: str, args: dict[str, Any], out: Path) -> int:
     """The body of a part's (or a fit rank's) process: ``{"result": ...}`` or ``{"error": ...}`` to ``out``.
-    Stopped (at its budget), it stops the processes it started in process sessions of their own (`start_new_session`)."""
+    Stopped (at its budget), it stops the processes it started as leaders of new process groups (`start_new_session`)."""
     signal.signal(signal.SIGTERM, _stop_started)
     try:
         result = CHILDREN[name](out=out, **args)

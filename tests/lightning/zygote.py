@@ -11,7 +11,7 @@ none of these), so each child starts as a fresh interpreter would, except that i
 Protocol, one connection per rank: the client sends one JSON line ``{"script", "argv", "env", "cwd",
 "stdout", "stderr"}``; the server answers the child's pid, then, once the child is reaped, its return code
 (negative: killed by that signal, as :class:`subprocess.Popen` reports it), one line each. The server stops,
-killing the children it has left, when its stdin closes (the test session ended).
+killing the children it has left, when its stdin closes (the pytest run is over).
 """
 
 from __future__ import annotations
