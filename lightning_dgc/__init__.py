@@ -47,6 +47,7 @@ _EXPORTS = {
     "AlgorithmConfig": "lightning_dgc.algorithms",
     "BucketPlan": "lightning_dgc.algorithms",
     "BucketWork": "lightning_dgc.algorithms",
+    "ExchangeContext": "lightning_dgc.algorithms",
     "Message": "lightning_dgc.algorithms",
     "TensorSpec": "lightning_dgc.algorithms",
     "WireCost": "lightning_dgc.algorithms",
@@ -70,30 +71,9 @@ def __dir__() -> list[str]:
 
 
 def _register_strategies() -> None:
-    # A module found half-made imported Lightning itself, and registers its names when done.
-    fabric = sys.modules.get("lightning_dgc.fabric")
-    if fabric is None or hasattr(fabric, "register_fabric_strategies"):
-        from lightning_dgc.fabric import register_fabric_strategies
+    from lightning_dgc.registration import register_strategies
 
-        register_fabric_strategies()  # Fabric(strategy="dgc")
-    fabric_diloco = sys.modules.get("lightning_dgc.fabric_diloco")
-    if fabric_diloco is None or hasattr(fabric_diloco, "register_fabric_diloco"):  # likewise
-        from lightning_dgc.fabric_diloco import register_fabric_diloco
-
-        register_fabric_diloco()  # Fabric(strategy="diloco")
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    strategy = sys.modules.get("lightning_dgc.strategy")
-    # else Lightning was imported *by* the strategy module, which registers the names when done
-    if strategy is None or hasattr(strategy, "DEFTStrategy"):
-        from lightning_dgc.strategy import CompressionStrategy
-
-        CompressionStrategy.register_strategies(StrategyRegistry)
-    diloco = sys.modules.get("lightning_dgc.diloco")
-    if diloco is None or hasattr(diloco, "DiLoCoStrategy"):  # likewise
-        from lightning_dgc.diloco import DiLoCoStrategy
-
-        DiLoCoStrategy.register_strategies(StrategyRegistry)
+    register_strategies()
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

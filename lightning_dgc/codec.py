@@ -49,6 +49,11 @@ CODE_BYTES = 2
 FILLER_SPAN = 65535
 
 
+def sparse_nbytes(k: int, value_dtype: torch.dtype) -> int:
+    """Bytes of ``k`` selected values with their indices, before any packing: what a tensor costs sent sparse."""
+    return k * (INDEX_BYTES + value_dtype.itemsize)
+
+
 def _fillers(span: int) -> int:
     """``F``: the filler slots a payload reserves for a bucket of ``span`` values."""
     return span // FILLER_SPAN

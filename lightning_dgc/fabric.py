@@ -35,8 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dgc import algorithms
-from lightning_dgc.agreement import DEFAULT_CHECK_RANKS_EVERY, check_ranks_every_value
+from lightning_dgc.agreement import DEFAULT_CHECK_RANKS_EVERY
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checkpoint import (
     CHECKPOINT_KEY,
@@ -48,13 +47,12 @@ from lightning_dgc.checkpoint import (
     restore_exchange_state,
     save_exchange_state,
 )
-from lightning_dgc.checks import drop_foreign_hook_arguments
-from lightning_dgc.front import ExchangeAccess, GradientCarry, config_from_arguments
+from lightning_dgc.front import ExchangeAccess, check_model_first
+from lightning_dgc.registration import register_strategies
 from lightning_dgc.state import ExchangeState
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     OptimizerTakeOver,
-    check_max_consecutive_skips,
     check_ranks_agree,
 )
 
@@ -111,13 +109,9 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         save_exchange_state: bool = True,
         **kwargs: Any,
     ) -> None:
-        #: Write every rank's exchange memory beside each checkpoint (``False``: model and optimizer only).
-        self.save_exchange_state = bool(save_exchange_state)
-        #: Raise after this many consecutive steps skipped for non-finite gradients (0: never).
-        self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
-        self.check_ranks_every = check_ranks_every_value(check_ranks_every)
-        drop_foreign_hook_arguments(kwargs, type(self).__name__, "Fabric's `DDPStrategy`")
-        self._config = config_from_arguments(type(self).__name__, algorithm, options, kwargs, DDPStrategy)
+        self._take_arguments(
+            algorithm, options, kwargs, DDPStrategy, save_exchange_state, max_consecutive_skips, check_ranks_every
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -130,14 +124,11 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             **kwargs,
         )
-        self._state: ExchangeState | None = None
         self._module: DistributedDataParallel | None = None
         self._optimizers: list[Optimizer] = []  # set up through this strategy, in order
         self._taken_over = OptimizerTakeOver(
             type(self).__name__, lambda name, value: f"{type(self).__name__}({self.algorithm!r}, {name}={value})"
         )
-        self.hook_calls = 0  # incremented by the registered hook: proof that it runs
-        self._carry = GradientCarry()  # one momentum per optimizer step, however many backward passes
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
@@ -162,11 +153,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Take over SGD's momentum and weight decay (for algorithms that apply momentum in the exchange)."""
-        if self._state is None:
-            raise RuntimeError(
-                f"{type(self).__name__} must know the model before its optimizer: call `fabric.setup(model,"
-                " optimizer)`, or `fabric.setup_module(model)` before `fabric.setup_optimizers(optimizer)`."
-            )
+        check_model_first(type(self).__name__, self._state)
         optimizer = super().setup_optimizer(optimizer)
         self._optimizers.append(optimizer)
         self._take_over()
@@ -304,26 +291,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         self._taken_over.restore(self._optimizers)
         super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register every algorithm under its name (``start_method="popen"``) and ``<name>_spawn``."""
-        for name in algorithms.registered():
-            for registered, start_method in ((name, "popen"), (f"{name}_spawn", "spawn")):
-                if registered not in strategy_registry:
-                    strategy_registry.register(
-                        registered, cls, description=f"{cls.__name__} ({name}), start_method '{start_method}'",
-                        algorithm=name, start_method=start_method,
-                    )  # fmt: skip
 
-
-def register_fabric_strategies() -> None:
-    """Register every algorithm's name in Fabric's strategy registry (``Fabric(strategy="dgc")``)."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
-    FabricCompressionStrategy.register_strategies(STRATEGY_REGISTRY)
-
-
-# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``)
-# then finds this module half-made and leaves the names to be registered here.
-register_fabric_strategies()
+# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``) finds this module
+# still loading and leaves its names to this line.
+register_strategies(__name__)

@@ -1,6 +1,9 @@
-"""What both front doors offer: the Trainer's strategy (:mod:`lightning_dgc.strategy`) and Fabric's
-(:mod:`lightning_dgc.fabric`) take the algorithm's settings the same way (:func:`config_from_arguments`)
-and expose the exchange the same way, through :class:`ExchangeAccess`."""
+"""What every front door shares: the Trainer's strategies (:mod:`lightning_dgc.strategy`,
+:mod:`lightning_dgc.diloco`) and Fabric's (:mod:`lightning_dgc.fabric`, :mod:`lightning_dgc.fabric_diloco`) take
+the algorithm's settings the same way (:func:`config_from_arguments`), tear their process group down at exit
+(:class:`ProcessGroupAtExit`), and refuse an optimizer before its model (:func:`check_model_first`); the Trainer's
+keep rank files beside their checkpoints (:class:`RankFileCheckpoints`); the compression front doors expose the
+exchange the same way, through :class:`ExchangeAccess`."""
 
 from __future__ import annotations
 
@@ -16,13 +19,19 @@ import torch
 from typing_extensions import override
 
 from lightning_dgc import algorithms, comm
-from lightning_dgc.agreement import check_parameters_agree, check_settings_agree
+from lightning_dgc.agreement import (
+    check_parameters_agree,
+    check_ranks_every_value,
+    check_same_on_every_rank,
+    check_settings_agree,
+)
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.auto_density import AutoDensity
-from lightning_dgc.checks import check_density, sparse_gradient_message
+from lightning_dgc.checkpoint import FileIO, read_checkpoint, remove_rank_files
+from lightning_dgc.checks import check_density, drop_foreign_hook_arguments, sparse_gradient_message
 from lightning_dgc.hook import exchange_hook
 from lightning_dgc.state import ExchangeState, algorithm_for
-from lightning_dgc.takeover import skip_non_finite_step
+from lightning_dgc.takeover import check_max_consecutive_skips, skip_non_finite_step
 
 
 def config_from_arguments(
@@ -99,7 +108,58 @@ def sparse_gradient_parameters(module: torch.nn.Module) -> list[str]:
     ]
 
 
-class ExchangeAccess:
+class ProcessGroupAtExit:
+    """Mixin of a front door (before its ``DDPStrategy`` base): the process group is destroyed at exit (gloo
+    aborts at exit if its group is still alive)."""
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        comm.destroy_process_group_at_exit()
+
+
+class RankFileCheckpoints:
+    """Mixin of a Trainer front door whose checkpoints have a folder of rank files beside them (before its
+    ``DDPStrategy`` base): removing a checkpoint removes the folder (``ModelCheckpoint``'s rotation,
+    ``last.ckpt``); a truncated file is an error that names it and the fix (:func:`read_checkpoint`); the path
+    read is kept in ``_checkpoint_path``, for ``setup()`` to read the rank files beside it."""
+
+    _checkpoint_path: Any = None
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)  # type: ignore[misc]
+        if self.is_global_zero:  # type: ignore[attr-defined]
+            remove_rank_files(filepath, FileIO(self.checkpoint_io))  # type: ignore[attr-defined]
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        load = super().load_checkpoint  # type: ignore[misc]
+        self._checkpoint_path = checkpoint_path
+        return read_checkpoint(lambda: load(checkpoint_path, *args, **kwargs), checkpoint_path)
+
+
+def node_topology(strategy: Any, option: Any, owner: str) -> comm.Topology | None:
+    """The process groups inside and across the nodes for ``hierarchical=option``, or ``None`` for a flat run; every
+    rank calls it (``strategy``: a ``DDPStrategy`` of the Trainer or Fabric, its process group up)."""
+    check_same_on_every_rank("hierarchical", option, owner)
+    if not comm.resolve_hierarchical(option, strategy.num_nodes, strategy.world_size):
+        return None
+    ranks = comm.all_gather_object((strategy.global_rank, strategy.node_rank, strategy.local_rank))
+    per_node = comm.check_node_layout(ranks, strategy.num_nodes)
+    return comm.two_level_topology(strategy.num_nodes, per_node, strategy.global_rank)
+
+
+def check_model_first(owner: str, module: Any) -> None:
+    """Fabric's front doors: the error for an optimizer set up before its model (``module`` is ``None``)."""
+    if module is None:
+        raise RuntimeError(
+            f"{owner} must know the model before its optimizer: call `fabric.setup(model, optimizer)`, or"
+            " `fabric.setup_module(model)` before `fabric.setup_optimizers(optimizer)`."
+        )
+
+
+class ExchangeAccess(ProcessGroupAtExit):
     """Mixin of a compression strategy (before its ``DDPStrategy`` base): the algorithm, its settings, the
     exchange's state and statistics, and the hook that DDP runs, counted.
 
@@ -120,6 +180,30 @@ class ExchangeAccess:
     _auto: AutoDensity | None = None
     #: What sets the model (and so the exchange state) up, named in the error before it has run.
     set_up_by: ClassVar[str] = "the strategy's setup"
+
+    def _take_arguments(
+        self,
+        algorithm: str | AlgorithmConfig,
+        options: dict[str, Any] | None,
+        kwargs: dict[str, Any],
+        base: type,
+        save_exchange_state: bool,
+        max_consecutive_skips: int | None,
+        check_ranks_every: int | None,
+    ) -> None:
+        """The opening of a front door's ``__init__``, before its base's: every argument is checked, so that a bad
+        value fails at construction, on the launching process; ``kwargs`` keeps the ``base``'s and DDP's."""
+        #: Write every rank's exchange memory beside each checkpoint (``False``: model and optimizer only).
+        self.save_exchange_state = bool(save_exchange_state)
+        #: Raise after this many consecutive steps skipped for non-finite gradients (0: never).
+        self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
+        self.check_ranks_every = check_ranks_every_value(check_ranks_every)
+        ddp = "Fabric's `DDPStrategy`" if base.__module__.startswith("lightning.fabric") else "`DDPStrategy`"
+        drop_foreign_hook_arguments(kwargs, type(self).__name__, ddp)
+        self._config = config_from_arguments(type(self).__name__, algorithm, options, kwargs, base)
+        self._state = None
+        self.hook_calls = 0  # incremented by the registered hook: proof that it runs
+        self._carry = GradientCarry()  # one momentum per optimizer step, however many backward passes
 
     @property
     def algorithm(self) -> str:
@@ -253,11 +337,6 @@ class ExchangeAccess:
         sparse = sparse_gradient_parameters(module)
         if sparse:
             raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
-
-    @override
-    def setup_environment(self) -> None:
-        super().setup_environment()  # type: ignore[misc]
-        comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
 
     def _set_up_rank_checks(self) -> None:
         """The process group of the rank checks (on the host: they never wait for the device); every rank."""

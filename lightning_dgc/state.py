@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import warnings
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_dgc import algorithms, comm, shards
-from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, WireCost
+from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, ParamSettings, WireCost
 from lightning_dgc.checks import check_density, sparse_gradient_message
 from lightning_dgc.comm import Collectives, Topology, TorchCollectives
 from lightning_dgc.entry import check_checkpoint_entry, restore_error, state_for_topology, state_problems
@@ -28,17 +28,11 @@ def algorithm_for(config: AlgorithmConfig) -> type[Algorithm[Any, Any, Any]]:
     raise ValueError(f"no registered algorithm takes a {type(config).__name__}")
 
 
-@dataclass(frozen=True)
-class ParamSettings:
-    """Optimizer settings the exchange applies to one parameter (taken over from SGD, or defaults)."""
-
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-
-
 class ExchangeState:
     """One object per run: the algorithm, the memory keyed by parameter name, the step counter, statistics.
+
+    Its algorithm sees it through :class:`~lightning_dgc.algorithms.context.ExchangeContext`, the members an
+    algorithm may use; the rest is the hook's and the front doors'.
 
     Pass it as the ``state`` of :func:`lightning_dgc.hook.exchange_hook`. The algorithm is the one
     registered for the configuration's class (DGC's, :class:`~lightning_dgc.algorithms.dgc.DGCConfig`,

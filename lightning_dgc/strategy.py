@@ -18,19 +18,15 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dgc import algorithms, comm
-from lightning_dgc.agreement import (
-    DEFAULT_CHECK_RANKS_EVERY,
-    check_ranks_every_value,
-    check_same_on_every_rank,
-)
+from lightning_dgc import comm
+from lightning_dgc.agreement import DEFAULT_CHECK_RANKS_EVERY
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend, ValueDType
@@ -41,23 +37,15 @@ from lightning_dgc.checkpoint import (
     check_entry,
     finish_save,
     mean_momentum,
-    read_checkpoint,
-    remove_rank_files,
     restore_exchange_state,
     save_exchange_state,
 )
-from lightning_dgc.checks import drop_foreign_hook_arguments
-from lightning_dgc.front import (
-    ExchangeAccess,
-    GradientCarry,
-    config_from_arguments,
-    sparse_gradient_parameters,
-)
+from lightning_dgc.front import ExchangeAccess, RankFileCheckpoints, node_topology, sparse_gradient_parameters
+from lightning_dgc.registration import register_strategies
 from lightning_dgc.state import ExchangeState
 from lightning_dgc.takeover import (
     DEFAULT_MAX_CONSECUTIVE_SKIPS,
     OptimizerTakeOver,
-    check_max_consecutive_skips,
     check_ranks_agree,
 )
 
@@ -69,7 +57,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class CompressionStrategy(ExchangeAccess, DDPStrategy):
+class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, DDPStrategy):
     """Data-parallel training with a compressed gradient exchange (any registered algorithm).
 
     Subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` and keeps the DDP
@@ -146,15 +134,10 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         save_exchange_state: bool = True,
         **kwargs: Any,
     ) -> None:
-        #: Write every rank's exchange memory beside each checkpoint (``False``: model and optimizer only).
-        self.save_exchange_state = bool(save_exchange_state)
-        #: Raise after this many consecutive steps skipped by the strategy (0: never).
-        self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
-        self.check_ranks_every = check_ranks_every_value(check_ranks_every)
         self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
-        drop_foreign_hook_arguments(kwargs, type(self).__name__, "`DDPStrategy`")
-        # Validate before anything else, so a bad value fails at construction, on the launching process.
-        self._config = config_from_arguments(type(self).__name__, algorithm, options, kwargs, DDPStrategy)
+        self._take_arguments(
+            algorithm, options, kwargs, DDPStrategy, save_exchange_state, max_consecutive_skips, check_ranks_every
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -167,16 +150,12 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
             gradient_as_bucket_view=gradient_as_bucket_view,
             **kwargs,
         )
-        self._state: ExchangeState | None = None
         self._checkpoint_entry: dict[str, Any] | None = None  # restored in setup(), once the state exists
-        self._checkpoint_path: Any = None  # the file it came from: its rank files sit beside it
         # the SGD groups whose momentum the exchange applies
         self._taken_over = OptimizerTakeOver(type(self).__name__)
         self._legacy_checkpoint = (
             False  # resuming a checkpoint whose optimizer state holds the take-over's zeros
         )
-        self.hook_calls = 0  # incremented by the registered hook: proof that it runs
-        self._carry = GradientCarry()  # one momentum per optimizer step, however many backward passes
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -198,16 +177,13 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
 
     def _two_level_topology(self) -> comm.Topology | None:
         """The process groups of the two-level exchange, or ``None`` for a flat one (``hierarchical``)."""
-        check_same_on_every_rank("hierarchical", self._hierarchical, type(self).__name__)
-        if not comm.resolve_hierarchical(self._hierarchical, self.num_nodes, self.world_size):
-            return None
-        ranks = comm.all_gather_object((self.global_rank, self.node_rank, self.local_rank))
-        per_node = comm.check_node_layout(ranks, self.num_nodes)  # type: ignore[arg-type]
-        rank_zero_info(
-            f"{type(self).__name__}: two-level exchange, {self.num_nodes} nodes x {per_node} devices: dense inside"
-            f" the node, {self.algorithm} across the nodes on each device's shard."
-        )
-        return comm.two_level_topology(self.num_nodes, per_node, self.global_rank)
+        topology = node_topology(self, self._hierarchical, type(self).__name__)
+        if topology is not None:
+            rank_zero_info(
+                f"{type(self).__name__}: two-level exchange, {topology.nodes} nodes x {topology.per_node} devices:"
+                f" dense inside the node, {self.algorithm} across the nodes on each device's shard."
+            )
+        return topology
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -328,20 +304,6 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         finish_save(filepath, manifest, io)
 
     @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove the checkpoint and the folder of its rank files (``ModelCheckpoint``'s rotation, ``last.ckpt``)."""
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            remove_rank_files(filepath, FileIO(self.checkpoint_io))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's read of the file; a truncated one is an error naming it and the fix (:func:`read_checkpoint`)."""
-        load = super().load_checkpoint
-        self._checkpoint_path = checkpoint_path  # the rank files are read in setup(), beside it
-        return read_checkpoint(lambda: load(checkpoint_path, *args, **kwargs), checkpoint_path)
-
-    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict)
         # Lightning restores the model before setup(); the exchange state is applied once it exists.
@@ -379,22 +341,6 @@ class CompressionStrategy(ExchangeAccess, DDPStrategy):
         restore_exchange_state(
             self.exchange_state, entry, self.root_device, self._checkpoint_path, FileIO(self.checkpoint_io)
         )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register every algorithm under its name (and ``<name>_spawn``): DGC and DEFT as their thin
-        classes, every other one as this class with ``algorithm=<name>``."""
-        thin: dict[str, type[CompressionStrategy]] = {"dgc": DGCStrategy, "deft": DEFTStrategy}
-        for name in algorithms.registered():
-            strategy = thin.get(name, CompressionStrategy)
-            fixed = {} if name in thin else {"algorithm": name}
-            for registered, start_method in ((name, "popen"), (f"{name}_spawn", "spawn")):
-                if registered not in strategy_registry:
-                    strategy_registry.register(
-                        registered, strategy, description=f"{strategy.__name__} ({name}), start_method"
-                        f" '{start_method}'", start_method=start_method, **fixed,
-                    )  # fmt: skip
 
 
 class DGCStrategy(CompressionStrategy):
@@ -485,6 +431,6 @@ class DEFTStrategy(DGCStrategy):
         return dict(self._deft_options)
 
 
-# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``)
-# then finds this module half-made and leaves the names to be registered here.
-CompressionStrategy.register_strategies(StrategyRegistry)
+# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``) finds this module
+# still loading and leaves its names to this line.
+register_strategies(__name__)

@@ -4,7 +4,7 @@ collectives inside the node."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -13,7 +13,16 @@ from lightning_dgc import shards
 from lightning_dgc.algorithms.base import TensorSpec, allgather_volume
 
 if TYPE_CHECKING:
-    from lightning_dgc.state import ExchangeState
+    from lightning_dgc.comm import Topology
+
+
+class ShardPlanner(Protocol):
+    """What a two-level plan needs of the exchange (:class:`~lightning_dgc.state.ExchangeState` has it): the
+    two levels, and the algorithm's plan of this rank's shard."""
+
+    topology: Topology | None
+
+    def algorithm_plan(self, layout: list[TensorSpec], buffer: Tensor) -> Any: ...
 
 
 class TwoLevelPlan:
@@ -31,7 +40,7 @@ class TwoLevelPlan:
         self.dense_bytes: int = inner.dense_bytes if inner is not None else 0
 
     @classmethod
-    def make(cls, state: ExchangeState, layout: list[TensorSpec], buffer: Tensor) -> TwoLevelPlan:
+    def make(cls, state: ShardPlanner, layout: list[TensorSpec], buffer: Tensor) -> TwoLevelPlan:
         topology = state.topology
         assert topology is not None
         shard = shards.shard_layout(layout, topology.per_node, topology.local_rank, buffer.device)

@@ -25,13 +25,16 @@ from lightning_dgc.algorithms.base import (
     register,
     registered,
 )
+from lightning_dgc.algorithms.context import ExchangeContext, ParamSettings
 
 __all__ = [
     "Algorithm",
     "AlgorithmConfig",
     "BucketPlan",
     "BucketWork",
+    "ExchangeContext",
     "Message",
+    "ParamSettings",
     "TensorSpec",
     "WireCost",
     "config_of",
@@ -42,5 +45,5 @@ __all__ = [
 ]
 
 for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "base":
+    if _module.name not in ("base", "context"):
         importlib.import_module(f"{__name__}.{_module.name}")

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from lightning_dgc.algorithms.context import ExchangeContext
     from lightning_dgc.comm import Collectives, Pending
-    from lightning_dgc.state import ExchangeState
 
 
 @dataclass
@@ -44,9 +44,9 @@ class AlgorithmConfig:
       the strategy's ``density`` and :class:`~lightning_dgc.callbacks.SparsityWarmup` change it, the
       statistics report it, and a new value makes new plans (see :meth:`Algorithm.plan_key`). Without
       the field it is ``None``: the algorithm has no density, and setting one raises an error.
-    * ``seed: int``: seeds the per-rank generator (``ExchangeState.generator``) and the draws shared
-      by every rank (:meth:`ExchangeState.draw_generator`, :meth:`ExchangeState.tensor_generator`);
-      0 without the field.
+    * ``seed: int``: seeds the per-rank generator (``state.generator``) and the draws shared by every
+      rank (``state.draw_generator``, ``state.tensor_generator``: see
+      :class:`~lightning_dgc.algorithms.context.ExchangeContext`); 0 without the field.
     """
 
     # Not annotated, so that they are no dataclass fields here: a subclass's own fields keep their order.
@@ -213,8 +213,9 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
     residual_kind: ClassVar[str | None] = None
     state_settings: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: ConfigT, state: ExchangeState) -> None:
+    def __init__(self, config: ConfigT, state: ExchangeContext) -> None:
         self.config = config
+        #: The exchange as this algorithm sees it (:class:`~lightning_dgc.algorithms.context.ExchangeContext`).
         self.state = state
 
     @property
@@ -351,9 +352,9 @@ def register(cls: A) -> A:
         )
     _REGISTRY[name] = cls  # type: ignore[assignment]
     if "lightning.pytorch" in sys.modules and not cls.__module__.startswith("lightning_dgc."):
-        from lightning_dgc import _register_strategies  # the package's own are registered with it
+        from lightning_dgc.registration import register_strategies  # the package's own are registered with it
 
-        _register_strategies()
+        register_strategies()
     return cls
 
 

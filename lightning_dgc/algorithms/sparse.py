@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -34,7 +34,6 @@ from lightning_dgc.selection import sampled_topk, topk_indices
 from lightning_dgc.selection.batched import SegmentLayout
 
 if TYPE_CHECKING:
-    from lightning_dgc.algorithms.dgc import DGCConfig
     from lightning_dgc.comm import Pending
 
 Kind = Literal["sparse", "full", "dense"]
@@ -45,17 +44,34 @@ def values_per_step(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(density * numel)))
 
 
-def tensor_kind(numel: int, ndim: int, k: int, config: DGCConfig) -> Kind:
+class TopKSettings(Protocol):
+    """What the shared top-k base reads of its algorithm's configuration (DGC's
+    :class:`~lightning_dgc.algorithms.dgc.DGCConfig` has it all; an outside top-k declares the same fields)."""
+
+    density: float
+    value_dtype: str
+    sample_ratio: float
+    selection: str
+    selection_backend: str
+    momentum_masking: bool
+
+    @property
+    def value_dtype_torch(self) -> torch.dtype: ...
+
+    def averaged_dense(self, numel: int, ndim: int) -> bool: ...
+
+
+def tensor_kind(numel: int, ndim: int, k: int, config: TopKSettings) -> Kind:
     """How one tensor is exchanged (see the module docstring)."""
     if config.averaged_dense(numel, ndim):
         return "dense"
-    if k * (codec.INDEX_BYTES + config.value_dtype_torch.itemsize) >= numel * 4:
+    if codec.sparse_nbytes(k, config.value_dtype_torch) >= numel * 4:
         return "full"
     return "sparse"
 
 
 def split_layout(
-    config: DGCConfig, layout: list[TensorSpec], density: float | None = None
+    config: TopKSettings, layout: list[TensorSpec], density: float | None = None
 ) -> tuple[list[int], int, int]:
     """Of a bucket's tensors: the sizes of those sent sparse, their total k, and how many values go dense
     (sent whole or averaged), as :func:`tensor_kind` decides at ``density`` (default: the config's); what
@@ -147,8 +163,8 @@ def grouped(items: list[Entry], key: Callable[[Entry], object]) -> list[tuple[ob
     return list(groups.items())
 
 
-#: The top-k algorithm's configuration (DGC's fields at least), plan and work.
-ConfigT = TypeVar("ConfigT", bound="DGCConfig")
+#: The top-k algorithm's configuration (:class:`TopKSettings` at least), plan and work.
+ConfigT = TypeVar("ConfigT", bound=TopKSettings)
 PlanT = TypeVar("PlanT", bound=SparsePlan)
 WorkT = TypeVar("WorkT", bound=SparseWork)
 
@@ -365,7 +381,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
 
     def _memory_groups(self, plan: PlanT) -> list[tuple[tuple[float, bool], bool, list[int]]]:
         """``plan.memory_groups`` with each group split by whether its parameters continue an optimizer step
-        that an earlier backward pass exchanged (:meth:`ExchangeState.continues`): ``(settings, continuing,
+        that an earlier backward pass exchanged (:meth:`~lightning_dgc.algorithms.context.ExchangeContext.continues`): ``(settings, continuing,
         members)``; every group is one piece unless several backward passes feed one optimizer step."""
         groups: list[tuple[tuple[float, bool], bool, list[int]]] = []
         for settings, members in plan.memory_groups:

@@ -95,7 +95,7 @@ def dense_momentum(
 
     The inputs are identical on every rank, so the buffers stay identical too. The new buffers are
     staged like any other memory update, so a skipped step leaves them untouched. A tensor that continues
-    an optimizer step an earlier backward pass exchanged (:meth:`ExchangeState.continues`) gets ``b' = b + g``
+    an optimizer step an earlier backward pass exchanged (:meth:`~lightning_dgc.algorithms.context.ExchangeContext.continues`) gets ``b' = b + g``
     and ``d = g`` (Nesterov ``(1 + m) g``): added to the earlier passes' ``d``, one momentum per step.
     """
     memory = algorithm.state.memory
