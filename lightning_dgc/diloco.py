@@ -17,22 +17,23 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dgc import comm
 from lightning_dgc.algorithms import AlgorithmConfig
-from lightning_dgc.checkpoint import FileIO, finish_save, read_checkpoint, remove_rank_files
+from lightning_dgc.checkpoint import FileIO, finish_save
 from lightning_dgc.diloco_front import DILOCO_KEY, OuterAccess
+from lightning_dgc.front import RankFileCheckpoints
 from lightning_dgc.outer import DENSE
+from lightning_dgc.registration import register_strategies
 from lightning_dgc.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS
 
 __all__ = ["DILOCO_KEY", "DiLoCoStrategy"]
 
 
-class DiLoCoStrategy(OuterAccess, DDPStrategy):
+class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
     """DiLoCo (Douillard et al., 2023): every rank takes ``sync_every`` optimizer steps on its own copy of the
     model, then the ranks average their *pseudo-gradients* (global weights minus local weights) and an outer
     Nesterov SGD steps the global weights, which every rank then continues from.
@@ -41,6 +42,11 @@ class DiLoCoStrategy(OuterAccess, DDPStrategy):
       carries over from round to round. During the inner steps no gradient crosses processes: the model is not
       wrapped in DDP (there is nothing for its reducer to do), and Lightning's distributed sampler still gives
       each rank its own shard of the data.
+    * Hierarchical (``hierarchical``; several devices on each of several nodes): the model is wrapped in DDP over
+      the ranks of its node, whose all-reduce averages the gradients inside the node at every step, and DiLoCo
+      runs across the nodes: the first rank of each node exchanges the pseudo-gradient with the other nodes' first
+      ranks and hands the average to its node (one all-reduce inside it). No gradient crosses nodes between outer
+      steps, and a node's link carries one exchange per outer step, whatever its number of devices.
     * The outer step runs right after every ``sync_every``-th optimizer step (optimizer steps, so
       ``accumulate_grad_batches`` counts as Lightning counts ``global_step``): 1. pseudo-gradient = global -
       local; 2. its mean over the ranks (``algorithm``); 3. outer SGD on the global weights; 4. local := global,
@@ -71,7 +77,11 @@ class DiLoCoStrategy(OuterAccess, DDPStrategy):
             outer step) instead of two fp32 model copies on the device.
         max_consecutive_skips: raise after this many outer steps in a row skipped for non-finite pseudo-gradients
             (``None`` or 0: never).
-        **kwargs: the algorithm's settings. DDP's own arguments are refused: the model is not wrapped in DDP.
+        hierarchical: ``"auto"`` (the default): DDP inside each node and DiLoCo across the nodes when there are
+            several nodes of several devices, else every rank is a DiLoCo worker; ``True``: always the former
+            (an error on one node); ``False``: always the latter.
+        **kwargs: the algorithm's settings. DDP's own arguments are refused: the model is not wrapped in DDP, or
+            only inside the node.
     """
 
     set_up_by = "`trainer.fit`"
@@ -86,6 +96,7 @@ class DiLoCoStrategy(OuterAccess, DDPStrategy):
         options: dict[str, Any] | None = None,
         offload: bool = False,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        hierarchical: Literal["auto"] | bool = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -99,7 +110,7 @@ class DiLoCoStrategy(OuterAccess, DDPStrategy):
         # Validated before anything else, so that a bad value fails at construction, on the launching process.
         self._init_outer(
             sync_every, outer_lr, outer_momentum, outer_nesterov, offload, max_consecutive_skips, algorithm, options,
-            kwargs, DDPStrategy,
+            kwargs, DDPStrategy, hierarchical,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -107,21 +118,18 @@ class DiLoCoStrategy(OuterAccess, DDPStrategy):
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
         )  # fmt: skip
         self._entry: dict[str, Any] | None = None  # the checkpoint's DiLoCo entry, restored in setup()
-        self._checkpoint_path: Any = None
         self._inner_optimizer_states: list[Any] | None = None  # this rank's, from its rank file
 
     # -- set-up ------------------------------------------------------------------------------------------------
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
-
-    @override
     def configure_ddp(self) -> None:
-        """No DDP wrapper: every rank starts from rank 0's weights and buffers (as DDP's would), and the outer
-        state starts from them."""
+        """Every rank starts from rank 0's weights and buffers (as DDP's would), and the outer state starts from
+        them. Flat: no DDP wrapper. Hierarchical: DDP over the ranks of each node (its all-reduce every step)."""
         assert isinstance(self.model, pl.LightningModule)
-        self._start_outer(self.model)
+        topology = self._start_outer(self.model)
+        if topology is not None:
+            self._ddp_kwargs["process_group"] = topology.node.group  # type: ignore[attr-defined]
+            super().configure_ddp()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -175,19 +183,6 @@ class DiLoCoStrategy(OuterAccess, DDPStrategy):
         finish_save(filepath, entry, io)
 
     @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove the checkpoint and the folder of its rank files (``ModelCheckpoint``'s rotation)."""
-        super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            remove_rank_files(filepath, FileIO(self.checkpoint_io))
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        load = super().load_checkpoint
-        self._checkpoint_path = checkpoint_path
-        return read_checkpoint(lambda: load(checkpoint_path, *args, **kwargs), checkpoint_path)
-
-    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict)  # the global weights: setup() starts from them
         self._entry = checkpoint.get(DILOCO_KEY)
@@ -201,13 +196,7 @@ class DiLoCoStrategy(OuterAccess, DDPStrategy):
             for optimizer, state in zip(self.optimizers, states, strict=True):
                 optimizer.load_state_dict(state)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "diloco" not in strategy_registry:
-            strategy_registry.register("diloco", cls, description="DiLoCo: local steps, outer Nesterov SGD")
 
-
-# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``) then finds this
-# module half-made and leaves the name to be registered here.
-DiLoCoStrategy.register_strategies(StrategyRegistry)
+# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``) finds this module
+# still loading and leaves its name to this line.
+register_strategies(__name__)

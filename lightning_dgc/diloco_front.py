@@ -8,6 +8,7 @@ Lightning is not imported here (the strategy modules import it), so that this mo
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -16,11 +17,13 @@ import torch
 from lightning_dgc import comm, rank_files
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checkpoint import FileIO, rank_zero_warn, read_rank_states
-from lightning_dgc.front import config_from_arguments
+from lightning_dgc.front import ProcessGroupAtExit, config_from_arguments, node_topology
 from lightning_dgc.outer import DENSE, OuterSettings, OuterStep, check_same_everywhere
 from lightning_dgc.takeover import check_max_consecutive_skips
 
 __all__ = ["DILOCO_KEY", "OuterAccess", "outer_config"]
+
+log = logging.getLogger(__name__)
 
 #: The checkpoint entry of a DiLoCo run (rank 0's file): the outer state and the manifest of the rank files.
 DILOCO_KEY = "lightning_dgc_diloco"
@@ -53,7 +56,7 @@ def outer_config(
     return config
 
 
-class OuterAccess:
+class OuterAccess(ProcessGroupAtExit):
     """Mixin of a DiLoCo front door (before its ``DDPStrategy`` base): the outer settings, the outer state, its
     statistics, the optimizer steps counted, the round finished, and every rank's part of a checkpoint.
 
@@ -82,9 +85,11 @@ class OuterAccess:
         options: dict[str, Any] | None,
         kwargs: dict[str, Any],
         base: type,
+        hierarchical: Any = "auto",
     ) -> None:
         self.settings = OuterSettings(sync_every, outer_lr, outer_momentum, outer_nesterov, offload)
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
+        self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
         self._config = outer_config(type(self).__name__, algorithm, options, kwargs, base)
 
     @property
@@ -106,12 +111,23 @@ class OuterAccess:
         return state.residual_norm() if state is not None else None
 
     # -- the round ---------------------------------------------------------------------------------------------
-    def _start_outer(self, module: torch.nn.Module) -> None:
+    def _start_outer(self, module: torch.nn.Module) -> comm.Topology | None:
         """Every rank takes rank 0's weights and buffers (as DDP's wrapper would), and the outer state starts from
-        them (all ranks call this)."""
+        them (all ranks call this). Returns the nodes' process groups when the run is hierarchical (the front door
+        then wraps the model in DDP over the node's ranks), else ``None``."""
         comm.broadcast_([t.detach() for t in (*module.parameters(), *module.buffers())])
-        self._outer = OuterStep(self.settings, self._config, module.named_parameters(), module.named_buffers())
-        check_same_everywhere(self._outer, type(self).__name__)
+        owner = type(self).__name__
+        topology = node_topology(self, self._hierarchical, owner)
+        across, node = (topology.across, topology.node) if topology is not None else (None, None)
+        self._outer = OuterStep(self.settings, self._config, module.named_parameters(), module.named_buffers(),
+                                collectives=across, node=node)  # fmt: skip
+        check_same_everywhere(self._outer, owner)
+        if topology is not None and self.global_rank == 0:  # type: ignore[attr-defined]
+            log.info(
+                "%s: %d nodes x %d devices: DDP's all-reduce inside the node at every step, DiLoCo (%s outer exchange)"
+                " across the nodes.", owner, topology.nodes, topology.per_node, self._outer.algorithm,
+            )  # fmt: skip
+        return topology
 
     def _count_step(self) -> None:
         """After an optimizer step: count it, and run the outer step at the end of a round."""

@@ -26,20 +26,22 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.ddp import _DDPBackwardSyncControl
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.types import Optimizable
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dgc import comm
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checkpoint import FileIO, finish_save, read_checkpoint
 from lightning_dgc.diloco_front import DILOCO_KEY, OuterAccess
+from lightning_dgc.front import check_model_first
 from lightning_dgc.outer import DENSE
+from lightning_dgc.registration import register_strategies
 from lightning_dgc.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS
 
-__all__ = ["FabricDiLoCoStrategy", "register_fabric_diloco"]
+__all__ = ["FabricDiLoCoStrategy"]
 
 
 class _NothingToSync(_BackwardSyncControl):
@@ -65,11 +67,12 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
       exchange memory into its own file beside ``path`` (``<path>.exchange/``). ``fabric.load(path, state)`` with
       the model in ``state`` restores all of it (mid-round exactly); a checkpoint without the DiLoCo entry starts a
       round from its weights;
-    * ``fabric.no_backward_sync`` has nothing to skip and does nothing.
+    * ``fabric.no_backward_sync`` has nothing to skip and does nothing (hierarchical: it skips DDP's all-reduce
+      inside the node, as under DDP).
 
     One model per strategy. Arguments: those of :class:`~lightning_dgc.DiLoCoStrategy` (``sync_every``,
     ``outer_lr``, ``outer_momentum``, ``outer_nesterov``, ``algorithm``, ``options`` or the algorithm's settings as
-    keyword arguments, ``offload``, ``max_consecutive_skips``) and those of Fabric's ``DDPStrategy`` but DDP's own.
+    keyword arguments, ``offload``, ``max_consecutive_skips``, ``hierarchical``) and those of Fabric's ``DDPStrategy`` but DDP's own.
     """
 
     set_up_by = "`fabric.setup(model, ...)`"
@@ -84,6 +87,7 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
         options: dict[str, Any] | None = None,
         offload: bool = False,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        hierarchical: Literal["auto"] | bool = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -97,7 +101,7 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
         # Validated before anything else, so that a bad value fails at construction, on the launching process.
         self._init_outer(
             sync_every, outer_lr, outer_momentum, outer_nesterov, offload, max_consecutive_skips, algorithm, options,
-            kwargs, DDPStrategy,
+            kwargs, DDPStrategy, hierarchical,
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
@@ -109,29 +113,26 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
         self._optimizers: list[Optimizer] = []  # set up through this strategy, in order
 
     @override
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        comm.destroy_process_group_at_exit()  # gloo aborts at exit if its group is still alive
-
-    @override
     def setup_module(self, module: Module) -> Module:
-        """No DDP wrapper: every rank takes rank 0's weights and buffers, and the outer state starts from them."""
+        """Every rank takes rank 0's weights and buffers, and the outer state starts from them. Flat: no DDP wrapper.
+        Hierarchical: DDP over the ranks of each node (its all-reduce every step, ``fabric.no_backward_sync`` as
+        under DDP)."""
         if self._module is not None:
             raise ValueError(
                 f"{type(self).__name__} keeps the global weights of one model, and one is set up already: set up the"
                 " other models under another Fabric, or put them in one `nn.Module`."
             )
-        self._start_outer(module)
+        topology = self._start_outer(module)
+        if topology is not None:
+            self._ddp_kwargs["process_group"] = topology.node.group  # type: ignore[attr-defined]
+            self._backward_sync_control = _DDPBackwardSyncControl()
+            module = super().setup_module(module)
         self._module = module
         return module
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        if self._module is None:
-            raise RuntimeError(
-                f"{type(self).__name__} must know the model before its optimizer: call `fabric.setup(model,"
-                " optimizer)`, or `fabric.setup_module(model)` before `fabric.setup_optimizers(optimizer)`."
-            )
+        check_model_first(type(self).__name__, self._module)
         optimizer = super().setup_optimizer(optimizer)
         self._optimizers.append(optimizer)
         return optimizer
@@ -200,20 +201,7 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
                 obj.load_state_dict(inner[key])
         return remainder
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "diloco" not in strategy_registry:
-            strategy_registry.register("diloco", cls, description="DiLoCo: local steps, outer Nesterov SGD")
 
-
-def register_fabric_diloco() -> None:
-    """Register ``"diloco"`` in Fabric's strategy registry (``Fabric(strategy="diloco")``)."""
-    from lightning.fabric.strategies import STRATEGY_REGISTRY
-
-    FabricDiLoCoStrategy.register_strategies(STRATEGY_REGISTRY)
-
-
-# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``) then finds this
-# module half-made and leaves the name to be registered here.
-register_fabric_diloco()
+# Importing this module first imports Lightning, whose import hook (``lightning_dgc/__init__.py``) finds this module
+# still loading and leaves its name to this line.
+register_strategies(__name__)

@@ -98,7 +98,13 @@ class OuterStep:
         named_parameters: the model's (local) parameters; those that do not require a gradient are left out.
         named_buffers: the model's buffers; the floating-point ones are averaged at every outer step.
         collectives: the ranks' collectives (default: the process group's; :func:`lightning_dgc.comm.simulate`
-            passes simulated ones).
+            passes simulated ones). In a hierarchical run, those of the ranks across the nodes that share this
+            rank's local rank (:attr:`lightning_dgc.comm.Topology.across`).
+        node: in a hierarchical run, the collectives of this rank's node (:attr:`lightning_dgc.comm.Topology.node`).
+            DDP averages the gradients inside the node at every inner step, so a node's ranks hold the same local
+            weights: only the node's first rank exchanges the pseudo-gradient (and the buffers) across the nodes,
+            and hands the average to the others with one all-reduce inside the node; every rank then takes the
+            same outer step. ``None``: every rank is a node of its own.
     """
 
     def __init__(
@@ -108,8 +114,12 @@ class OuterStep:
         named_parameters: Iterable[tuple[str, Tensor]],
         named_buffers: Iterable[tuple[str, Tensor]] = (),
         collectives: Collectives | None = None,
+        node: Collectives | None = None,
     ) -> None:
         self.settings = settings
+        self.node = node
+        #: Whether this rank exchanges across the nodes (the first of its node; every rank in a flat run).
+        self.leader = node is None or node.rank == 0
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("DiLoCo needs a model with at least one parameter that requires a gradient.")
@@ -183,8 +193,10 @@ class OuterStep:
         pseudo-gradient was finite (``False``: the outer optimizer did not step, on any rank)."""
         # Step 1: the pseudo-gradient, global - local, fp32, flat on the model's device.
         flat = self.pseudo_gradient()
-        # Step 2: its mean over the ranks.
-        average, finite, sent, link = self._average(flat)
+        # Step 2: its mean over the ranks (the nodes).
+        average, finite, sent, link = self._average(flat) if self.leader else (torch.zeros_like(flat), True, 0, 0.0)
+        if self.node is not None:
+            average, finite = self._from_leader(average, finite)
         # Step 3: the outer SGD step on the global weights.
         if finite:
             offset = 0
@@ -200,9 +212,14 @@ class OuterStep:
         # Step 4: local := global; the buffers averaged.
         self.load_local()
         for buffer in self.buffers:
-            self.collectives.all_reduce(buffer.data, "DiLoCo: the buffers").wait()
-            buffer.data.div_(self.world_size)
-        buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers)
+            if self.leader:
+                self.collectives.all_reduce(buffer.data, "DiLoCo: the buffers").wait()
+                buffer.data.div_(self.world_size)
+            else:
+                buffer.data.zero_()
+            if self.node is not None:
+                self.node.all_reduce(buffer.data, "DiLoCo: the buffers inside the node").wait()
+        buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers) if self.leader else 0
         self.step_bytes_sent = sent + buffer_bytes
         self.step_link_bytes = link + ring_allreduce_volume(buffer_bytes, self.world_size)
         self.link_bytes_total += self.step_link_bytes
@@ -210,6 +227,17 @@ class OuterStep:
         self.inner_steps = 0
         self.outer_steps += 1
         return finite
+
+    def _from_leader(self, average: Tensor, finite: bool) -> tuple[Tensor, bool]:
+        """The node's first rank's ``average`` and verdict, on every rank of the node: one all-reduce inside the node
+        to which the other ranks bring zeros (the verdict travels as one more value)."""
+        assert self.node is not None
+        packed = torch.zeros(average.numel() + 1, dtype=average.dtype, device=average.device)
+        if self.leader:
+            packed[:-1] = average
+            packed[-1] = 0.0 if finite else 1.0
+        packed = self.node.all_reduce(packed, "DiLoCo: the average inside the node").wait()
+        return packed[:-1], bool(packed[-1] == 0.0)
 
     def pseudo_gradient(self) -> Tensor:
         """``global - local`` of every parameter, fp32, flat on the model's device."""

@@ -144,6 +144,45 @@ def test_a_non_finite_pseudo_gradient_on_one_rank_skips_the_outer_step_on_every_
     assert torch.equal(_flat(m0), _flat(m1)) and torch.equal(_flat(m0), _flat(clean[0][0]))
 
 
+@pytest.mark.parametrize("config", [None, DGCConfig(density=0.1, min_compress_numel=16)], ids=["dense", "dgc"])
+def test_hierarchical_the_nodes_first_ranks_exchange_and_every_rank_of_a_node_ends_as_the_flat_run(config) -> None:
+    """2 nodes x 2 ranks, the ranks of a node holding the same local weights (DDP inside the node): the same
+    weights as a flat run of one rank per node, on all 4 ranks; only the first rank of a node sends across."""
+    flat = _run(config, rounds=3)
+
+    def rank_fn(topology):
+        model = _model()
+        outer = OuterStep(OuterSettings(sync_every=1), config, model.named_parameters(), collectives=topology.across,
+                          node=topology.node)  # fmt: skip
+        for r in range(3):
+            _drift(model, topology.node_rank, r)  # the node's move: the same on both of its ranks
+            outer.after_optimizer_step()
+        return model, outer
+
+    out = comm.simulate_nodes(2, 2, rank_fn)
+    for rank, (model, outer) in enumerate(out):
+        assert torch.equal(_flat(model), _flat(flat[rank // 2][0])), rank
+        assert outer.leader == (rank % 2 == 0)
+        stats = outer.compression_stats()
+        assert (stats["outer_bytes_sent"] > 0) == outer.leader, (rank, stats["outer_bytes_sent"])
+
+
+def test_hierarchical_a_non_finite_pseudo_gradient_skips_the_outer_step_on_every_rank_of_every_node() -> None:
+    def rank_fn(topology):
+        model = _model()
+        outer = OuterStep(OuterSettings(sync_every=1), None, model.named_parameters(), collectives=topology.across,
+                          node=topology.node)  # fmt: skip
+        _drift(model, topology.node_rank, 0)
+        if topology.node_rank == 1:
+            with torch.no_grad():
+                next(model.parameters())[0, 0] = math.nan
+        return outer.after_optimizer_step(), _flat(model)
+
+    out = comm.simulate_nodes(2, 2, rank_fn)
+    assert [verdict for verdict, _ in out] == [False] * 4
+    assert all(torch.equal(weights, _flat(_model())) for _, weights in out), "every rank restarts from the global weights"
+
+
 def test_the_state_round_trips_through_a_weights_only_load() -> None:
     (_, outer, _), _ = _run(None, rounds=3, settings=OuterSettings(sync_every=2))
     buffer = io.BytesIO()

@@ -2,6 +2,7 @@
 Writes each rank's initial and final parameters and a JSON summary.
 
     python tests/lightning/diloco_script.py --out DIR/run --sync-every 4 --max-steps 10 [options]
+    torchrun --nnodes 2 --nproc-per-node 2 ... tests/lightning/diloco_script.py --num-nodes 2 --devices 2 ...
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class Module(L.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=INNER_LR, momentum=INNER_MOMENTUM)
 
+    def on_train_start(self) -> None:
+        self.wrapped_as = type(self.trainer.strategy.model).__name__  # (teardown unwraps it)
+
 
 def flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
@@ -54,6 +58,8 @@ def main() -> None:
     p.add_argument("--sync-every", type=int, default=4)
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--hierarchical", default="auto", choices=["auto", "true", "false"])
     p.add_argument("--samples", type=int, default=32, help="the data set (BATCH per batch and rank)")
     p.add_argument("--algorithm", default="dense")
     p.add_argument("--options", default=None, help="JSON: the algorithm's settings")
@@ -67,14 +73,15 @@ def main() -> None:
     L.seed_everything(0)
     strategy = DiLoCoStrategy(
         sync_every=args.sync_every, algorithm=args.algorithm, options=json.loads(args.options or "null"),
-        offload=args.offload,
+        offload=args.offload, hierarchical={"true": True, "false": False}.get(args.hierarchical, "auto"),
     )  # fmt: skip
     trainer_strategy = "ddp" if args.ddp else strategy
     callbacks = []
     if args.ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=f"{args.out}.ckpts", every_n_train_steps=args.ckpt_every, save_top_k=-1))
     trainer = L.Trainer(
-        strategy=trainer_strategy, accelerator="cpu", devices=args.devices, max_steps=args.max_steps, logger=False,
+        strategy=trainer_strategy, accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes,
+        max_steps=args.max_steps, logger=False,
         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks, use_distributed_sampler=False,
     )  # fmt: skip
@@ -91,7 +98,8 @@ def main() -> None:
         "rank": rank, "global_step": trainer.global_step,
         "outer_steps": strategy.outer.outer_steps if strategy._outer is not None else 0,
         "stats": {k: v for k, v in stats.items() if isinstance(v, int | float | str | bool)},
-        "ddp_wrapped": type(strategy.model).__name__,
+        "ddp_wrapped": getattr(module, "wrapped_as", None),
+        "leader": strategy.outer.leader if strategy._outer is not None else None,
     }  # fmt: skip
     with open(f"{args.out}.rank{rank}.json", "w") as f:
         json.dump(summary, f)

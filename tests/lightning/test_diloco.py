@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_dgc import DiLoCoStrategy
+from tests.conftest import free_port
 from tests.lightning.diloco_script import BATCH, INNER_LR, INNER_MOMENTUM, dataset, model
-from tests.lightning.run import params, results, run_script
+from tests.lightning.run import HERE, _environment, params, results, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -20,12 +23,15 @@ DGC_FULL = ("--algorithm", "dgc", "--options", json.dumps({"density": 1.0, "min_
 
 
 def _reference(
-    init: torch.Tensor, steps: int, sync_every: int, samples: int, world: int = 2, momenta: list | None = None
-) -> torch.Tensor:
+    init: torch.Tensor, steps: int, sync_every: int, samples: int, world: int = 2, momenta: list | None = None,
+    per_node: int = 1,
+) -> torch.Tensor:  # fmt: skip
     """DiLoCo by hand: each rank's shard (DistributedSampler, no shuffle), its own SGD with momentum kept across
     rounds, the mean pseudo-gradient, Nesterov SGD(lr=0.7, momentum=0.9) on the global weights, a last outer step
-    at the end of a shorter round."""
+    at the end of a shorter round. ``per_node`` > 1: ``world`` nodes of ``per_node`` ranks, each node one DiLoCo
+    worker whose gradient is the mean of its ranks' (DDP inside the node)."""
     x, y = dataset(samples).tensors
+    ranks = world * per_node
     nets = [model() for _ in range(world)]
     glob = [p.detach().clone() for p in model().parameters()]
     torch.nn.utils.vector_to_parameters(init.clone(), glob)  # (it makes the tensors views of the vector given)
@@ -36,7 +42,7 @@ def _reference(
     for opt, net in zip(inner, nets, strict=True) if momenta else ():  # the inner momentum a checkpoint brought
         for p, buffer in zip(net.parameters(), momenta, strict=True):
             opt.state[p]["momentum_buffer"] = buffer.clone()
-    per_rank = samples // world
+    per_rank = samples // ranks
     batches = per_rank // BATCH
 
     def outer_step() -> None:
@@ -49,10 +55,11 @@ def _reference(
 
     for step in range(steps):
         b = step % batches
-        for r, (net, opt) in enumerate(zip(nets, inner, strict=True)):
-            idx = [r + world * (b * BATCH + j) for j in range(BATCH)]
+        for n, (net, opt) in enumerate(zip(nets, inner, strict=True)):
             opt.zero_grad()
-            nn.functional.mse_loss(net(x[idx]), y[idx]).backward()
+            for r in range(n * per_node, (n + 1) * per_node):
+                idx = [r + ranks * (b * BATCH + j) for j in range(BATCH)]
+                (nn.functional.mse_loss(net(x[idx]), y[idx]) / per_node).backward()
             opt.step()
         if (step + 1) % sync_every == 0 or step + 1 == steps:
             outer_step()
@@ -77,6 +84,37 @@ def test_dense_equals_a_hand_written_diloco_and_dgc_at_density_one_equals_dense(
     assert results(dgc)[0]["stats"]["algorithm"] == "dgc"
     assert torch.equal(params(dgc, 0), params(dgc, 1))
     torch.testing.assert_close(params(dgc, 0), params(dense, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_two_torchrun_agents_of_two_processes_run_ddp_inside_the_node_and_diloco_across(tmp_path) -> None:
+    """Two nodes of two devices, one ``torchrun`` agent per node: ``hierarchical="auto"`` wraps the model in DDP over
+    the node's ranks and runs DiLoCo across the nodes; all 4 ranks end on a hand-written DiLoCo of 2 workers whose
+    gradient is the mean of their node's two ranks', and only the first rank of a node sends across."""
+    port, out = free_port(), tmp_path / "h"
+    env = _environment() | {"OMP_NUM_THREADS": "1"}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             str(HERE / "diloco_script.py"), "--out", str(out), "--devices", "2", "--num-nodes", "2",
+             "--sync-every", "4", "--max-steps", "10", "--samples", "64"],
+            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for node in range(2)
+    ]
+    outputs = [agent.communicate(timeout=400)[0] for agent in agents]
+    for agent, output in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, output[-6000:]
+    init = torch.load(f"{out}.rank0.init.pt", weights_only=True)
+    expected = _reference(init, steps=10, sync_every=4, samples=64, world=2, per_node=2)
+    for rank in range(4):
+        torch.testing.assert_close(params(out, rank), expected, rtol=1e-5, atol=1e-6)
+        assert torch.equal(params(out, rank), params(out, 0))
+    summaries = results(out, world_size=4)
+    assert [s["ddp_wrapped"] for s in summaries] == ["DistributedDataParallel"] * 4
+    assert [s["leader"] for s in summaries] == [True, False, True, False]
+    assert [s["outer_steps"] for s in summaries] == [3] * 4
+    assert [s["stats"]["outer_bytes_sent"] > 0 for s in summaries] == [True, False, True, False]
 
 
 @pytest.mark.parametrize(
@@ -135,6 +173,7 @@ def test_a_plain_ddp_checkpoint_starts_a_round_from_its_weights(tmp_path) -> Non
         ({"algorithm": "nope"}, ValueError, "algorithm='dense'"),
         ({"density": 0.1}, TypeError, "no setting of algorithm='dense'"),
         ({"algorithm": "dgc", "find_unused_parameters": True}, TypeError, "does not wrap the model"),
+        ({"hierarchical": "yes"}, ValueError, "hierarchical must be 'auto', True or False"),
         ({"algorithm": "dgc", "densty": 0.1}, TypeError, "did you mean `density`"),
     ],
 )
