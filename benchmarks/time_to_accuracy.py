@@ -13,11 +13,13 @@ Each run is a recipe, ``python -m lightning_dgc_recipes fit`` with the task's CP
 algorithm config, as :mod:`benchmarks.parity` builds it (the same global batch, warm-up and learning-rate
 schedule), evaluated every ``val_every`` optimizer steps; :class:`benchmarks.common.RunRecorder` writes each
 evaluation's wall-clock since launch, evaluation time so far, step, metrics and bytes. Methods: ``ddp``,
-``dgc`` (``configs/algo/dgc_warmup.yaml``), ``deft``, ``powersgd`` and ``auto`` (DGC with
-``density="auto"``); :data:`METHODS` maps each to a :data:`benchmarks.parity.ALGO_SPECS` entry (add one there
-and here for a new method).
+``dgc`` (the recommended recipe, ``configs/algo/dgc_regimes.yaml``: the warm-up and the critical regimes),
+``deft``, ``powersgd``, ``auto`` (DGC with ``density="auto"``) and ``diloco`` (``configs/algo/diloco.yaml``);
+:data:`METHODS` maps each to a :data:`benchmarks.parity.ALGO_SPECS` entry (add one there and here for a new
+method). ``--append`` adds this invocation's runs to the record of the same name (a run of the same task,
+method, link and seed is replaced), so that the links and methods can be measured in separate invocations.
 
-The report, per task: the target is DDP's final metric (mean over its runs) minus 0.5 points of accuracy
+The report, per task: the target is DDP's final metric (mean over its seeds) minus 0.5 points of accuracy
 (perplexity: plus 2%); each method's time to reach it on each link is the wall-clock since launch less the
 evaluations' time, mean over seeds ('not reached' with the best metric otherwise); DDP's scaling efficiency per
 link is the compute-only step (DDP's median step on the unshaped link) over DDP's step there. The plot draws
@@ -35,6 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +47,8 @@ from benchmarks.netns import ADDRESSES, INTERFACES, SlowLink, missing_requiremen
 from lightning_dgc.algorithms.base import ring_allreduce_volume
 
 #: method -> its entry of :data:`benchmarks.parity.ALGO_SPECS` (algorithm YAML, extra arguments, warm-up).
-METHODS: dict[str, str] = {"ddp": "ddp", "dgc": "dgc", "deft": "deft", "powersgd": "powersgd", "auto": "dgc_auto"}
+METHODS: dict[str, str] = {"ddp": "ddp", "dgc": "dgc_regimes_warmup", "deft": "deft", "powersgd": "powersgd",
+                           "auto": "dgc_auto", "diloco": "diloco"}  # fmt: skip
 TASKS = ("cifar10", "ptb")
 #: task -> (epochs, train batches per epoch, evaluate every this many optimizer steps): whole batches only,
 #: so that the evaluations fall evenly and the last one ends the run.
@@ -158,6 +163,19 @@ def one_run(args: argparse.Namespace, link: SlowLink, task: parity.Task, method:
     }  # fmt: skip
 
 
+def merged(path: Path, new: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s runs, links and errors added to the record at ``path`` (a run of the same task, method, link and
+    seed replaces the old one; a link measured again replaces its goodput)."""
+    if not path.exists():
+        return new
+    old = json.loads(path.read_text())
+    key = lambda r: (r["task"], r["method"], r["link"], r["seed"])  # noqa: E731
+    fresh = {key(r) for r in new["runs"]}
+    links = {lk["link"]: lk for lk in old.get("links", []) + new["links"]}
+    return {"runs": [r for r in old.get("runs", []) if key(r) not in fresh] + new["runs"],
+            "links": list(links.values()), "errors": old.get("errors", []) + new["errors"]}  # fmt: skip
+
+
 # -- the report ------------------------------------------------------------------------------------------------
 def target(task: parity.Task, ddp_finals: list[float]) -> float | None:
     """DDP's final metric (mean) minus the task's tolerance: 0.5 points of accuracy, or perplexity plus 2%."""
@@ -185,7 +203,11 @@ def report(result: dict[str, Any]) -> list[dict[str, Any]]:
     for task_name in dict.fromkeys(r["task"] for r in runs):
         task = parity.TASKS[task_name]
         mine = [r for r in runs if r["task"] == task_name]
-        goal = target(task, [r["final"][task.metric] for r in mine if r["method"] == "ddp" and task.metric in r["final"]])
+        by_seed: dict[int, list[float]] = {}  # DDP's final metric per seed (each link trains the same run)
+        for r in mine:
+            if r["method"] == "ddp" and task.metric in r["final"]:
+                by_seed.setdefault(r["seed"], []).append(r["final"][task.metric])
+        goal = target(task, [statistics.mean(v) for v in by_seed.values()])
         bound = [r["median_step_s"] for r in mine if r["method"] == "ddp" and r["link"] == "none" and r["median_step_s"]]
         compute_only = statistics.mean(bound) if bound else None
         for link in dict.fromkeys(r["link"] for r in mine):
@@ -210,6 +232,86 @@ def report(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def markdown_levels(result: dict[str, Any], task_name: str = "cifar10") -> list[str]:
+    """The docs' table of the time to each of the task's :data:`LEVELS` (:func:`milestones`), per link and method."""
+    levels = LEVELS[task_name]
+    lines = ["| link | method | " + " | ".join(f"{100 * g:.0f}%" for g in levels) + " |",
+             "|" + " --- |" * (len(levels) + 2)]  # fmt: skip
+    for link, method, *cells in milestones(result, task_name, levels):
+        lines.append(f"| {link_label(link)} | {METHOD_LABELS.get(method, method)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown_time_split(result: dict[str, Any]) -> list[str]:
+    """The docs' table of where a step's time goes (:func:`where_time_goes`), in milliseconds, shaped links only."""
+    lines = ["| link | method | step | compute | selection | the rest: exchange, other hook work, waits | model's step |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    ms = lambda x: "-" if x is None else f"{1e3 * x:.0f}"  # noqa: E731
+    for w in result.get("time_split") or where_time_goes(result):
+        if w["link"] != "none":
+            lines.append(f"| {link_label(w['link'])} | {METHOD_LABELS.get(w['method'], w['method'])} | {ms(w['step_s'])} |"
+                         f" {ms(w['compute_s'])} | {ms(w['selection_s'])} | {ms(w['rest_s'])} | {ms(w['predicted_step_s'])} |")  # fmt: skip
+    return lines
+
+
+#: method -> the performance model's name for its exchange at the final density (``None``: not modelled).
+MODELLED = {"ddp": "ddp", "dgc": "dgc", "auto": None, "deft": "deft", "powersgd": "powersgd", "diloco": None}
+
+
+def where_time_goes(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per task, link and method: the median step split into compute (DDP's median step unshaped: the
+    compute-only bound), selection (the run's recorded ``selection_ms`` per step) and the rest (the exchange and its waits),
+    beside the performance model's step (:func:`lightning_dgc.perfmodel.step_time`, at the final density, on the
+    link's measured goodput, with that compute and selection). Means over seeds."""
+    runs = result.get("runs", [])
+    goodput = {lk["link"]: lk["measured_goodput_mbit"] for lk in result.get("links", [])}
+    out = []
+    for task_name in dict.fromkeys(r["task"] for r in runs):
+        mine = [r for r in runs if r["task"] == task_name]
+        bound = [r["median_step_s"] for r in mine if (r["method"], r["link"]) == ("ddp", "none") and r["median_step_s"]]
+        if not bound:
+            continue
+        compute = statistics.mean(bound)
+        profile = _profile(task_name, compute)
+        for link in dict.fromkeys(r["link"] for r in mine):
+            for method in dict.fromkeys(r["method"] for r in mine):
+                seeds = [r for r in mine if (r["link"], r["method"]) == (link, method) and r["median_step_s"]]
+                if not seeds:
+                    continue
+                step = statistics.mean(r["median_step_s"] for r in seeds)
+                selection = statistics.mean(_selection_per_step_s(r) for r in seeds)
+                predicted = None
+                name = MODELLED.get(method)
+                if profile is not None and name is not None and goodput.get(link):
+                    from lightning_dgc.perfmodel import Network, step_time
+
+                    modelled = replace(profile, selection_s=selection if name in ("dgc", "deft") else 0.0)
+                    predicted = step_time(modelled, name, 2, Network(bandwidth=goodput[link] * 1e6)).total_s
+                out.append({"task": task_name, "link": link, "method": method, "step_s": step, "compute_s": compute,
+                            "selection_s": selection, "rest_s": step - compute - selection,
+                            "predicted_step_s": predicted})  # fmt: skip
+    return out
+
+
+def _selection_per_step_s(run: dict[str, Any]) -> float:
+    """The run's selection time per optimizer step (its record sums ``selection_ms`` over the steps)."""
+    stats = run.get("compression") or {}
+    return stats.get("selection_ms", 0.0) / 1e3 / max(1, stats.get("steps", 1))
+
+
+def _profile(task_name: str, compute_s: float) -> Any:
+    """The performance model's profile of the task's model (its buckets as DDP makes them), or ``None``."""
+    if task_name != "cifar10":
+        return None
+    from lightning_dgc.perfmodel import Profile
+    from lightning_dgc.profiler import bucket_layout, bucket_profiles
+    from lightning_dgc_recipes.vision import ImageClassifier
+
+    net = ImageClassifier(arch="resnet20", num_classes=10)
+    return Profile("resnet20", bucket_profiles(bucket_layout(net)), compute_s=compute_s, selection_s=0.0,
+                   density=0.001, configs={"powersgd": {"matrix_approximation_rank": 2}}, batch_size=64)  # fmt: skip
+
+
 def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
     """(title, columns, rows) of the report, for the terminal and ``benchmarks.report``."""
     columns = ["task", "link", "method", "target", "time to target s", "best (mean)", "step s", "DDP efficiency"]
@@ -220,8 +322,99 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]
         eff = None if r["ddp_efficiency"] is None else f"{r['ddp_efficiency']:.0%}"
         table.append([r["task"], r["link"], r["method"], r["target"], reached, r["best"], r["median_step_s"], eff])
     links = [[lk["link"], lk["measured_goodput_mbit"]] for lk in result.get("links", [])]
+    ms = lambda x: None if x is None else round(1e3 * x)  # noqa: E731
+    split = [[w["task"], w["link"], w["method"], ms(w["step_s"]), ms(w["compute_s"]), ms(w["selection_s"]),
+              ms(w["rest_s"]), ms(w["predicted_step_s"])] for w in result.get("time_split") or where_time_goes(result)]  # fmt: skip
     return [("Time to accuracy on shaped links (2 nodes x 1 process)", columns, table),
+            ("Where a step's time goes (ms; compute: DDP's step unshaped)",
+             ["task", "link", "method", "step", "compute", "selection", "exchange and waits", "model's step"], split),
+            *[(f"{task}: time to these levels (mean over the seeds that reached it)",
+               ["link", "method", *[f"{100 * g:.0f}%" for g in LEVELS[task]]], milestones(result, task, LEVELS[task]))
+              for task in dict.fromkeys(r["task"] for r in result.get("runs", [])) if task in LEVELS],
             ("Link check: TCP goodput", ["link", "measured Mbit/s"], links)]  # fmt: skip
+
+
+def milestones(result: dict[str, Any], task_name: str, goals: Sequence[float]) -> list[list[Any]]:
+    """Per link and method: the time to each of ``goals`` (mean over the seeds that reached it, and how many of
+    them did), for the curve's shape between the first evaluation and the target."""
+    task = parity.TASKS[task_name]
+    runs = [r for r in result.get("runs", []) if r["task"] == task_name]
+    rows = []
+    for link in dict.fromkeys(r["link"] for r in runs):
+        for method in dict.fromkeys(r["method"] for r in runs):
+            seeds = [r for r in runs if (r["link"], r["method"]) == (link, method)]
+            if not seeds:
+                continue
+            cells = []
+            for goal in goals:
+                times = [t for r in seeds if (t := time_to(r["history"], task.metric, goal, task.higher_is_better)) is not None]
+                cells.append(f"{statistics.mean(times):.0f} s" + (f" ({len(times)}/{len(seeds)})" if len(times) < len(seeds) else "")
+                             if times else "not reached")  # fmt: skip
+            rows.append([link, method, *cells])
+    return rows
+
+
+#: How the README names each method (its column).
+METHOD_LABELS = {"ddp": "`ddp`", "dgc": "`algo/dgc_regimes`", "auto": '`density="auto"`', "deft": "`deft`",
+                 "powersgd": "`powersgd`", "diloco": "`algo/diloco`"}  # fmt: skip
+
+
+#: A lower level than the target, reported beside it (the task's metric): what the compressed methods reach
+#: on the 10-epoch CIFAR schedule, where few reach DDP's final accuracy.
+MILESTONE = {"cifar10": 0.58}
+#: The levels of the terminal's and the docs' table of times (:func:`milestones`).
+LEVELS = {"cifar10": (0.45, 0.5, 0.55, 0.58, 0.6)}
+
+
+def link_label(link: str) -> str:
+    return "unshaped" if link == "none" else link.replace("mbit", " Mbit/s").replace("gbit", " Gbit/s")
+
+
+def markdown_table(result: dict[str, Any], task_name: str = "cifar10") -> list[str]:
+    """The README's headline: one row per method, for each shaped link two columns: the time to the task's
+    :data:`MILESTONE` and to the target (means over seeds), each with how much sooner than DDP on that link, or
+    'not reached' with the best metric; a first row gives DDP unshaped (the compute-only bound)."""
+    task = parity.TASKS[task_name]
+    runs = [r for r in result.get("runs", []) if r["task"] == task_name]
+    rows = [r for r in result.get("report") or report(result) if r["task"] == task_name]
+    goal = rows[0]["target"] if rows else None
+    milestone = MILESTONE.get(task_name)
+    links = sorted({r["link"] for r in runs if r["link"] != "none"}, key=lambda lk: parse_rate(lk) or math.inf)
+    methods = [m for m in METHOD_LABELS if any(r["method"] == m for r in runs)]
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}%" if task.metric == "val_acc" else f"{x:.1f}"
+
+    def cell(link: str, method: str, level: float | None) -> str:
+        seeds = [r for r in runs if (r["link"], r["method"]) == (link, method)]
+        if not seeds or level is None:
+            return "not run"
+        times = [time_to(r["history"], task.metric, level, task.higher_is_better) for r in seeds]
+        if any(t is None for t in times):
+            values = [h[task.metric] for r in seeds for h in r["history"] if task.metric in h]
+            best = max(values) if task.higher_is_better else min(values)
+            return f"not reached (best {pct(best)})"
+        t = statistics.mean(times)  # type: ignore[type-var]
+        ddp = [time_to(r["history"], task.metric, level, task.higher_is_better)
+               for r in runs if (r["link"], r["method"]) == (link, "ddp")]  # fmt: skip
+        sooner = statistics.mean(ddp) / t if ddp and None not in ddp and method != "ddp" else None  # type: ignore[type-var]
+        return f"{t:.0f} s" + (f" ({sooner:.2f}x)" if sooner else "")
+
+    efficiency = {r["link"]: r["ddp_efficiency"] for r in rows if r["method"] == "ddp"}
+    header = ["method"]
+    for link in links:
+        eff = f", DDP efficiency {efficiency[link]:.0%}" if efficiency.get(link) else ""
+        target = (f"{100 * goal:.2f}%" if task.metric == "val_acc" else f"{goal:.2f}") if goal is not None else ""
+        header += [f"{link_label(link)}{eff}: to {pct(milestone)}" if milestone is not None else "",
+                   f"to {target} (DDP's final {'- 0.5 points' if not task.relative else '+ 2%'})" if target else ""]  # fmt: skip
+    lines = ["| " + " | ".join(h for h in header if h) + " |", "|" + " --- |" * len([h for h in header if h])]
+    if any(r["link"] == "none" and r["method"] == "ddp" for r in runs):
+        bound = [cell("none", "ddp", lv) for link in links for lv in (milestone, goal) if lv is not None]
+        lines.append("| `ddp` unshaped (compute only) | " + " | ".join(bound) + " |")
+    for method in methods:
+        cells = [cell(link, method, lv) for link in links for lv in (milestone, goal) if lv is not None]
+        lines.append(f"| {METHOD_LABELS[method]} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -262,7 +455,8 @@ def plot(result: dict[str, Any], name: str) -> None:
             ax.set_title(f"{task_name}, link {link}")
             ax.set_xlabel("wall-clock since launch, evaluations excluded (min)")
             ax.set_ylabel(task.metric_label)
-        row[0].legend(fontsize=7)
+        for ax in row:
+            ax.legend(fontsize=6)
     common.save_figure(fig, f"{name}.png")
 
 
@@ -280,12 +474,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-every", type=int, default=None, help="evaluate every this many steps (default per task)")
     parser.add_argument("--data-root", type=Path, default=common.REPO.parent / "shared" / "data")
     parser.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per run")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no training: rebuild the report, tables and plot of the record of --name")
+    parser.add_argument("--append", action="store_true",
+                        help="add these runs to the record of the same name (same task, method, link, seed: replaced)")
     parser.add_argument("--name", default=None, help="results/<name>.json and .png (default time_to_accuracy[_quick])")
     args = parser.parse_args(argv)
     args.name = args.name or ("time_to_accuracy_quick" if args.quick else "time_to_accuracy")
     unknown = [m for m in args.methods if m not in METHODS] + [t for t in args.tasks if t not in TASKS]
     if unknown:
         parser.error(f"unknown method or task {unknown[0]!r}: methods {list(METHODS)}, tasks {list(TASKS)}")
+    if args.report_only:
+        result = json.loads((common.RESULTS / f"{args.name}.json").read_text())
+        result["report"], result["time_split"] = report(result), where_time_goes(result)
+        show(result)
+        common.write_json(f"{args.name}.json", result)
+        plot(result, args.name)
+        return 0
     reason = missing_requirements()
     if reason is None and not args.data_root.is_dir():
         reason = f"data root {args.data_root} not found (pass --data-root)"
@@ -294,10 +499,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     result = measure(args)
+    if args.append:
+        result = merged(common.RESULTS / f"{args.name}.json", result)
     result["report"] = report(result)
+    result["time_split"] = where_time_goes(result)
+    runs = result["runs"]
+    methods = list(dict.fromkeys([r["method"] for r in runs] + args.methods))
     result.update(wall_s=time.perf_counter() - t0, quick=args.quick, settings={
-        "rates": [link_name(r) for r in args.rates], "delay_ms": args.delay, "tasks": args.tasks,
-        "methods": {m: parity.ALGO_SPECS[METHODS[m]][:2] for m in args.methods}, "seeds": args.seeds,
+        "rates": [lk["link"] for lk in result["links"]], "delay_ms": args.delay,
+        "tasks": list(dict.fromkeys([r["task"] for r in runs] + args.tasks)),
+        "methods": {m: parity.ALGO_SPECS[METHODS[m]][:2] for m in methods},
+        "seeds": sorted({r["seed"] for r in runs} | set(args.seeds)),
         "schedule": {t: QUICK if args.quick else SCHEDULES[t] for t in args.tasks},
         "nodes": 2, "processes_per_node": 1, "threads_per_process": 1,
     })  # fmt: skip

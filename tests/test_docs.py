@@ -473,11 +473,11 @@ def _s(run: dict) -> str:
     return f"{run['step_time_s']:.3f} s"
 
 
-def test_readme_slow_links_table_quotes_the_record() -> None:
-    """The README's headline table: ResNet-110 on 2 workers at 100 Mbit/s (``benchmarks.slow_links``)."""
+def test_slow_links_table_quotes_the_record() -> None:
+    """The benchmarks page's step-time table: ResNet-110 on 2 workers at 100 Mbit/s (``benchmarks.slow_links``)."""
     record = _record("slow_links")
     runs = _slow()
-    lines = (ROOT / "README.md").read_text().splitlines()
+    lines = (ROOT / "benchmarks" / "README.md").read_text().splitlines()
     ddp = runs[("resnet110", 100, "ddp")]
     for strategy in ("ddp", "powersgd", "dgc", "deft"):
         run = runs[("resnet110", 100, strategy)]
@@ -488,9 +488,37 @@ def test_readme_slow_links_table_quotes_the_record() -> None:
         assert cells[2] == _s(run), (strategy, cells[2])
         assert cells[3] == f"{ddp['step_time_s'] / run['step_time_s']:.1f}x", (strategy, cells[3])
     settings = record["settings"]
-    header = _text("README.md")
+    header = _text("benchmarks/README.md")
     assert f"ResNet-110, batch {ddp['batch_size']} per worker" in header
     assert f"one run of {settings['timed_steps']} timed steps" in header and settings["rounds"] == 1
+
+
+def test_readme_headline_is_the_time_to_accuracy_table_of_the_record() -> None:
+    """The README leads with ``benchmarks.time_to_accuracy``'s table (its own formatter, from the committed record),
+    and says how many seeds each method ran."""
+    from benchmarks.time_to_accuracy import markdown_table
+
+    record = _record("time_to_accuracy")
+    readme = (ROOT / "README.md").read_text()
+    table = markdown_table(record)
+    assert "\n".join(table) in readme
+    assert readme.index(table[0]) < readme.index("## Install"), "the table leads the README"
+    seeds = {m: len({r["seed"] for r in record["runs"] if r["method"] == m and r["link"] != "none"})
+             for m in {r["method"] for r in record["runs"]}}  # fmt: skip
+    text = _text("README.md")
+    many = sorted(m for m, n in seeds.items() if n > 1)
+    assert f"mean of {max(seeds.values())} seeds" in text
+    assert all(seeds[m] == max(seeds.values()) for m in many)
+    assert "benchmarks/results/time_to_accuracy.png" in readme
+
+
+def test_the_time_to_accuracy_page_quotes_the_record() -> None:
+    from benchmarks.time_to_accuracy import markdown_levels, markdown_table, markdown_time_split
+
+    record = _record("time_to_accuracy")
+    page = (ROOT / "docs" / "benchmarks" / "time-to-accuracy.md").read_text()
+    for table in (markdown_table(record), markdown_levels(record), markdown_time_split(record)):
+        assert "\n".join(table) in page, table[0]
 
 
 @pytest.mark.parametrize("page", ["benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"])
@@ -500,8 +528,6 @@ def test_slow_link_step_times_quote_the_record(page: str) -> None:
     text = _text(page)
     expected = {
         "benchmarks/README.md": [
-            f"steps took {r['resnet110', 100, 'ddp']} under DDP, {r['resnet110', 100, 'powersgd']} under PowerSGD,"
-            f" {r['resnet110', 100, 'dgc']} under DGC and {r['resnet110', 100, 'deft']} under DEFT",
             f"LSTM took {r['lstm', 100, 'ddp']}, {r['lstm', 100, 'powersgd']}, {r['lstm', 100, 'dgc']} and"
             f" {r['lstm', 100, 'deft']}",
             f"DGC's {runs['resnet110', 100, 'dgc']['efficiency']:.0%} efficiency",

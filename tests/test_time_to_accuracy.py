@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -37,3 +38,44 @@ def test_the_report_times_each_method_to_ddps_accuracy_less_half_a_point() -> No
     assert rows["10mbit", "powersgd"]["time_to_target_s"] is None and rows["10mbit", "powersgd"]["best"] == 0.59
     assert rows["10mbit", "ddp"]["ddp_efficiency"] == pytest.approx(0.5)  # compute-only 1.0 s over 2.0 s
     assert rows["none", "ddp"]["ddp_efficiency"] == pytest.approx(1.0) and rows["10mbit", "dgc"]["ddp_efficiency"] is None
+
+
+def test_the_readme_table_gives_each_link_a_row_and_each_method_a_column() -> None:
+    runs = [
+        _run("ddp", "none", 42, [0.3, 0.5, 0.6], 1.0), _run("ddp", "10mbit", 42, [0.3, 0.5, 0.6], 2.0),
+        _run("dgc", "10mbit", 42, [0.4, 0.596, 0.61], 1.2), _run("powersgd", "10mbit", 42, [0.3, 0.5, 0.59], 1.1),
+    ]  # fmt: skip
+    lines = tta.markdown_table({"runs": runs})
+    assert lines[0] == "| method | 10 Mbit/s, DDP efficiency 50%: to 58.0% | to 59.50% (DDP's final - 0.5 points) |"
+    assert lines[2] == "| `ddp` unshaped (compute only) | 285 s | 285 s |"
+    assert lines[3] == "| `ddp` | 285 s | 285 s |"
+    assert lines[4] == "| `algo/dgc_regimes` | 190 s (1.50x) | 190 s (1.50x) |"
+    assert lines[5] == "| `powersgd` | 285 s (1.00x) | not reached (best 59.0%) |"
+
+
+def test_appending_replaces_a_run_measured_again_and_keeps_the_others(tmp_path) -> None:
+    path = tmp_path / "tta.json"
+    old = {"runs": [_run("ddp", "none", 42, [0.6], 1.0), _run("dgc", "10mbit", 42, [0.5], 1.0)],
+           "links": [{"link": "none", "measured_goodput_mbit": None}], "errors": ["an old one"]}  # fmt: skip
+    path.write_text(json.dumps(old))
+    new = {"runs": [_run("dgc", "10mbit", 42, [0.7], 2.0)], "links": [{"link": "10mbit", "measured_goodput_mbit": 9.5}],
+           "errors": []}  # fmt: skip
+    merged = tta.merged(path, new)
+    assert [(r["method"], r["final"]["val_acc"]) for r in merged["runs"]] == [("ddp", 0.6), ("dgc", 0.7)]
+    assert [lk["link"] for lk in merged["links"]] == ["none", "10mbit"] and merged["errors"] == ["an old one"]
+    assert tta.merged(tmp_path / "absent.json", new) is new
+
+
+def test_a_steps_time_splits_into_compute_selection_and_the_rest_beside_the_models_step() -> None:
+    ddp, dgc = _run("ddp", "none", 42, [0.6], 0.3), _run("dgc", "10mbit", 42, [0.6], 0.5)
+    dgc["compression"] = {"selection_ms": 200.0, "steps": 10}  # the run's sum
+    ddp10 = _run("ddp", "10mbit", 42, [0.6], 1.2)
+    result = {"runs": [ddp, dgc, ddp10], "links": [{"link": "none", "measured_goodput_mbit": None},
+                                                   {"link": "10mbit", "measured_goodput_mbit": 10.0}]}  # fmt: skip
+    rows = {(w["link"], w["method"]): w for w in tta.where_time_goes(result)}
+    w = rows["10mbit", "dgc"]
+    assert (w["compute_s"], w["selection_s"]) == (0.3, pytest.approx(0.02)) and w["rest_s"] == pytest.approx(0.18)
+    # the model: DDP's ring all-reduce of ResNet-20's 1.08 MB of fp32 gradients takes ~0.86 s at 10 Mbit/s
+    assert 0.8 < rows["10mbit", "ddp"]["predicted_step_s"] < 1.3
+    assert w["predicted_step_s"] < rows["10mbit", "ddp"]["predicted_step_s"]
+    assert rows["none", "ddp"]["predicted_step_s"] is None  # no goodput measured on the unshaped link
