@@ -123,6 +123,26 @@ def _wait(ranks: list[Rank], timeout: float, grace: float = 20.0) -> subprocess.
     )
 
 
+def two_torchrun_agents(script: str, args: list[str], cwd: Path, timeout: float = 400) -> list[str]:
+    """Run ``script`` as two nodes of two processes on this machine, one ``torchrun`` agent per node (static
+    rendezvous, ``--node-rank``), as users launch two machines; each agent's output, after checking both exit 0."""
+    port = free_port()
+    env = _environment() | {"OMP_NUM_THREADS": "1"}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+             str(HERE / script), *args],
+            env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for node in range(2)
+    ]
+    outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
+    for agent, output in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, output[-6000:]
+    return outputs
+
+
 def results(out: Path, world_size: int = 2) -> list[dict]:
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world_size)]
 

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_dgc import DiLoCoStrategy
-from tests.conftest import free_port
 from tests.lightning.diloco_script import BATCH, INNER_LR, INNER_MOMENTUM, dataset, model
-from tests.lightning.run import HERE, _environment, params, results, run_script
+from tests.lightning.run import params, results, run_script, two_torchrun_agents
 
 pytestmark = pytest.mark.slow
 
@@ -90,21 +87,9 @@ def test_two_torchrun_agents_of_two_processes_run_ddp_inside_the_node_and_diloco
     """Two nodes of two devices, one ``torchrun`` agent per node: ``hierarchical="auto"`` wraps the model in DDP over
     the node's ranks and runs DiLoCo across the nodes; all 4 ranks end on a hand-written DiLoCo of 2 workers whose
     gradient is the mean of their node's two ranks', and only the first rank of a node sends across."""
-    port, out = free_port(), tmp_path / "h"
-    env = _environment() | {"OMP_NUM_THREADS": "1"}
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             str(HERE / "diloco_script.py"), "--out", str(out), "--devices", "2", "--num-nodes", "2",
-             "--sync-every", "4", "--max-steps", "10", "--samples", "64"],
-            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for node in range(2)
-    ]
-    outputs = [agent.communicate(timeout=400)[0] for agent in agents]
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
+    out = tmp_path / "h"
+    two_torchrun_agents("diloco_script.py", ["--out", str(out), "--devices", "2", "--num-nodes", "2", "--sync-every",
+                                             "4", "--max-steps", "10", "--samples", "64"], tmp_path)  # fmt: skip
     init = torch.load(f"{out}.rank0.init.pt", weights_only=True)
     expected = _reference(init, steps=10, sync_every=4, samples=64, world=2, per_node=2)
     for rank in range(4):

@@ -13,7 +13,7 @@ import torch
 
 from tests.conftest import free_port
 from tests.lightning.fit_script import Regression
-from tests.lightning.run import HERE, _environment
+from tests.lightning.run import HERE, _environment, two_torchrun_agents
 
 
 @pytest.mark.slow
@@ -105,21 +105,9 @@ def test_two_torchrun_agents_of_two_processes_run_the_two_level_exchange(tmp_pat
     """Two nodes of two devices, one ``torchrun`` agent per node (static rendezvous, ``--node-rank``): the
     two-level exchange (``hierarchical="auto"``) for dgc, deft and powersgd; density 1 equals DDP; a
     checkpoint resumes exactly on the same topology and, with a warning, on a flat exchange."""
-    port = free_port()
-    env = _environment() | {"OMP_NUM_THREADS": "1"}
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             str(HERE / "multinode_script.py"), "--out", str(tmp_path), "--devices", "2",
-             "--strategies", *TWO_LEVEL],
-            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
-        for node in range(2)
-    ]
-    outputs = [agent.communicate(timeout=400)[0] for agent in agents]
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
+    outputs = two_torchrun_agents(
+        "multinode_script.py", ["--out", str(tmp_path), "--devices", "2", "--strategies", *TWO_LEVEL], tmp_path
+    )
     _check_two_level(tmp_path, ("dgc", "deft", "powersgd"), "TorchElasticEnvironment")
     # density 1, exact selection, no masking: DDP's result on the same 4 processes
     ddp = torch.load(tmp_path / "ddp.rank0.params.pt", weights_only=True)
