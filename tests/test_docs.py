@@ -519,6 +519,9 @@ def test_the_time_to_accuracy_page_quotes_the_record() -> None:
     page = (ROOT / "docs" / "benchmarks" / "time-to-accuracy.md").read_text()
     for table in (markdown_table(record), markdown_levels(record), markdown_time_split(record)):
         assert "\n".join(table) in page, table[0]
+    step = {(r["link"], r["method"]): r["median_step_s"] for r in record["runs"] if r["seed"] == 42}
+    ratio = step["1gbit", "dgc"] / step["1gbit", "ddp"]
+    assert f"DGC's steps took {ratio:.2f}x DDP's at 1 Gbit/s" in _text("docs/migrating-from-ddp.md"), ratio
 
 
 @pytest.mark.parametrize("page", ["benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"])
