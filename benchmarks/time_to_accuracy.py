@@ -263,6 +263,8 @@ def where_time_goes(result: dict[str, Any]) -> list[dict[str, Any]]:
     compute-only bound), selection (the run's recorded ``selection_ms`` per step) and the rest (the exchange and its waits),
     beside the performance model's step (:func:`lightning_dgc.perfmodel.step_time`, at the final density, on the
     link's measured goodput, with that compute and selection). Means over seeds."""
+    from lightning_dgc.perfmodel import Network, step_time
+
     runs = result.get("runs", [])
     goodput = {lk["link"]: lk["measured_goodput_mbit"] for lk in result.get("links", [])}
     out = []
@@ -283,8 +285,6 @@ def where_time_goes(result: dict[str, Any]) -> list[dict[str, Any]]:
                 predicted = None
                 name = MODELLED.get(method)
                 if profile is not None and name is not None and goodput.get(link):
-                    from lightning_dgc.perfmodel import Network, step_time
-
                     modelled = replace(profile, selection_s=selection if name in ("dgc", "deft") else 0.0)
                     predicted = step_time(modelled, name, 2, Network(bandwidth=goodput[link] * 1e6)).total_s
                 out.append({"task": task_name, "link": link, "method": method, "step_s": step, "compute_s": compute,

@@ -163,10 +163,10 @@ class ExchangeAccess(ProcessGroupAtExit):
     """Mixin of a compression strategy (before its ``DDPStrategy`` base): the algorithm, its settings, the
     exchange's state and statistics, and the hook that DDP runs, counted.
 
-    The strategy sets ``_config`` (the configuration it was given), ``_state`` (the :class:`ExchangeState`,
-    ``None`` until the model is set up), ``hook_calls = 0`` and ``check_ranks_every`` in its ``__init__``, calls
-    :meth:`_set_up_rank_checks` on every rank when it sets the model up and :meth:`_after_optimizer_step` after
-    every optimizer step.
+    The strategy calls :meth:`_take_arguments` first in its ``__init__`` (it sets ``_config``, ``_state``, which
+    stays ``None`` until the model is set up, ``hook_calls``, ``check_ranks_every``, ``max_consecutive_skips`` and
+    ``_carry``), :meth:`_set_up_rank_checks` on every rank when it sets the model up and
+    :meth:`_after_optimizer_step` after every optimizer step.
     """
 
     _config: AlgorithmConfig
@@ -283,7 +283,7 @@ class ExchangeAccess(ProcessGroupAtExit):
         return self._state.residual_norm() if self._state is not None else None
 
     # -- the step: what both front doors run around a backward pass and an optimizer step -------------------
-    #: The strategy sets ``_carry = GradientCarry()`` and ``max_consecutive_skips`` in its ``__init__``.
+    #: Set by :meth:`_take_arguments`.
     _carry: GradientCarry
     max_consecutive_skips: int
 

@@ -191,12 +191,15 @@ class OuterStep:
     def step(self) -> bool:
         """The outer step (steps 1-4 of the module docstring), on every rank at once. Returns whether the averaged
         pseudo-gradient was finite (``False``: the outer optimizer did not step, on any rank)."""
-        # Step 1: the pseudo-gradient, global - local, fp32, flat on the model's device.
-        flat = self.pseudo_gradient()
-        # Step 2: its mean over the ranks (the nodes).
-        average, finite, sent, link = self._average(flat) if self.leader else (torch.zeros_like(flat), True, 0, 0.0)
+        # Steps 1-2: the pseudo-gradient, global - local, fp32, flat on the model's device, and its mean over the
+        # ranks; in a hierarchical run the first rank of each node does both, and hands the mean to its node.
+        average: Tensor | None = None
+        finite, sent, link = True, 0, 0.0
+        if self.leader:
+            average, finite, sent, link = self._average(self.pseudo_gradient())
         if self.node is not None:
             average, finite = self._from_leader(average, finite)
+        assert average is not None
         # Step 3: the outer SGD step on the global weights.
         if finite:
             offset = 0
@@ -228,12 +231,12 @@ class OuterStep:
         self.outer_steps += 1
         return finite
 
-    def _from_leader(self, average: Tensor, finite: bool) -> tuple[Tensor, bool]:
-        """The node's first rank's ``average`` and verdict, on every rank of the node: one all-reduce inside the node
-        to which the other ranks bring zeros (the verdict travels as one more value)."""
+    def _from_leader(self, average: Tensor | None, finite: bool) -> tuple[Tensor, bool]:
+        """The node's first rank's ``average`` (``None`` on the others) and verdict, on every rank of the node: one
+        all-reduce inside the node to which the other ranks bring zeros (the verdict travels as one more value)."""
         assert self.node is not None
-        packed = torch.zeros(average.numel() + 1, dtype=average.dtype, device=average.device)
-        if self.leader:
+        packed = torch.zeros(self.dense_bytes // 4 + 1, dtype=torch.float32, device=self.device)
+        if average is not None:
             packed[:-1] = average
             packed[-1] = 0.0 if finite else 1.0
         packed = self.node.all_reduce(packed, "DiLoCo: the average inside the node").wait()
