@@ -1,7 +1,8 @@
-"""Host memory of ``trainer.save_checkpoint`` and of training, per rank, under ddp, dgc, deft and powersgd.
+"""Host memory of ``trainer.save_checkpoint`` and of training, per rank, under ddp, dgc, deft, powersgd and diloco.
 
     python -m benchmarks.checkpoint_memory                      # the 33.7M-parameter MLP, 2 processes
     python -m benchmarks.checkpoint_memory --params 4e6 --strategies ddp,ddp_bucket_view,dgc
+    python -m benchmarks.checkpoint_memory --strategies ddp,ddp_bucket_view,diloco,diloco_offload --record diloco_memory.json
     python -m benchmarks.checkpoint_memory --files 2,4,8 --params 4e6    # the files at 2, 4 and 8 processes
 
 Each strategy runs in 2 fresh processes (gloo, one per "node", as torchrun starts them; on the CPU,
@@ -31,6 +32,10 @@ SGD(momentum) steps, then every rank calls ``trainer.save_checkpoint``. Reported
   ddp's) and during ``save_checkpoint``;
 * the checkpoint file's size.
 
+``diloco`` and ``diloco_offload`` are ``DiLoCoStrategy(sync_every=2)`` (an outer step in the default 3
+steps) with ``offload`` off and on: on the CPU both keep the global weights and the outer momentum in
+host memory, so only ``--accelerator cuda`` tells them apart (``cuda peak``).
+
 Targets: dgc's training peak at most 1.5 model sizes above ddp's (with SGD momentum), deft's and
 powersgd's at most 1.0 (met against either baseline: against ``ddp_bucket_view`` is the strict reading); a save peak of at most ``2 x world_size`` model sizes on rank 0 and 0.1 on
 every other rank.
@@ -50,20 +55,31 @@ from typing import Any
 
 from benchmarks import common
 
-STRATEGIES = ("ddp", "ddp_bucket_view", "dgc", "deft", "powersgd")
+STRATEGIES = ("ddp", "ddp_bucket_view", "dgc", "deft", "powersgd", "diloco", "diloco_offload")
+#: DiLoCo's outer step every this many optimizer steps here, so that the default 3 steps hold one.
+DILOCO_SYNC_EVERY = 2
 #: The baselines: DDP as ``strategy="ddp"`` runs it, and with ``gradient_as_bucket_view=True``.
 BASELINES = {"ddp": "ddp", "ddp view": "ddp_bucket_view"}
 WORLD = 2
 
 
 def _make_strategy(name: str) -> Any:
-    """The benchmark's strategies: :func:`benchmarks.common.make_strategy`'s, plus ``ddp_bucket_view``."""
-    if name == "ddp_bucket_view":
-        from datetime import timedelta
+    """The benchmark's strategies: :func:`benchmarks.common.make_strategy`'s, plus ``ddp_bucket_view`` and
+    DiLoCo's two (the global weights and the outer momentum on the model's device, or in host memory)."""
+    from datetime import timedelta
 
+    timeout = timedelta(seconds=180)
+    if name == "ddp_bucket_view":
         from lightning.pytorch.strategies import DDPStrategy
 
-        return DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=180), gradient_as_bucket_view=True)
+        return DDPStrategy(process_group_backend="gloo", timeout=timeout, gradient_as_bucket_view=True)
+    if name in ("diloco", "diloco_offload"):
+        from lightning_dgc import DiLoCoStrategy
+
+        return DiLoCoStrategy(
+            sync_every=DILOCO_SYNC_EVERY, offload=name == "diloco_offload", process_group_backend="gloo",
+            timeout=timeout,
+        )  # fmt: skip
     return common.make_strategy(name, density=0.01)
 
 
@@ -321,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         "--files", default=None, metavar="N,N,...",
         help="measure the checkpoint's files at these world sizes (e.g. 2,4,8) instead, into checkpoint_files.json",
     )  # fmt: skip
-    parser.add_argument("--record", default="checkpoint_files.json", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--record", default=None,
+        help="result file under benchmarks/results (default checkpoint_memory.json; with --files checkpoint_files.json)",
+    )  # fmt: skip
     parser.add_argument("--worker", choices=STRATEGIES, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -335,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.files:
         strategies = args.strategies.split(",") if args.strategies != ",".join(STRATEGIES) else list(FILES_STRATEGIES)
-        return measure_files(args.params, args.steps, [int(n) for n in args.files.split(",")], strategies, args.record)
+        record = args.record or "checkpoint_files.json"
+        return measure_files(args.params, args.steps, [int(n) for n in args.files.split(",")], strategies, record)
 
     folder = common.RESULTS / "logs" / "checkpoint_memory"
     folder.mkdir(parents=True, exist_ok=True)
@@ -392,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         " gradient_as_bucket_view=True (like for like: the compression strategies' default)",
     )
     common.write_json(
-        "checkpoint_memory.json",
+        args.record or "checkpoint_memory.json",
         {"world_size": WORLD, "params": params_m * 1e6, "accelerator": accelerator, "baselines": BASELINES,
          "runs": runs},  # fmt: skip
     )

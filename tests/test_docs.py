@@ -354,6 +354,16 @@ def _shows(cell: str, value: float) -> bool:
     return abs(float(number[0]) - value) <= 0.5 * 10**-digits + 1e-12
 
 
+def test_diloco_page_memory_figures_quote_the_record() -> None:
+    """The DiLoCo page's memory figures: rank 0's excess over ``strategy="ddp"``, with and without ``offload``."""
+    runs = _record("diloco_memory")["runs"]
+    text = _text("docs/diloco.md")
+    plain, offload = runs["diloco"][0]["over"], runs["diloco_offload"][0]["over"]
+    end, peak = _signed(plain["training - ddp"], 2), _signed(plain["peak - ddp"], 2)
+    assert f"{end} model sizes of resident memory at the end of a step" in text and f"{peak} at the training peak" in text
+    assert f"({_signed(offload['training - ddp'], 2)} and {_signed(offload['peak - ddp'], 2)})" in text
+
+
 def test_checkpoints_memory_table_quotes_the_record() -> None:
     rank0, _ = _memory()
     rows = {
