@@ -177,7 +177,7 @@ class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
         entry = self._save_ranks(filepath, io, checkpoint.get("optimizer_states"))
         if entry is None:  # not rank 0: its own file is written
             return
-        self._global_weights_into(checkpoint["state_dict"])
+        self._global_weights_into(checkpoint["state_dict"], entry)
         checkpoint[DILOCO_KEY] = entry
         io.save(checkpoint, filepath, record=False)
         finish_save(filepath, entry, io)

@@ -178,12 +178,16 @@ class OuterAccess(ProcessGroupAtExit):
         manifest = {"folder": os.path.basename(folder.rstrip("/")), "files": records, "world_size": len(records)}
         return {"outer": outer.state_dict(), **manifest}
 
-    def _global_weights_into(self, state_dict: dict[str, Any]) -> None:
-        """Replace the (local) weights of a model's ``state_dict`` by the global weights, in their dtype."""
-        outer = self.outer
+    def _global_weights_into(self, state_dict: dict[str, Any], entry: dict[str, Any]) -> None:
+        """Replace the (local) weights of a model's ``state_dict`` by the global weights, in their dtype, and leave
+        out of the DiLoCo ``entry`` those the ``state_dict`` now holds exactly (fp32): one copy in the file, which
+        :meth:`_restore` reads back from the loaded model."""
+        outer, saved = self.outer, entry["outer"]["global"]
         for name, g in zip(outer.names, outer.global_params, strict=True):
             if name in state_dict:
                 state_dict[name] = g.detach().to("cpu", state_dict[name].dtype, copy=True)
+                if state_dict[name].dtype == torch.float32:
+                    saved.pop(name, None)
 
     def _restore(self, entry: dict[str, Any] | None, path: Any, io: FileIO) -> Any:
         """Restore the outer state of a checkpoint's DiLoCo ``entry`` and this rank's own file, once the model holds
@@ -195,6 +199,9 @@ class OuterAccess(ProcessGroupAtExit):
             outer.reset_global()
             return None
         world_size = self.world_size  # type: ignore[attr-defined]
+        saved = entry["outer"]["global"]  # the fp32 global weights are the model's, just loaded
+        for name, p in zip(outer.names, outer.params, strict=True):
+            saved.setdefault(name, p.detach())
         outer.load_state_dict(entry["outer"])
         if entry["world_size"] != world_size:
             rank_zero_warn(

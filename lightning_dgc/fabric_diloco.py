@@ -172,7 +172,7 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
             return
         for key, obj in state.items():
             if obj is self._module:
-                self._global_weights_into(converted[key])
+                self._global_weights_into(converted[key], entry)
         converted[DILOCO_KEY] = entry
         io.save(converted, path, record=False)
         finish_save(path, entry, io)

@@ -362,6 +362,11 @@ def test_diloco_page_memory_figures_quote_the_record() -> None:
     end, peak = _signed(plain["training - ddp"], 2), _signed(plain["peak - ddp"], 2)
     assert f"{end} model sizes of resident memory at the end of a step" in text and f"{peak} at the training peak" in text
     assert f"({_signed(offload['training - ddp'], 2)} and {_signed(offload['peak - ddp'], 2)})" in text
+    sizes = {s: (r[0]["checkpoint_bytes"] / r[0]["model_bytes"], r[0]["rank_file_bytes"]) for s, r in runs.items()}
+    (file, rank_file), (ddp_file, _) = sizes["diloco"], sizes["ddp"]
+    model = runs["diloco"][0]["model_bytes"]
+    assert f"the checkpoint is {file:.1f} model sizes" in text and f"DDP's: {ddp_file:.1f}) and each rank's file" in text
+    assert f"each rank's file {rank_file / model:.1f} (its local" in text
 
 
 def test_checkpoints_memory_table_quotes_the_record() -> None:
