@@ -16,7 +16,8 @@ from torch import nn
 import lightning_dgc
 from lightning_dgc import DiLoCoStrategy, FabricDiLoCoStrategy
 from lightning_dgc.diloco_front import DILOCO_KEY
-from tests.lightning.run import params, results, run_script
+from tests.lightning.run import params, results, run_script, two_torchrun_agents
+from tests.lightning.test_diloco import _reference
 
 
 @pytest.mark.slow
@@ -50,6 +51,26 @@ def test_a_fabric_resume_mid_round_equals_the_straight_run(tmp_path) -> None:
     for rank in range(2):
         torch.testing.assert_close(params(resumed, rank), params(straight, rank), rtol=0, atol=0)
     assert results(resumed)[0]["stats"]["algorithm"] == "dgc"
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_under_fabric_run_ddp_inside_the_node_and_diloco_across(tmp_path) -> None:
+    """The Trainer's two-node test under Fabric: ``hierarchical="auto"``, two torchrun agents of two processes; all
+    4 ranks end on the hand-written DiLoCo of 2 workers whose gradient is their node's mean."""
+    out = tmp_path / "h"
+    two_torchrun_agents("fabric_diloco_script.py", ["--out", str(out), "--devices", "2", "--num-nodes", "2",
+                                                    "--sync-every", "4", "--max-steps", "10", "--samples", "64"],
+                        tmp_path)  # fmt: skip
+    init = torch.load(f"{out}.rank0.init.pt", weights_only=True)
+    expected = _reference(init, steps=10, sync_every=4, samples=64, world=2, per_node=2)
+    for rank in range(4):
+        torch.testing.assert_close(params(out, rank), expected, rtol=1e-5, atol=1e-6)
+        assert torch.equal(params(out, rank), params(out, 0))
+    summaries = results(out, world_size=4)
+    assert [s["wrapped"] for s in summaries] == ["DistributedDataParallel"] * 4
+    assert [s["leader"] for s in summaries] == [True, False, True, False]
+    assert [s["outer_steps"] for s in summaries] == [3] * 4
+    assert [s["stats"]["outer_bytes_sent"] > 0 for s in summaries] == [True, False, True, False]
 
 
 def test_diloco_is_in_fabrics_registry() -> None:
