@@ -333,7 +333,7 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
     feedback, warm start, compression from step :data:`POWERSGD_START_ITER`; the same updates as
     torch's ``powerSGD_hook``, which hangs on gloo with more than one bucket). ``dgc`` / ``deft``:
     lightning_dgc at ``density`` (``deft`` as ``configs/algo/deft.yaml``; ``deft_all`` with every rank
-    selecting, ``selectors="all"``). ``dgc_dense``: ``dgc`` at density 1 (the exchange's overhead alone).
+    selecting, ``selectors="all"``). ``dgc_dense``: ``dgc`` at density 1 (the exchange's overhead alone); ``dgc_auto``: ``density="auto"``.
     """
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -350,6 +350,8 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
         return DGCStrategy(density=density, **common)
     if name == "dgc_dense":
         return DGCStrategy(density=1.0, **common)
+    if name == "dgc_auto":
+        return DGCStrategy(density="auto", **common)
     if name == "deft":  # k by size, as configs/algo/deft.yaml
         return DEFTStrategy(density=density, k_allocation="size", budget="dgc_link", **common)
     if name == "deft_all":  # every rank selecting its share of every fragment (DEFTConfig.selectors="all")

@@ -22,6 +22,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TASKS = sorted(path.stem for path in (REPO_ROOT / "configs").glob("*.yaml"))
 ALGORITHMS = sorted(path.stem for path in (REPO_ROOT / "configs" / "algo").glob("*.yaml"))
 CPU_TASKS = [task for task in TASKS if task.endswith("_cpu")]
+#: The configs of DiLoCoStrategy: sync_every, outer_lr, outer_momentum, algorithm and its density.
+DILOCO = {"diloco": (10, 0.7, 0.9, "dense", None), "diloco_dgc": (10, 0.7, 0.9, "dgc", 0.01),
+          "dgc_updates": (1, 1.0, 0.0, "dgc", 0.001)}  # fmt: skip
 #: The lightning_dgc classes the algorithm YAMLs may name (the package's public API).
 LIGHTNING_DGC_NAMES = {
     "CompressionStrategy",
@@ -56,7 +59,7 @@ def test_the_expected_configs_exist() -> None:
         "librispeech_deepspeech",
     } <= set(TASKS)
     assert {"cifar10_resnet20_cpu", "ptb_lstm_cpu", "librispeech_deepspeech_cpu"} <= set(TASKS)
-    assert {"ddp", "dgc", "dgc_warmup", "deft", "powersgd", "diloco", "diloco_dgc"} <= set(ALGORITHMS)
+    assert {"ddp", "dgc", "dgc_warmup", "deft", "powersgd", *DILOCO} <= set(ALGORITHMS)
 
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
@@ -87,11 +90,12 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
     assert config["data"]["class_path"].startswith("lightning_dgc_recipes.")
     if algorithm == "ddp":
         assert config["trainer"]["strategy"] == "ddp"
-    elif algorithm is not None and algorithm.startswith("diloco"):  # local steps: no gradient exchange
+    elif algorithm in DILOCO:  # local steps: no gradient exchange
         init_args = config["trainer"]["strategy"]["init_args"]
-        assert init_args["sync_every"] == 10 and init_args["outer_lr"] == 0.7
-        assert init_args["algorithm"] == ("dgc" if algorithm == "diloco_dgc" else "dense")
-        assert (init_args["options"] or {}).get("density") == (0.01 if algorithm == "diloco_dgc" else None)
+        assert config["trainer"]["strategy"]["class_path"] == "lightning_dgc.DiLoCoStrategy"
+        got = (init_args["sync_every"], init_args["outer_lr"], init_args["outer_momentum"], init_args["algorithm"],
+               (init_args["options"] or {}).get("density"))  # fmt: skip
+        assert got == DILOCO[algorithm]
         return
     elif (
         algorithm is not None
@@ -117,8 +121,8 @@ def test_cpu_config_pair_instantiates(task: str, algorithm: str | None, tmp_path
     assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == task
     if algorithm is not None:
         assert isinstance(cli.trainer.strategy, DDPStrategy)
-        if algorithm.startswith("diloco"):
-            assert cli.trainer.strategy.settings.sync_every == 10
+        if algorithm in DILOCO:
+            assert cli.trainer.strategy.settings.sync_every == DILOCO[algorithm][0]
         elif algorithm != "ddp":
             assert cli.trainer.strategy._ddp_kwargs["gradient_as_bucket_view"] is True
         callbacks = {type(callback).__name__ for callback in cli.trainer.callbacks}
