@@ -98,13 +98,15 @@ def test_readme_links_point_at_files() -> None:
 #: The README's accuracy rows: the text that starts the row, its records (``benchmarks/results/<name>.json``)
 #: and the algorithm of each column (DGC, DEFT, PowerSGD, DiLoCo; several where a cell quotes several).
 ACCURACY_ROWS = [
-    ("CIFAR-10 subset top-1", "parity_seeds_cifar8", [["dgc", "dgc_regimes_warmup"], ["deft"], ["powersgd"], []]),
+    ("CIFAR-10 subset top-1", "parity_seeds_cifar8",
+     [["dgc", "dgc_regimes_warmup"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
     ("the same, 2 workers", "parity_seeds_cifar2",
      [["dgc", "dgc_regimes_warmup", "dgc_regimes"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
     ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"], []]),
     ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"], []]),
     ("PTB transformer", "parity_seeds_xfmr2", [["dgc", "dgc_density_0.01"], [], ["powersgd"], []]),
-    ("the same, 8 workers (DDP 157", "parity_seeds_xfmr8", [["dgc_density_0.01"], [], ["powersgd"], []]),
+    ("the same, 8 workers (DDP 157", "parity_seeds_xfmr8",
+     [["dgc_density_0.01"], [], ["powersgd"], ["diloco", "diloco_dgc"]]),
 ]  # fmt: skip
 
 
@@ -322,6 +324,9 @@ def test_readme_memory_row_quotes_the_record() -> None:
         over = rank0[algo]["over"]
         expected = f"{_signed(over['peak - ddp'], 1)} / {_signed(over['training - ddp'], 1)}"
         assert cells[column].startswith(expected), f"README memory row, {algo}: {cells[column]!r}, record {expected}"
+    diloco = _record("diloco_memory")["runs"]["diloco"][0]["over"]
+    expected = f"{_signed(diloco['peak - ddp'], 1)} / {_signed(diloco['training - ddp'], 1)}"
+    assert cells[4].startswith(expected), f"README memory row, DiLoCo: {cells[4]!r}, record {expected}"
 
 
 def test_migrating_page_memory_figures_quote_the_record() -> None:
@@ -352,6 +357,33 @@ def _shows(cell: str, value: float) -> bool:
     assert number, f"no number in {cell!r}"
     digits = len(number[0].split(".")[1]) if "." in number[0] else 0
     return abs(float(number[0]) - value) <= 0.5 * 10**-digits + 1e-12
+
+
+#: The DiLoCo page's measured rows: the first cell of a row -> the parity variant it quotes.
+DILOCO_ROWS = {"DDP": "ddp", "`algo/diloco` (H = 10, dense)": "diloco", "`algo/diloco_dgc` (H = 10, DGC at 0.01)":
+               "diloco_dgc", "H = 50, dense": "diloco_h50", "H = 50, DGC at 0.01": "diloco_dgc_h50"}  # fmt: skip
+
+
+def test_diloco_page_measured_tables_quote_the_records() -> None:
+    """Each subsection of the DiLoCo page's *Measured* names its record; every row of its table quotes the record's
+    summary: the metric (last two evaluations, seeds' mean ± std), the paired difference to DDP and the link kB
+    per step over the run with DDP's bytes over the algorithm's."""
+    measured = (ROOT / "docs" / "diloco.md").read_text().split("## Measured")[1].split("\n## ")[0]
+    sections = measured.split("\n### ")[1:]
+    assert len(sections) >= 3
+    for section in sections:
+        (name,) = set(re.findall(r"`(parity_seeds_\w+)\.json`", section))
+        summary, percent = _study(name)
+        rows = [_cells(line) for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+        quoted = [cells for cells in rows if cells[0] in DILOCO_ROWS]
+        assert len(quoted) == len(rows) - 1, f"{name}: rows the test does not know: {rows}"
+        for cells in quoted:
+            s = summary[DILOCO_ROWS[cells[0]]]
+            assert cells[1] == _metric_text(s, percent), (name, cells)
+            assert cells[-1].startswith(f"{s['link_kb_per_step']:,.0f}"), (name, cells)
+            if s["algo"] != "ddp":
+                assert cells[2] == _difference_text(s, percent), (name, cells)
+                assert f"({s['compression']:.1f}x fewer)" in cells[-1], (name, cells)
 
 
 def test_diloco_page_memory_figures_quote_the_record() -> None:
