@@ -559,6 +559,22 @@ def test_readme_headline_is_the_time_to_accuracy_table_of_the_record() -> None:
     assert "benchmarks/results/time_to_accuracy.png" in readme
 
 
+def test_the_time_to_accuracy_page_quotes_the_interleaved_step_times() -> None:
+    """The 1 Gbit/s step ratios of ``slow_links_recipe.json`` and the CPU ratios of ``overhead_recipe_dense.json``."""
+    page = _text("docs/benchmarks/time-to-accuracy.md")
+    steps = {r["strategy"]: r["step_time_s"] for r in _record("slow_links_recipe")["runs"] if r["bandwidth_mbit"] == 1000}
+    ratio = {name: f"{t / steps['ddp']:.2f}x" for name, t in steps.items()}
+    assert (
+        f"DGC at {ratio['dgc']} DDP's step, DGC at density 1 at {ratio['dgc_dense']}, `density=\"auto\"` at"
+        f" {ratio['dgc_auto']} and PowerSGD at {ratio['powersgd']}" in page
+    )
+    cpu = _record("overhead_recipe_dense")["summary"]["cpu"]["ratio_to_ddp"]
+    assert (
+        f"DGC at density 1 takes {cpu['dgc_dense']['of_medians']:.2f}x DDP's step and `density=\"auto\"`"
+        f" {cpu['dgc_auto']['of_medians']:.2f}x" in page
+    )
+
+
 def test_the_time_to_accuracy_page_quotes_the_record() -> None:
     from benchmarks.time_to_accuracy import markdown_levels, markdown_table, markdown_time_split
 
