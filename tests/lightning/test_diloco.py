@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,13 +91,20 @@ def test_two_torchrun_agents_of_two_processes_run_ddp_inside_the_node_and_diloco
     out = tmp_path / "h"
     two_torchrun_agents("diloco_script.py", ["--out", str(out), "--devices", "2", "--num-nodes", "2", "--sync-every",
                                              "4", "--max-steps", "10", "--samples", "64"], tmp_path)  # fmt: skip
+    check_two_nodes_of_two(out, "ddp_wrapped")
+
+
+def check_two_nodes_of_two(out: Path, wrapped: str) -> None:
+    """A run of 10 steps, ``sync_every=4``, 64 samples on two nodes of two ranks ended as the hand-written DiLoCo of 2
+    workers whose gradient is their node's mean; the model was wrapped in DDP (the summary's ``wrapped`` entry)
+    and only the first rank of a node sent across."""
     init = torch.load(f"{out}.rank0.init.pt", weights_only=True)
     expected = _reference(init, steps=10, sync_every=4, samples=64, world=2, per_node=2)
     for rank in range(4):
         torch.testing.assert_close(params(out, rank), expected, rtol=1e-5, atol=1e-6)
         assert torch.equal(params(out, rank), params(out, 0))
     summaries = results(out, world_size=4)
-    assert [s["ddp_wrapped"] for s in summaries] == ["DistributedDataParallel"] * 4
+    assert [s[wrapped] for s in summaries] == ["DistributedDataParallel"] * 4
     assert [s["leader"] for s in summaries] == [True, False, True, False]
     assert [s["outer_steps"] for s in summaries] == [3] * 4
     assert [s["stats"]["outer_bytes_sent"] > 0 for s in summaries] == [True, False, True, False]

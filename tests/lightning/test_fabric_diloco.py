@@ -17,7 +17,7 @@ import lightning_dgc
 from lightning_dgc import DiLoCoStrategy, FabricDiLoCoStrategy
 from lightning_dgc.diloco_front import DILOCO_KEY
 from tests.lightning.run import params, results, run_script, two_torchrun_agents
-from tests.lightning.test_diloco import _reference
+from tests.lightning.test_diloco import check_two_nodes_of_two
 
 
 @pytest.mark.slow
@@ -61,16 +61,7 @@ def test_two_torchrun_agents_under_fabric_run_ddp_inside_the_node_and_diloco_acr
     two_torchrun_agents("fabric_diloco_script.py", ["--out", str(out), "--devices", "2", "--num-nodes", "2",
                                                     "--sync-every", "4", "--max-steps", "10", "--samples", "64"],
                         tmp_path)  # fmt: skip
-    init = torch.load(f"{out}.rank0.init.pt", weights_only=True)
-    expected = _reference(init, steps=10, sync_every=4, samples=64, world=2, per_node=2)
-    for rank in range(4):
-        torch.testing.assert_close(params(out, rank), expected, rtol=1e-5, atol=1e-6)
-        assert torch.equal(params(out, rank), params(out, 0))
-    summaries = results(out, world_size=4)
-    assert [s["wrapped"] for s in summaries] == ["DistributedDataParallel"] * 4
-    assert [s["leader"] for s in summaries] == [True, False, True, False]
-    assert [s["outer_steps"] for s in summaries] == [3] * 4
-    assert [s["stats"]["outer_bytes_sent"] > 0 for s in summaries] == [True, False, True, False]
+    check_two_nodes_of_two(out, "wrapped")
 
 
 def test_diloco_is_in_fabrics_registry() -> None:
