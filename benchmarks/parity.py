@@ -107,9 +107,9 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "diloco_dgc": ("configs/algo/diloco_dgc.yaml", (), False),
     # the same with an outer step every 50 optimizer steps
     "diloco_h50": ("configs/algo/diloco.yaml", ("--trainer.strategy.init_args.sync_every", "50"), False),
+    "diloco_dgc_h50": ("configs/algo/diloco_dgc.yaml", ("--trainer.strategy.init_args.sync_every", "50"), False),
     # DGC's top-k with error feedback on the optimizer's update (each rank's own step), not the gradient
     "dgc_updates": ("configs/algo/dgc_updates.yaml", (), False),
-    "diloco_dgc_h50": ("configs/algo/diloco_dgc.yaml", ("--trainer.strategy.init_args.sync_every", "50"), False),
 }
 #: DEFT's ablations: the shipped DEFT with one part switched (see ``DEFTConfig``), for ``--algos``.
 DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
