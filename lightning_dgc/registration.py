@@ -19,12 +19,13 @@ import importlib
 import sys
 from typing import Any
 
-#: Every front door: (its module, its class, whose registry: ``"trainer"`` or ``"fabric"``).
+#: Every front door: (its module, its class, whose registry: ``"trainer"`` or ``"fabric"``, and its names:
+#: ``"algorithms"``, every registered algorithm's, or ``"diloco"``).
 FRONT_DOORS = (
-    ("lightning_dgc.strategy", "CompressionStrategy", "trainer"),
-    ("lightning_dgc.diloco", "DiLoCoStrategy", "trainer"),
-    ("lightning_dgc.fabric", "FabricCompressionStrategy", "fabric"),
-    ("lightning_dgc.fabric_diloco", "FabricDiLoCoStrategy", "fabric"),
+    ("lightning_dgc.strategy", "CompressionStrategy", "trainer", "algorithms"),
+    ("lightning_dgc.diloco", "DiLoCoStrategy", "trainer", "diloco"),
+    ("lightning_dgc.fabric", "FabricCompressionStrategy", "fabric", "algorithms"),
+    ("lightning_dgc.fabric_diloco", "FabricDiLoCoStrategy", "fabric", "diloco"),
 )
 #: The Trainer's strategies with the algorithm's settings as typed arguments (the rest take ``algorithm=``).
 TYPED = {"dgc": "DGCStrategy", "deft": "DEFTStrategy"}
@@ -40,13 +41,13 @@ def register_strategies(finished: str | None = None) -> None:
     from lightning_dgc import algorithms
 
     registries = {"trainer": StrategyRegistry, "fabric": STRATEGY_REGISTRY}
-    for module_name, class_name, kind in FRONT_DOORS:
+    for module_name, class_name, kind, names in FRONT_DOORS:
         loading = sys.modules.get(module_name)
         if module_name != finished and loading is not None and getattr(loading.__spec__, "_initializing", False):
             continue  # still loading: it calls this when done
         module = importlib.import_module(module_name)
         registry = registries[kind]
-        if class_name.endswith("DiLoCoStrategy"):
+        if names == DILOCO:
             _register(registry, DILOCO, getattr(module, class_name), "DiLoCo: local steps, outer Nesterov SGD", {})
             continue
         for name in algorithms.registered():
