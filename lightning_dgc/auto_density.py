@@ -10,18 +10,23 @@ of every bucket, as DDP's, with nothing selected and nothing held back) and time
 * the **compute window**: from the end of the previous optimizer step to the last bucket's hook (the data,
   the forward and the backward pass; the optimizer step of the step before).
 
-Every rank gathers every rank's figures once (one all-gather of 48 bytes per rank, :func:`link_from_ranks`):
+Every rank gathers every rank's figures once (one all-gather of 56 bytes per rank, :func:`link_from_ranks`):
 the quickest settings check is the latency, the highest throughput and the shortest window are taken (the
-rank that waited least for the others measured the link best; the shortest window is the conservative one). :func:`choose_density` (pure) then prices
-every candidate density with the algorithm's own :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a
-:class:`~lightning_dgc.perfmodel.Network` of that throughput and latency, and keeps the largest density whose
-exchange takes at most :data:`AUTO_MARGIN` of the window, never below ``min_density``: 1 (dense) when DDP's
+rank that waited least for the others measured the link best; the shortest window is the conservative one).
+:func:`choose_density` (pure) then prices every candidate density with the algorithm's own
+:meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a :class:`~lightning_dgc.perfmodel.Network` of that
+throughput and latency, and keeps the largest density whose exchange takes at most :data:`AUTO_MARGIN` of the
+window, never below ``min_density``: 1 (dense) when every rank is on one host (:func:`host_key`), when DDP's
 all-reduce fits, or when no density is faster than it (a latency-bound link), or when the link is too fast to
 time. The same figures on every rank give the same density on every rank. The model prices bytes and
 latency only, not the selection or the memory's work: a compressed choice is then checked, its next
 :data:`MEASURE_STEPS` steps (after the first) timed end to end against the dense steps measured (the slowest
 rank's median each, one all-gather of 8 bytes), and the exchange goes back to dense if they were no faster.
 The phase comes back every ``auto_every`` optimizer steps (0: never), since links change.
+
+Dense, once a step at density 1 has sent every residual whole, is DDP's own step: the bucket all-reduced,
+nothing selected or held back, SGD's momentum on the average
+(:meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`).
 
 A density set from outside (``strategy.density = d``, :class:`~lightning_dgc.callbacks.SparsityWarmup`) is a
 floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
@@ -30,11 +35,15 @@ floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
 from __future__ import annotations
 
 import math
+import os
+import socket
 import statistics
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +57,7 @@ from lightning_dgc.perfmodel.network import Network
 
 __all__ = [
     "AUTO_MARGIN", "MEASURE_STEPS", "AutoDensity", "Choice", "LinkEstimate", "StepSample", "candidate_densities",
-    "choose_density", "estimate_link", "exchange_time", "link_from_ranks", "summarize",
+    "choose_density", "estimate_link", "exchange_time", "host_key", "link_from_ranks", "summarize",
 ]  # fmt: skip
 
 #: The share of the compute window the chosen exchange may take: without any overlap it adds at most a
@@ -111,7 +120,7 @@ def exchange_time(
 
 def choose_density(
     link: LinkEstimate, buckets: Sequence[Bucket], world_size: int, algorithm: type[Algorithm[Any, Any, Any]],
-    config: AlgorithmConfig, min_density: float, margin: float = AUTO_MARGIN,
+    config: AlgorithmConfig, min_density: float, margin: float = AUTO_MARGIN, one_host: bool = False,
 ) -> Choice:  # fmt: skip
     """The largest density in [``min_density``, 1] whose exchange fits ``margin`` of the compute window (pure).
 
@@ -123,12 +132,17 @@ def choose_density(
             (``config``'s other settings, e.g. ``value_dtype``, apply).
         min_density: the lowest density allowed.
         margin: the share of the window the exchange may take.
+        one_host: whether every rank runs on one host (:func:`host_key`).
 
-    Dense (1) when the link cannot be timed, when DDP's all-reduce fits, or when no density is faster than it;
+    Dense (1) when every rank is on one host (their collectives go through loopback, shared memory or NVLink,
+    where compression does not pay, and where two processes sharing cores time their waits for each other, not
+    the link), when the link cannot be timed, when DDP's all-reduce fits, or when no density is faster than it;
     when none fits but some are faster, the fastest (the lowest such).
     """
     if world_size <= 1 or not buckets:
         return Choice(1.0, 0.0, 0.0, "nothing to exchange")
+    if one_host:
+        return Choice(1.0, 0.0, 0.0, "every rank is on one host (loopback, shared memory, NVLink): dense")
     if not link.measurable:
         return Choice(1.0, 0.0, 0.0, "the link is too fast to time: dense")
     network = Network(bandwidth=link.throughput_bps, latency=link.latency_s)
@@ -145,6 +159,19 @@ def choose_density(
     if times[fastest] >= dense:
         return Choice(1.0, dense, dense, "no density is faster than DDP's all-reduce (latency-bound link): dense")
     return Choice(fastest, times[fastest], dense, "no density fits the compute window: the fastest")
+
+
+def host_key() -> float:
+    """This process's host and network namespace as a number (exact in float64, for an all-gather): ranks with the
+    same key exchange without a network link between them. Processes in other network namespaces of one machine
+    (joined by a shaped veth, as the benchmarks do) get other keys."""
+    parts = [socket.gethostname()]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/net"):
+        try:
+            parts.append(Path(path).read_text().strip() if path.endswith("boot_id") else str(os.stat(path).st_ino))
+        except OSError:
+            parts.append("")
+    return float(zlib.crc32("|".join(parts).encode()))
 
 
 # -- measuring ------------------------------------------------------------------------------------------------
@@ -346,6 +373,7 @@ class AutoDensity:
         window = None
         if self._step_end is not None and self._last_hook is not None and self._last_hook > self._step_end:
             window = self._last_hook - self._step_end
+        stepped_dense = state.density == 1.0  # the density of the step that just ended
         sample = self._recorder.close_step(window, self._probe_s)
         self._probe_s = None
         self.last_measured_s = sample.busy_s
@@ -364,17 +392,25 @@ class AutoDensity:
         elif not self.measuring and self.every and self.steps % self.every == 0:
             self.measuring, self.checking, self._samples, self._periods = True, False, [], []
             state.density = self.density
+        if stepped_dense and self.density == 1.0 and not state.passthrough:
+            # a step at density 1 sent every residual whole: from the next one on, DDP's own step
+            inner = state.collectives
+            state.enter_passthrough(inner.inner if isinstance(inner, TimedCollectives) else inner)
         self._step_end = time.perf_counter()
 
     def _decide(self, state: Any, group: Any) -> None:
-        mine = torch.tensor([*summarize(self._samples), statistics.median(self._periods)], dtype=torch.float64)
+        figures = [*summarize(self._samples), statistics.median(self._periods), host_key()]
+        mine = torch.tensor(figures, dtype=torch.float64)
         gathered = [t.tolist() for t in comm.all_gather_host(mine, group, "all-gather of the link measurements"
                                                              " (density='auto')")]  # fmt: skip
         link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size)
         self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
         buckets = [(plan.layout, plan.dense_bytes) for plan in state.plans]
         algorithm, config = type(state.algorithm), state.config
-        choice = self.choice = choose_density(link, buckets, state.world_size, algorithm, config, self.min_density)
+        one_host = len({row[6] for row in gathered}) == 1
+        choice = self.choice = choose_density(
+            link, buckets, state.world_size, algorithm, config, self.min_density, one_host=one_host
+        )
         self.measuring, self._samples, self._periods, self.link_density = False, [], [], choice.density
         self.checking = choice.density < 1.0
         if link.measurable:

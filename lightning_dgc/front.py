@@ -267,10 +267,12 @@ class ExchangeAccess(ProcessGroupAtExit):
         """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`); with
         ``density="auto"`` also ``auto_density`` (the link's density; the one in force is ``density``),
         ``auto_measuring``, ``predicted_exchange_ms``, ``measured_exchange_ms``, ``compute_window_ms``,
-        ``link_mbit_s``, ``link_latency_ms``, ``dense_step_ms`` and ``checked_step_ms`` (:meth:`AutoDensity.stats`)."""
+        ``link_mbit_s``, ``link_latency_ms``, ``dense_step_ms`` and ``checked_step_ms`` (:meth:`AutoDensity.stats`),
+        and ``auto_ddp_step``: whether the next step is DDP's own (dense, the ranks' momenta made one:
+        :meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`)."""
         stats = self._state.compression_stats() if self._state is not None else {}
-        if stats and self._auto is not None:
-            stats = {**stats, **self._auto.stats()}
+        if stats and self._auto is not None and self._state is not None:
+            stats = {**stats, **self._auto.stats(), "auto_ddp_step": self._state.passthrough}
         return stats
 
     def request_buildup(self) -> None:
@@ -364,12 +366,14 @@ class ExchangeAccess(ProcessGroupAtExit):
             if counted is not None:
                 counted.hook_calls += 1
                 probe = None
-                if not state.step_pending:  # the step's first bucket: the settings must agree before it is sent
+                auto = counted._auto
+                steady = state.passthrough and (auto is None or not auto.measuring)  # DDP's step: nothing to agree
+                if not state.step_pending and not steady:  # the step's first bucket: the settings must agree
                     start = time.perf_counter()
                     check_settings_agree(state, type(counted).__name__, counted._host_group)
                     probe = time.perf_counter() - start
-                if counted._auto is not None:
-                    counted._auto.hooked(probe)
+                if auto is not None:
+                    auto.hooked(probe)
             return exchange_hook(state, bucket)
 
         return counted_hook
