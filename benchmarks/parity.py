@@ -108,6 +108,14 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     # the same with an outer step every 50 optimizer steps
     "diloco_h50": ("configs/algo/diloco.yaml", ("--trainer.strategy.init_args.sync_every", "50"), False),
     "diloco_dgc_h50": ("configs/algo/diloco_dgc.yaml", ("--trainer.strategy.init_args.sync_every", "50"), False),
+    # local SGD: the same rounds with the outer step a plain average (outer lr 1, no momentum), which tells the
+    # local steps' cost from the outer optimizer's
+    "diloco_local_sgd": (
+        "configs/algo/diloco.yaml",
+        ("--trainer.strategy.init_args.outer_lr", "1.0", "--trainer.strategy.init_args.outer_momentum", "0.0",
+         "--trainer.strategy.init_args.outer_nesterov", "false"),
+        False,
+    ),
     # DGC's top-k with error feedback on the optimizer's update (each rank's own step), not the gradient
     "dgc_updates": ("configs/algo/dgc_updates.yaml", (), False),
 }
