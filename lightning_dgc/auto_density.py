@@ -373,7 +373,6 @@ class AutoDensity:
         window = None
         if self._step_end is not None and self._last_hook is not None and self._last_hook > self._step_end:
             window = self._last_hook - self._step_end
-        stepped_dense = state.density == 1.0  # the density of the step that just ended
         sample = self._recorder.close_step(window, self._probe_s)
         self._probe_s = None
         self.last_measured_s = sample.busy_s
@@ -392,10 +391,6 @@ class AutoDensity:
         elif not self.measuring and self.every and self.steps % self.every == 0:
             self.measuring, self.checking, self._samples, self._periods = True, False, [], []
             state.density = self.density
-        if stepped_dense and self.density == 1.0 and not state.passthrough:
-            # a step at density 1 sent every residual whole: from the next one on, DDP's own step
-            inner = state.collectives
-            state.enter_passthrough(inner.inner if isinstance(inner, TimedCollectives) else inner)
         self._step_end = time.perf_counter()
 
     def _decide(self, state: Any, group: Any) -> None:

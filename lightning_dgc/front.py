@@ -26,7 +26,7 @@ from lightning_dgc.agreement import (
     check_settings_agree,
 )
 from lightning_dgc.algorithms import AlgorithmConfig
-from lightning_dgc.auto_density import AutoDensity
+from lightning_dgc.auto_density import AutoDensity, TimedCollectives
 from lightning_dgc.checkpoint import FileIO, read_checkpoint, remove_rank_files
 from lightning_dgc.checks import check_density, drop_foreign_hook_arguments, sparse_gradient_message
 from lightning_dgc.hook import exchange_hook
@@ -267,12 +267,16 @@ class ExchangeAccess(ProcessGroupAtExit):
         """Statistics of the last optimizer step on this rank (see :meth:`ExchangeState.compression_stats`); with
         ``density="auto"`` also ``auto_density`` (the link's density; the one in force is ``density``),
         ``auto_measuring``, ``predicted_exchange_ms``, ``measured_exchange_ms``, ``compute_window_ms``,
-        ``link_mbit_s``, ``link_latency_ms``, ``dense_step_ms`` and ``checked_step_ms`` (:meth:`AutoDensity.stats`),
-        and ``auto_ddp_step``: whether the next step is DDP's own (dense, the ranks' momenta made one:
-        :meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`)."""
-        stats = self._state.compression_stats() if self._state is not None else {}
-        if stats and self._auto is not None and self._state is not None:
-            stats = {**stats, **self._auto.stats(), "auto_ddp_step": self._state.passthrough}
+        ``link_mbit_s``, ``link_latency_ms``, ``dense_step_ms`` and ``checked_step_ms`` (:meth:`AutoDensity.stats`).
+        ``ddp_step``: whether the next step is DDP's own (at density 1, once a step there made the ranks'
+        momenta one: :meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`)."""
+        if self._state is None:
+            return {}
+        stats = self._state.compression_stats()
+        if stats:
+            stats["ddp_step"] = self._state.passthrough
+            if self._auto is not None:
+                stats = {**stats, **self._auto.stats()}
         return stats
 
     def request_buildup(self) -> None:
@@ -347,10 +351,19 @@ class ExchangeAccess(ProcessGroupAtExit):
             self._rank_checks_set_up = True
 
     def _after_optimizer_step(self, params: Iterable[torch.Tensor]) -> None:
-        """Every ``check_ranks_every`` optimizer steps: raise on every rank if their parameters differ."""
+        """After a step at density 1, DDP's own step from the next one on
+        (:meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`); ``density="auto"``'s bookkeeping; every
+        ``check_ranks_every`` optimizer steps: raise on every rank if their parameters differ."""
         self._optimizer_steps += 1
-        if self._auto is not None and self._state is not None:
-            self._auto.step_done(self._state, self._host_group)
+        state = self._state
+        if state is not None:
+            dense = state.density == 1.0  # the density the step ran at
+            if self._auto is not None:
+                self._auto.step_done(state, self._host_group)
+            if dense and state.density == 1.0 and not state.passthrough:
+                # the step sent every residual whole: from the next one on, DDP's own step
+                collectives = state.collectives
+                state.enter_passthrough(collectives.inner if isinstance(collectives, TimedCollectives) else collectives)
         every = self.check_ranks_every
         if every and self._optimizer_steps % every == 0:
             check_parameters_agree(params, type(self).__name__, self._optimizer_steps, self._host_group)

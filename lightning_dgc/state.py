@@ -339,7 +339,7 @@ class ExchangeState:
         """Add one bucket all-reduced as DDP does (:attr:`passthrough`) to this step's statistics."""
         nbytes = plan.dense_bytes
         cost = WireCost((Message("all_reduce", nbytes, "dense"),), nbytes, sum(s.numel for s in plan.layout))
-        self.stats.record(cost, _NOTHING_MEASURED, 0.0, self.world_size, self.density, False)
+        self.stats.record(cost, _NOTHING_MEASURED, 0.0, self.world_size, self.density, self.measures_buildup)
 
     def record(self, cost: WireCost, work: BucketWork, selection_s: float, node_link_bytes: float = 0.0) -> None:
         """Add one bucket's wire cost and measured figures to this step's statistics (``node_link_bytes``: what
