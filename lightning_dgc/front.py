@@ -380,7 +380,8 @@ class ExchangeAccess(ProcessGroupAtExit):
                 counted.hook_calls += 1
                 probe = None
                 auto = counted._auto
-                steady = state.passthrough and (auto is None or not auto.measuring)  # DDP's step: nothing to agree
+                # DDP's step chosen by the link: the density in force is 1 whatever a rank's floor, nothing to agree
+                steady = state.passthrough and auto is not None and not auto.measuring
                 if not state.step_pending and not steady:  # the step's first bucket: the settings must agree
                     start = time.perf_counter()
                     check_settings_agree(state, type(counted).__name__, counted._host_group)

@@ -48,11 +48,14 @@ def test_ranks_that_diverge_stop_on_every_rank_and_a_normal_run_passes(tmp_path,
 
 
 @pytest.mark.slow
-def test_density_set_on_one_rank_mid_run_raises_on_every_rank_within_seconds(tmp_path) -> None:
+@pytest.mark.parametrize("density", ["0.01", "1"])  # 1: in DDP's own step when rank 0 changes it
+def test_density_set_on_one_rank_mid_run_raises_on_every_rank_within_seconds(tmp_path, density: str) -> None:
     out = tmp_path / "density"
     start = time.monotonic()
-    proc = run_script("ranks_script.py", out, "--density-on", "0:3:0.5", "--timeout", "120", check=False)
+    proc = run_script("ranks_script.py", out, "--density", density, "--density-on", "0:3:0.5", "--timeout", "120",
+                      check=False)  # fmt: skip
     assert proc.returncode != 0 and time.monotonic() - start < 100  # not the process group's timeout
     for rank in (0, 1):
         stderr = (out.parent / f"density.rank{rank}.stderr").read_text()
-        assert "`density` differs between ranks at step 3 (rank 0: 0.5, rank 1: 0.01)" in stderr, stderr[-3000:]
+        want = f"`density` differs between ranks at step 3 (rank 0: 0.5, rank 1: {density})"
+        assert want in stderr, stderr[-3000:]
