@@ -361,7 +361,8 @@ def _shows(cell: str, value: float) -> bool:
 
 #: The DiLoCo page's measured rows: the first cell of a row -> the parity variant it quotes.
 DILOCO_ROWS = {"DDP": "ddp", "`algo/diloco` (H = 10, dense)": "diloco", "`algo/diloco_dgc` (H = 10, DGC at 0.01)":
-               "diloco_dgc", "H = 50, dense": "diloco_h50", "H = 50, DGC at 0.01": "diloco_dgc_h50"}  # fmt: skip
+               "diloco_dgc", "H = 50, dense": "diloco_h50", "H = 50, DGC at 0.01": "diloco_dgc_h50",
+               "local SGD (H = 10, outer lr 1, no momentum)": "diloco_local_sgd"}  # fmt: skip
 
 
 def test_diloco_page_measured_tables_quote_the_records() -> None:
