@@ -288,11 +288,10 @@ class ExchangeState:
     # -- DDP's own step -----------------------------------------------------------------------------------
     def can_pass_through(self) -> bool:
         """Whether this run may take DDP's own step at density 1 (:meth:`enter_passthrough`): a flat exchange of
-        an algorithm with a density whose memory is SGD's momentum and a residual (DGC, DEFT), fp32
-        parameters, and no local clipping (which acts on each rank's gradient before the average)."""
+        an algorithm whose dense step is DDP's (``Algorithm.dense_is_ddp``: DGC, DEFT), fp32 parameters, and no
+        local clipping (which acts on each rank's gradient before the average)."""
         return (
-            self.topology is None and self.config.density is not None
-            and set(self.algorithm.memory_kinds) <= {"momentum", "velocity"}
+            self.topology is None and self.algorithm.dense_is_ddp and self.config.density is not None
             and getattr(self.config, "local_clip_norm", None) is None
             and all(p.dtype == torch.float32 for p in self._params.values())
         )  # fmt: skip

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_dgc import algorithms, comm, hook
 from lightning_dgc.state import ExchangeState
+from tests.extending.randomk import RandomKConfig
 
 CASES = [
     ("dgc", {"momentum": 0.9}),
@@ -126,13 +127,14 @@ def test_only_a_flat_fp32_exchange_of_a_density_algorithm_passes_through() -> No
             (algorithms.get("dgc").config_class(density=1.0, local_clip_norm=1.0), torch.float32),
             (algorithms.get("dgc").config_class(density=1.0), torch.bfloat16),
             (algorithms.get("powersgd").config_class(), torch.float32),  # no density
+            (RandomKConfig(density=1.0), torch.float32),  # an outside algorithm: its dense step is its own
         ]:
             state = ExchangeState(config, collectives=collectives)
             state.register_parameters(_model().to(dtype).named_parameters())
             out.append(state.enter_passthrough(collectives))
         return out
 
-    assert comm.simulate(2, run) == [[True, False, False, False, False]] * 2
+    assert comm.simulate(2, run) == [[True, False, False, False, False, False]] * 2
 
 
 def test_a_new_density_leaves_ddps_step() -> None:

@@ -205,6 +205,10 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
             ``None`` (the default): the algorithm holds nothing back, and the norm is not reported.
         state_settings: configuration fields that shape the memory: a checkpoint saved with other values
             of them is refused on resume (PowerSGD's ``matrix_approximation_rank``).
+        dense_is_ddp: whether a step at density 1 sends every residual whole and is otherwise DDP + SGD, its
+            momentum (if taken over) in ``"momentum"`` buffers with the top-k algorithms' convention
+            (:mod:`lightning_dgc.algorithms.sparse`), so that the steps after it may be DDP's own
+            (:meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`). DGC and DEFT: true; default false.
     """
 
     name: ClassVar[str]
@@ -212,6 +216,7 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
     memory_kinds: ClassVar[tuple[str, ...]] = ()
     residual_kind: ClassVar[str | None] = None
     state_settings: ClassVar[tuple[str, ...]] = ()
+    dense_is_ddp: ClassVar[bool] = False
 
     def __init__(self, config: ConfigT, state: ExchangeContext) -> None:
         self.config = config

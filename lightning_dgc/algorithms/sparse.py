@@ -176,6 +176,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
 
     memory_kinds = ("momentum", "velocity")
     residual_kind = "velocity"
+    dense_is_ddp = True
     work_class: type[SparseWork] = SparseWork
     #: Whether the selection tensor by tensor (the CPU's numpy path) makes each compressed tensor's v' when
     #: it gets to it, so that one tensor's temporary is alive at a time, not a bucket's (DDP's first bucket
