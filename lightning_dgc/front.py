@@ -178,6 +178,7 @@ class ExchangeAccess(ProcessGroupAtExit):
     _rank_checks_set_up = False
     _optimizer_steps = 0
     _auto: AutoDensity | None = None
+    _passthrough_tried = -1  # the exchange step at which DDP's own step was last tried
     #: What sets the model (and so the exchange state) up, named in the error before it has run.
     set_up_by: ClassVar[str] = "the strategy's setup"
 
@@ -302,12 +303,18 @@ class ExchangeAccess(ProcessGroupAtExit):
     def _backward_pass(self, run: Callable[[], Any]) -> Any:
         """Run one backward pass (``run()``), then finish the exchange's step if the pass ran the hook, so that
         the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it was)
-        before anything after the backward pass reads them, as under DDP."""
+        before anything after the backward pass reads them, as under DDP. At density 1 it first tries DDP's own
+        step (:meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`, once per step until it is in force)."""
         state = self._state
         if state is None:
             return run()
         scaler = self._grad_scaler()
         state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+        if state.density == 1.0 and not state.passthrough and self._passthrough_tried != state.step:
+            # DDP's own step from here on, if no rank holds a residual (once per step: a collective)
+            self._passthrough_tried = state.step
+            collectives = state.collectives
+            state.enter_passthrough(collectives.inner if isinstance(collectives, TimedCollectives) else collectives)
         self._carry.before_backward(state, type(self).__name__)
         result = run()
         finite = None
@@ -351,19 +358,12 @@ class ExchangeAccess(ProcessGroupAtExit):
             self._rank_checks_set_up = True
 
     def _after_optimizer_step(self, params: Iterable[torch.Tensor]) -> None:
-        """After a step at density 1, DDP's own step from the next one on
-        (:meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`); ``density="auto"``'s bookkeeping; every
-        ``check_ranks_every`` optimizer steps: raise on every rank if their parameters differ."""
+        """``density="auto"``'s bookkeeping; every ``check_ranks_every`` optimizer steps: raise on every rank if
+        their parameters differ."""
         self._optimizer_steps += 1
         state = self._state
-        if state is not None:
-            dense = state.density == 1.0  # the density the step ran at
-            if self._auto is not None:
-                self._auto.step_done(state, self._host_group)
-            if dense and state.density == 1.0 and not state.passthrough:
-                # the step sent every residual whole: from the next one on, DDP's own step
-                collectives = state.collectives
-                state.enter_passthrough(collectives.inner if isinstance(collectives, TimedCollectives) else collectives)
+        if state is not None and self._auto is not None:
+            self._auto.step_done(state, self._host_group)
         every = self.check_ranks_every
         if every and self._optimizer_steps % every == 0:
             check_parameters_agree(params, type(self).__name__, self._optimizer_steps, self._host_group)

@@ -297,14 +297,15 @@ class ExchangeState:
         )  # fmt: skip
 
     def enter_passthrough(self, collectives: Collectives) -> bool:
-        """From the next backward pass on, take DDP's own step at density 1: every rank at once (a collective).
+        """From the next backward pass on, take DDP's own step at density 1: every rank at once (a collective;
+        the front doors call it before a backward pass at density 1).
 
-        Call it after an optimizer step whose exchange ran at density 1, which sent every rank's residual
-        whole and cleared it. Then the ranks' momenta enter the averaged update only through their mean, so
-        every rank's momentum is replaced by that mean (one all-reduce of the momenta over ``collectives``,
-        the residual's sum of squares with them): from there the step is DDP's all-reduce of the gradient and
-        SGD's momentum on the average (:func:`lightning_dgc.hook.exchange_passthrough`), on every rank alike.
-        Returns whether it was entered: not when some rank still holds a residual (its step was skipped).
+        It is entered when no rank holds a residual: at the start of a run (or of one resumed from DDP), and
+        after a step at density 1, which sends every residual whole. Then the ranks' momenta enter the averaged
+        update only through their mean, so every rank's momentum is replaced by that mean (one all-reduce of
+        the momenta over ``collectives``, the residual's sum of squares with them): from there the step is
+        DDP's all-reduce of the gradient and SGD's momentum on the average
+        (:func:`lightning_dgc.hook.exchange_passthrough`), on every rank alike. Returns whether it was entered.
         """
         if not self.can_pass_through() or self.density != 1.0:
             return False

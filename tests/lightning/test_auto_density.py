@@ -23,8 +23,8 @@ def test_auto_on_loopback_goes_dense_and_equals_ddp(tmp_path, momentum: str) -> 
         assert last["k"] == 0 and last["compression_ratio"] == pytest.approx(1.0)  # nothing selected: DDP's bytes
         assert last["measured_exchange_ms"] > 0 and last["compute_window_ms"] > 0
         assert all(s["density"] == 1.0 for s in summary["stats"])
-        assert all(s["ddp_step"] for s in summary["stats"]), "DDP's own step after the first"
+        assert all(s["ddp_step"] for s in summary["stats"]), "DDP's own step from the first"
         momentum_free = summary["records"][-1]
         assert momentum_free["velocity_sum"] == 0.0, "a dense exchange holds nothing back"
-    torch.testing.assert_close(params(tmp_path / "auto", 0), params(tmp_path / "ddp", 0), rtol=1e-5, atol=1e-6)
-    assert torch.equal(params(tmp_path / "auto", 0), params(tmp_path / "auto", 1))
+    for rank in (0, 1):  # DDP's own step from the first: DDP's weights, bit for bit
+        assert torch.equal(params(tmp_path / "auto", rank), params(tmp_path / "ddp", rank))
