@@ -16,17 +16,14 @@ rank that waited least for the others measured the link best; the shortest windo
 :func:`choose_density` (pure) then prices every candidate density with the algorithm's own
 :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a :class:`~lightning_dgc.perfmodel.Network` of that
 throughput and latency, and keeps the largest density whose exchange takes at most :data:`AUTO_MARGIN` of the
-window, never below ``min_density``: 1 (dense) when every rank is on one host (:func:`host_key`), when DDP's
-all-reduce fits, or when no density is faster than it (a latency-bound link), or when the link is too fast to
-time. The same figures on every rank give the same density on every rank. The model prices bytes and
-latency only, not the selection or the memory's work: a compressed choice is then checked, its next
-:data:`MEASURE_STEPS` steps (after the first) timed end to end against the dense steps measured (the slowest
-rank's median each, one all-gather of 8 bytes), and the exchange goes back to dense if they were no faster.
-The phase comes back every ``auto_every`` optimizer steps (0: never), since links change.
-
-Dense, once a step at density 1 has sent every residual whole, is DDP's own step: the bucket all-reduced,
-nothing selected or held back, SGD's momentum on the average
-(:meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`).
+window, never below ``min_density``: 1 (dense, which is DDP's own step: :mod:`lightning_dgc.passthrough`) when
+every rank is on one host (:func:`~lightning_dgc.comm.host_key`), when DDP's all-reduce fits, when no density
+is faster than it (a latency-bound link), or when the link is too fast to time. The same figures on every rank
+give the same density on every rank. The model prices bytes and latency only, not the selection or the
+memory's work: a compressed choice is then checked, its next :data:`MEASURE_STEPS` steps (after the first)
+timed end to end against the dense steps measured (the slowest rank's median each, one all-gather of 8 bytes),
+and the exchange goes back to dense if they were no faster. The phase comes back every ``auto_every``
+optimizer steps (0: never), since links change.
 
 A density set from outside (``strategy.density = d``, :class:`~lightning_dgc.callbacks.SparsityWarmup`) is a
 floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
@@ -35,15 +32,11 @@ floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
 from __future__ import annotations
 
 import math
-import os
-import socket
 import statistics
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,7 +50,7 @@ from lightning_dgc.perfmodel.network import Network
 
 __all__ = [
     "AUTO_MARGIN", "MEASURE_STEPS", "AutoDensity", "Choice", "LinkEstimate", "StepSample", "candidate_densities",
-    "choose_density", "estimate_link", "exchange_time", "host_key", "link_from_ranks", "summarize",
+    "choose_density", "estimate_link", "exchange_time", "link_from_ranks", "summarize",
 ]  # fmt: skip
 
 #: The share of the compute window the chosen exchange may take: without any overlap it adds at most a
@@ -132,7 +125,7 @@ def choose_density(
             (``config``'s other settings, e.g. ``value_dtype``, apply).
         min_density: the lowest density allowed.
         margin: the share of the window the exchange may take.
-        one_host: whether every rank runs on one host (:func:`host_key`).
+        one_host: whether every rank runs on one host (:func:`lightning_dgc.comm.host_key`).
 
     Dense (1) when every rank is on one host (their collectives go through loopback, shared memory or NVLink,
     where compression does not pay, and where two processes sharing cores time their waits for each other, not
@@ -159,19 +152,6 @@ def choose_density(
     if times[fastest] >= dense:
         return Choice(1.0, dense, dense, "no density is faster than DDP's all-reduce (latency-bound link): dense")
     return Choice(fastest, times[fastest], dense, "no density fits the compute window: the fastest")
-
-
-def host_key() -> float:
-    """This process's host and network namespace as a number (exact in float64, for an all-gather): ranks with the
-    same key exchange without a network link between them. Processes in other network namespaces of one machine
-    (joined by a shaped veth, as the benchmarks do) get other keys."""
-    parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/net"):
-        try:
-            parts.append(Path(path).read_text().strip() if path.endswith("boot_id") else str(os.stat(path).st_ino))
-        except OSError:
-            parts.append("")
-    return float(zlib.crc32("|".join(parts).encode()))
 
 
 # -- measuring ------------------------------------------------------------------------------------------------
@@ -394,8 +374,8 @@ class AutoDensity:
         self._step_end = time.perf_counter()
 
     def _decide(self, state: Any, group: Any) -> None:
-        figures = [*summarize(self._samples), statistics.median(self._periods), host_key()]
-        mine = torch.tensor(figures, dtype=torch.float64)
+        mine = torch.tensor([*summarize(self._samples), statistics.median(self._periods), comm.host_key()],
+                            dtype=torch.float64)  # fmt: skip
         gathered = [t.tolist() for t in comm.all_gather_host(mine, group, "all-gather of the link measurements"
                                                              " (density='auto')")]  # fmt: skip
         link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size)

@@ -26,10 +26,11 @@ from lightning_dgc.agreement import (
     check_settings_agree,
 )
 from lightning_dgc.algorithms import AlgorithmConfig
-from lightning_dgc.auto_density import AutoDensity, TimedCollectives
+from lightning_dgc.auto_density import AutoDensity
 from lightning_dgc.checkpoint import FileIO, read_checkpoint, remove_rank_files
 from lightning_dgc.checks import check_density, drop_foreign_hook_arguments, sparse_gradient_message
 from lightning_dgc.hook import exchange_hook
+from lightning_dgc.passthrough import enter_passthrough
 from lightning_dgc.state import ExchangeState, algorithm_for
 from lightning_dgc.takeover import check_max_consecutive_skips, skip_non_finite_step
 
@@ -178,7 +179,6 @@ class ExchangeAccess(ProcessGroupAtExit):
     _rank_checks_set_up = False
     _optimizer_steps = 0
     _auto: AutoDensity | None = None
-    _passthrough_tried = -1  # the exchange step at which DDP's own step was last tried
     #: What sets the model (and so the exchange state) up, named in the error before it has run.
     set_up_by: ClassVar[str] = "the strategy's setup"
 
@@ -269,15 +269,10 @@ class ExchangeAccess(ProcessGroupAtExit):
         ``density="auto"`` also ``auto_density`` (the link's density; the one in force is ``density``),
         ``auto_measuring``, ``predicted_exchange_ms``, ``measured_exchange_ms``, ``compute_window_ms``,
         ``link_mbit_s``, ``link_latency_ms``, ``dense_step_ms`` and ``checked_step_ms`` (:meth:`AutoDensity.stats`).
-        ``ddp_step``: whether the next step is DDP's own (at density 1, once a step there made the ranks'
-        momenta one: :meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`)."""
-        if self._state is None:
-            return {}
-        stats = self._state.compression_stats()
-        if stats:
-            stats["ddp_step"] = self._state.passthrough
-            if self._auto is not None:
-                stats = {**stats, **self._auto.stats()}
+        ``ddp_step``: whether the next step is DDP's own (:mod:`lightning_dgc.passthrough`)."""
+        stats = self._state.compression_stats() if self._state is not None else {}
+        if stats:  # (none before the first step)
+            stats = {**stats, "ddp_step": self._state.passthrough, **(self._auto.stats() if self._auto else {})}  # type: ignore[union-attr]
         return stats
 
     def request_buildup(self) -> None:
@@ -303,18 +298,14 @@ class ExchangeAccess(ProcessGroupAtExit):
     def _backward_pass(self, run: Callable[[], Any]) -> Any:
         """Run one backward pass (``run()``), then finish the exchange's step if the pass ran the hook, so that
         the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it was)
-        before anything after the backward pass reads them, as under DDP. At density 1 it first tries DDP's own
-        step (:meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`, once per step until it is in force)."""
+        before anything after the backward pass reads them, as under DDP (at density 1: DDP's own step, if it can)."""
         state = self._state
         if state is None:
             return run()
         scaler = self._grad_scaler()
         state.grad_scale = float(scaler.get_scale()) if scaler is not None else 1.0
-        if state.density == 1.0 and not state.passthrough and self._passthrough_tried != state.step:
-            # DDP's own step from here on, if no rank holds a residual (once per step: a collective)
-            self._passthrough_tried = state.step
-            collectives = state.collectives
-            state.enter_passthrough(collectives.inner if isinstance(collectives, TimedCollectives) else collectives)
+        if state.density == 1.0 and not state.passthrough:
+            enter_passthrough(state)
         self._carry.before_backward(state, type(self).__name__)
         result = run()
         finite = None
@@ -358,12 +349,10 @@ class ExchangeAccess(ProcessGroupAtExit):
             self._rank_checks_set_up = True
 
     def _after_optimizer_step(self, params: Iterable[torch.Tensor]) -> None:
-        """``density="auto"``'s bookkeeping; every ``check_ranks_every`` optimizer steps: raise on every rank if
-        their parameters differ."""
+        """Every ``check_ranks_every`` optimizer steps: raise on every rank if their parameters differ."""
         self._optimizer_steps += 1
-        state = self._state
-        if state is not None and self._auto is not None:
-            self._auto.step_done(state, self._host_group)
+        if self._auto is not None and self._state is not None:
+            self._auto.step_done(self._state, self._host_group)
         every = self.check_ranks_every
         if every and self._optimizer_steps % every == 0:
             check_parameters_agree(params, type(self).__name__, self._optimizer_steps, self._host_group)
@@ -379,10 +368,8 @@ class ExchangeAccess(ProcessGroupAtExit):
             if counted is not None:
                 counted.hook_calls += 1
                 probe = None
-                auto = counted._auto
-                # DDP's step chosen by the link: the density in force is 1 whatever a rank's floor, nothing to agree
-                steady = state.passthrough and auto is not None and not auto.measuring
-                if not state.step_pending and not steady:  # the step's first bucket: the settings must agree
+                auto = counted._auto  # below: DDP's step chosen by the link is 1 whatever a rank's floor sets
+                if not state.step_pending and not (state.passthrough and auto is not None and not auto.measuring):
                     start = time.perf_counter()
                     check_settings_agree(state, type(counted).__name__, counted._host_group)
                     probe = time.perf_counter() - start

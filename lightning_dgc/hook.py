@@ -43,7 +43,8 @@ from torch import Tensor
 from lightning_dgc import comm
 from lightning_dgc.algorithms import BucketPlan, BucketWork
 from lightning_dgc.comm import GradBucket
-from lightning_dgc.memory import bucket_order_flat, write_bucket_order_
+from lightning_dgc.memory import write_bucket_order_
+from lightning_dgc.passthrough import exchange_passthrough
 from lightning_dgc.state import ExchangeState
 from lightning_dgc.two_level import TwoLevelPlan
 
@@ -102,71 +103,6 @@ def exchange(
     if deferred is not None:
         state.memory.note_delivery(deferred.deliver)
     return future
-
-
-def exchange_passthrough(
-    state: ExchangeState, params: list[Tensor], buffer: Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    """DDP's own step for a bucket, once :meth:`~lightning_dgc.state.ExchangeState.enter_passthrough` made the
-    ranks' momenta one (a dense steady state: ``density="auto"`` chose 1): the bucket divided by the world size
-    and all-reduced in place, as DDP's default hook does, with nothing selected and nothing held back; once the
-    backward pass is over, SGD's weight decay and momentum (the optimizer's, taken over) on the average
-    (:func:`momentum_on_average`), in ``finish_step()``. The step is skipped on every rank if the average is
-    not finite, as any other exchange's."""
-    plan = state.plan(params, buffer)  # the layout; and the step is pending until finish_step()
-    state.record_dense(plan)
-    pending = state.collectives.all_reduce(buffer.div_(state.world_size), "all-reduce of the bucket (dense)")
-
-    def done() -> Tensor:
-        state.memory.note_finite(torch.isfinite(buffer.sum()))
-        return buffer
-
-    future = comm.when_all([pending], done, buffer.device)
-    state.memory.note_bucket(future)
-    scale = state.grad_scale
-    state.memory.note_delivery(lambda finite: momentum_on_average(state, plan.layout, params, scale) if finite else None)
-    return future
-
-
-def momentum_on_average(state: ExchangeState, layout: list, params: list[Tensor], scale: float) -> None:
-    """SGD's weight decay and momentum on the averaged gradients of ``params`` (in ``.grad``), in place: ``g' = g
-    + wd p``; ``b' = m b + g'``, ``.grad = b'`` (Nesterov ``g' + m b'``); for a tensor whose momentum the
-    exchange keeps as DGC's ``u = m b`` (compressed, Nesterov), ``u' = m (u + g')``, ``.grad = g' + u'``.
-    ``scale``: the loss scale the gradients carry (divided out of what enters the momentum). A parameter
-    without a gradient (unused on every rank) is neither decayed nor has its momentum moved, as under SGD."""
-    memory = state.memory
-    groups: dict[tuple[float, bool, float, bool], tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
-    for param, spec in zip(params, layout, strict=True):
-        if param.grad is None:
-            continue
-        s = state.settings_for(spec.name)
-        if not (s.momentum or s.weight_decay):
-            continue
-        u_convention = bool(s.momentum) and s.nesterov and not state.is_dense(spec.name)
-        grads, weights, momenta = groups.setdefault((s.momentum, s.nesterov, s.weight_decay, u_convention), ([], [], []))
-        grads.append(bucket_order_flat(param.grad))
-        weights.append(bucket_order_flat(param.detach()))
-        if s.momentum:
-            momenta.append(memory.buffer("momentum", spec.name, spec.numel, param.device))
-    for (momentum, nesterov, decay, u_convention), (grads, weights, momenta) in groups.items():
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        if decay:
-            torch._foreach_add_(grads, weights, alpha=decay)
-        if momentum:
-            if u_convention:  # u' = m (u + g); d = g + u'
-                torch._foreach_add_(momenta, grads)
-                torch._foreach_mul_(momenta, momentum)
-                torch._foreach_add_(grads, momenta)
-            else:  # b' = m b + g; d = b' (Nesterov: g + m b')
-                torch._foreach_mul_(momenta, momentum)
-                torch._foreach_add_(momenta, grads)
-                if nesterov:
-                    torch._foreach_add_(grads, momenta, alpha=momentum)
-                else:
-                    torch._foreach_copy_(grads, momenta)
-        if scale != 1.0:
-            torch._foreach_mul_(grads, scale)
 
 
 def compensate_select_exchange(

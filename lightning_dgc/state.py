@@ -11,16 +11,13 @@ import torch
 from torch import Tensor
 
 from lightning_dgc import algorithms, comm, shards
-from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, Message, ParamSettings, WireCost
+from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, BucketWork, ParamSettings, WireCost
 from lightning_dgc.checks import check_density, sparse_gradient_message
 from lightning_dgc.comm import Collectives, Topology, TorchCollectives
 from lightning_dgc.entry import check_checkpoint_entry, restore_error, state_for_topology, state_problems
 from lightning_dgc.memory import ResidualMemory, bucket_order_flat
 from lightning_dgc.stats import ExchangeStatistics
 from lightning_dgc.two_level import TwoLevelPlan
-
-#: The measured extras of a bucket whose exchange measured none (``BucketWork.stats``).
-_NOTHING_MEASURED = BucketWork([], torch.empty(0))
 
 
 def algorithm_for(config: AlgorithmConfig) -> type[Algorithm[Any, Any, Any]]:
@@ -92,8 +89,7 @@ class ExchangeState:
         self.continuing: frozenset[str] = frozenset()
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._planned_this_step: set[tuple[Any, ...]] = set()
-        #: Whether the hook runs DDP's own step (:func:`lightning_dgc.hook.exchange_passthrough`): set by
-        #: :meth:`enter_passthrough`, cleared by any other exchange.
+        #: Whether the hook runs DDP's own step (:mod:`lightning_dgc.passthrough`); cleared by any other exchange.
         self.passthrough = False
         self.algorithm = algorithm_for(self.config)(self.config, self)
 
@@ -285,46 +281,6 @@ class ExchangeState:
         """Forget the plans: they are made again from the next buckets (their buffers too)."""
         self._plans.clear()
 
-    # -- DDP's own step -----------------------------------------------------------------------------------
-    def can_pass_through(self) -> bool:
-        """Whether this run may take DDP's own step at density 1 (:meth:`enter_passthrough`): a flat exchange of
-        an algorithm whose dense step is DDP's (``Algorithm.dense_is_ddp``: DGC, DEFT), fp32 parameters, and no
-        local clipping (which acts on each rank's gradient before the average)."""
-        return (
-            self.topology is None and self.algorithm.dense_is_ddp and self.config.density is not None
-            and getattr(self.config, "local_clip_norm", None) is None
-            and all(p.dtype == torch.float32 for p in self._params.values())
-        )  # fmt: skip
-
-    def enter_passthrough(self, collectives: Collectives) -> bool:
-        """From the next backward pass on, take DDP's own step at density 1: every rank at once (a collective;
-        the front doors call it before a backward pass at density 1).
-
-        It is entered when no rank holds a residual: at the start of a run (or of one resumed from DDP), and
-        after a step at density 1, which sends every residual whole. Then the ranks' momenta enter the averaged
-        update only through their mean, so every rank's momentum is replaced by that mean (one all-reduce of
-        the momenta over ``collectives``, the residual's sum of squares with them): from there the step is
-        DDP's all-reduce of the gradient and SGD's momentum on the average
-        (:func:`lightning_dgc.hook.exchange_passthrough`), on every rank alike. Returns whether it was entered.
-        """
-        if not self.can_pass_through() or self.density != 1.0:
-            return False
-        committed = self.memory.committed
-        names = sorted(n for n in committed.get("momentum", {}) if not self.is_dense(n))
-        momenta = [committed["momentum"][n] for n in names]
-        residual = [v for v in committed.get("velocity", {}).values()]
-        device = next(iter(self._params.values())).device
-        held = torch.stack([v.float().square().sum() for v in residual]).sum() if residual else torch.zeros((), device=device)
-        flat = torch.cat([*(m.reshape(-1) for m in momenta), held.reshape(1).to(device)])
-        collectives.all_reduce(flat, "all-reduce of the momenta (entering DDP's step)").wait()
-        if float(flat[-1]) != 0.0:
-            return False
-        if momenta:
-            flat.div_(self.world_size)
-            torch._foreach_copy_(momenta, list(flat[:-1].split([m.numel() for m in momenta])))
-        self.passthrough = True
-        return True
-
     # -- statistics ------------------------------------------------------------------------------------
     def request_buildup(self) -> None:
         """Measure the build-up factor in the coming step (``CompressionMonitor`` asks before it logs)."""
@@ -334,12 +290,6 @@ class ExchangeState:
     def measures_buildup(self) -> bool:
         """Whether this step counts the union of all ranks' selections (see :meth:`request_buildup`)."""
         return self.stats.measures_buildup(self.step)
-
-    def record_dense(self, plan: Any) -> None:
-        """Add one bucket all-reduced as DDP does (:attr:`passthrough`) to this step's statistics."""
-        nbytes = plan.dense_bytes
-        cost = WireCost((Message("all_reduce", nbytes, "dense"),), nbytes, sum(s.numel for s in plan.layout))
-        self.stats.record(cost, _NOTHING_MEASURED, 0.0, self.world_size, self.density, self.measures_buildup)
 
     def record(self, cost: WireCost, work: BucketWork, selection_s: float, node_link_bytes: float = 0.0) -> None:
         """Add one bucket's wire cost and measured figures to this step's statistics (``node_link_bytes``: what

@@ -1,4 +1,4 @@
-"""DDP's own step at density 1 (``ExchangeState.enter_passthrough``), on simulated ranks.
+"""DDP's own step at density 1 (:mod:`lightning_dgc.passthrough`), on simulated ranks.
 
 Once a step at density 1 sent every rank's residual whole, the ranks' momenta enter the update only through
 their mean: the state makes them one, and from then on the hook all-reduces the bucket as DDP's default hook
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_dgc import algorithms, comm, hook
+from lightning_dgc.passthrough import enter_passthrough
 from lightning_dgc.state import ExchangeState
 from tests.extending.randomk import RandomKConfig
 
@@ -65,7 +66,7 @@ def _train(name: str, options: dict, passthrough: bool, world: int = 3, nan_at: 
                 for p in params:
                     p.sub_(0.1 * p.grad / grad_scale)
             if passthrough and step >= COMPRESSED_STEPS and not state.passthrough:
-                entered.append((step, state.enter_passthrough(collectives)))
+                entered.append((step, enter_passthrough(state, collectives)))
         momenta = {n: t.clone() for n, t in state.memory.committed.get("momentum", {}).items()}
         return {"updates": updates, "entered": entered, "verdicts": verdicts, "passthrough": state.passthrough,
                 "residual": state.residual_norm(), "momenta": momenta, "bytes": bytes_, "dense": numel * 4}  # fmt: skip
@@ -131,7 +132,7 @@ def test_only_a_flat_fp32_exchange_of_a_density_algorithm_passes_through() -> No
         ]:
             state = ExchangeState(config, collectives=collectives)
             state.register_parameters(_model().to(dtype).named_parameters())
-            out.append(state.enter_passthrough(collectives))
+            out.append(enter_passthrough(state, collectives))
         return out
 
     assert comm.simulate(2, run) == [[True, False, False, False, False, False]] * 2
@@ -141,7 +142,7 @@ def test_a_new_density_leaves_ddps_step() -> None:
     def run(collectives: comm.Collectives) -> tuple[bool, bool]:
         state = ExchangeState(algorithms.get("dgc").config_class(density=1.0), collectives=collectives)
         state.register_parameters(_model().named_parameters())
-        entered = state.enter_passthrough(collectives)
+        entered = enter_passthrough(state, collectives)
         state.density = 0.01
         return entered, state.passthrough
 

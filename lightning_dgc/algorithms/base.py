@@ -208,7 +208,7 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         dense_is_ddp: whether a step at density 1 sends every residual whole and is otherwise DDP + SGD, its
             momentum (if taken over) in ``"momentum"`` buffers with the top-k algorithms' convention
             (:mod:`lightning_dgc.algorithms.sparse`), so that the steps after it may be DDP's own
-            (:meth:`~lightning_dgc.state.ExchangeState.enter_passthrough`). DGC and DEFT: true; default false.
+            (:func:`~lightning_dgc.passthrough.enter_passthrough`). DGC and DEFT: true; default false.
     """
 
     name: ClassVar[str]

@@ -36,6 +36,7 @@ from lightning_dgc.comm.process import (
     gather_object,
     gather_tensors,
     host_group,
+    host_key,
 )
 from lightning_dgc.comm.topology import (
     Topology,
@@ -68,6 +69,7 @@ __all__ = [
     "gather_object",
     "gather_tensors",
     "host_group",
+    "host_key",
     "resolve_hierarchical",
     "simulate",
     "simulate_nodes",
