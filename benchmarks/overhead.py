@@ -6,8 +6,9 @@
 Two processes on loopback (``MASTER_ADDR=127.0.0.1``, gloo on ``lo``, one compute thread each)
 train the synthetic workloads of :data:`benchmarks.common.WORKLOADS`. Within one process pair the
 strategies alternate, round after round: ``ddp`` (stock DDP), ``dgc_dense`` (``DGCStrategy(density=1)``:
-the hook runs momentum correction, the "full" path and decompression, and all-reduces everything,
-so the difference to DDP is the hook's own cost) and ``dgc`` at density 0.001. Step time = the
+DDP's own step through the compression hook, SGD's momentum applied after the all-reduce
+(:mod:`lightning_dgc.passthrough`), so the difference to DDP is the hook's own cost) and ``dgc`` at density
+0.001. Step time = the
 median over every timed step of every round (each step from batch start to batch end); the
 overhead ratio is ``dgc_dense`` / ``ddp`` (target: at most 1.1), also given as the median of the
 per-round ratios.
