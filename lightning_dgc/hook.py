@@ -31,6 +31,9 @@ Across nodes of several devices (``state.topology``, the strategies' ``hierarchi
 :func:`exchange_two_level` wraps the same steps: a dense reduce-scatter inside the node, the algorithm
 on this rank's shard across the nodes, an all-gather inside the node. Every algorithm gets it unchanged.
 
+At density 1, once no rank holds a residual, the front doors put the state in DDP's own step
+(:mod:`lightning_dgc.passthrough`), which replaces steps 0-6 by DDP's all-reduce and SGD's momentum.
+
 DDP checks the hook's annotations literally, so this module does not use postponed annotations.
 """
 

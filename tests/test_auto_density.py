@@ -92,6 +92,18 @@ def test_a_very_slow_link_gets_the_floor_and_a_higher_floor_holds() -> None:
     assert choice.density == 0.02 and choice.predicted_s > AUTO_MARGIN * link.window_s
 
 
+def test_ranks_on_one_host_are_dense_whatever_the_link_measured() -> None:
+    """Ranks on one machine time their waits for each other, not a link: dense; the key that tells is stable."""
+    from lightning_dgc.comm import host_key
+
+    link = fake_link(10e6, 1e-3, 0.5)  # what would compress on its own (see the test above)
+    assert choose_density(link, buckets(), 2, DGC, DGCConfig(), 0.001).density < 1.0
+    choice = choose_density(link, buckets(), 2, DGC, DGCConfig(), 0.001, one_host=True)
+    assert choice.density == 1.0 and "one host" in choice.reason
+    key = host_key()
+    assert key == host_key() and key == float(int(key)) and 0 <= key < 2**32  # exact in an all-gather's float64
+
+
 def test_a_latency_bound_link_stays_dense() -> None:
     # every byte free, each message step 100 ms: DGC's two collectives cost more than DDP's one all-reduce
     link = fake_link(1e15, 0.1, 0.1)

@@ -13,12 +13,12 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from lightning_dgc import algorithms, comm, hook
 from lightning_dgc.passthrough import enter_passthrough
 from lightning_dgc.state import ExchangeState
 from tests.extending.randomk import RandomKConfig
+from tests.test_deferred_update import _model  # the same small MLP, its weights drawn from a fixed seed
 
 CASES = [
     ("dgc", {"momentum": 0.9}),
@@ -27,15 +27,6 @@ CASES = [
     ("deft", {"momentum_correction": True, "momentum": 0.9, "nesterov": True}),
 ]
 COMPRESSED_STEPS, STEPS = 3, 8  # compressed steps first (the ranks' momenta and residuals differ), then dense
-
-
-def _model() -> nn.Module:
-    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 48), nn.Tanh(), nn.Linear(48, 4))
-    generator = torch.Generator().manual_seed(0)  # (ranks are threads: not the global generator)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
-    return model
 
 
 def _train(name: str, options: dict, passthrough: bool, world: int = 3, nan_at: tuple[int, int] | None = None,
