@@ -20,12 +20,13 @@ import torch
 from torch import Tensor
 
 from lightning_dgc import comm
-from lightning_dgc.algorithms import BucketWork, Message, TensorSpec, WireCost
+from lightning_dgc.algorithms import BucketWork, Message, WireCost
 from lightning_dgc.auto_density import TimedCollectives
 from lightning_dgc.comm import Collectives
 from lightning_dgc.memory import bucket_order_flat
 
 if TYPE_CHECKING:
+    from lightning_dgc.algorithms.sparse import SparsePlan
     from lightning_dgc.state import ExchangeState
 
 __all__ = ["can_pass_through", "enter_passthrough", "exchange_passthrough", "momentum_on_average"]
@@ -90,46 +91,48 @@ def exchange_passthrough(state: ExchangeState, params: list[Tensor], buffer: Ten
     future = comm.when_all([pending], done, buffer.device)
     state.memory.note_bucket(future)
     scale = state.grad_scale
-    state.memory.note_delivery(lambda finite: momentum_on_average(state, plan.layout, params, scale) if finite else None)
+    state.memory.note_delivery(lambda finite: momentum_on_average(state, plan, params, scale) if finite else None)
     return future
 
 
-def momentum_on_average(state: ExchangeState, layout: list[TensorSpec], params: list[Tensor], scale: float) -> None:
-    """SGD's weight decay and momentum on the averaged gradients of ``params`` (in ``.grad``), in place: ``g' = g
-    + wd p``; ``b' = m b + g'``, ``.grad = b'`` (Nesterov ``g' + m b'``); for a tensor whose momentum the
-    exchange keeps as DGC's ``u = m b`` (compressed, Nesterov), ``u' = m (u + g')``, ``.grad = g' + u'``.
+def momentum_on_average(state: ExchangeState, plan: SparsePlan, params: list[Tensor], scale: float) -> None:
+    """SGD's weight decay and momentum on the averaged gradients of ``params`` (in ``.grad``), in place, grouped as
+    the top-k plan groups them for its own step (``decay_groups``, ``memory_groups``, ``dense_momentum_groups``):
+    ``g' = g + wd p``; ``b' = m b + g'``, ``.grad = b'`` (Nesterov ``g' + m b'``); for a tensor whose momentum the
+    exchange keeps as DGC's ``u = m b`` (not averaged dense, Nesterov), ``u' = m (u + g')``, ``.grad = g' + u'``.
     ``scale``: the loss scale the gradients carry (divided out of what enters the momentum). A parameter
     without a gradient (unused on every rank) is neither decayed nor has its momentum moved, as under SGD."""
-    memory = state.memory
-    groups: dict[tuple[float, bool, float, bool], tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
-    for param, spec in zip(params, layout, strict=True):
-        if param.grad is None:
+    memory, entries = state.memory, plan.entries
+    momentum_groups = [  # (momentum, DGC's u convention, Nesterov, members)
+        *((m, nesterov, nesterov, members) for (m, nesterov), members in plan.memory_groups if m),
+        *((m, False, nesterov, members) for (m, nesterov), members in plan.dense_momentum_groups if m),
+    ]
+    touched = {i for _, members in plan.decay_groups for i in members}
+    touched.update(i for *_, members in momentum_groups for i in members)
+    grads = {i: bucket_order_flat(params[i].grad) for i in sorted(touched) if params[i].grad is not None}
+    if scale != 1.0:
+        torch._foreach_mul_(list(grads.values()), 1.0 / scale)
+    for decay, members in plan.decay_groups:
+        used = [i for i in members if i in grads]
+        if used:
+            weights = [bucket_order_flat(params[i].detach()) for i in used]
+            torch._foreach_add_([grads[i] for i in used], weights, alpha=decay)
+    for momentum, u_convention, nesterov, members in momentum_groups:
+        used = [i for i in members if i in grads]
+        if not used:
             continue
-        s = state.settings_for(spec.name)
-        if not (s.momentum or s.weight_decay):
-            continue
-        u_convention = bool(s.momentum) and s.nesterov and not state.is_dense(spec.name)
-        grads, weights, momenta = groups.setdefault((s.momentum, s.nesterov, s.weight_decay, u_convention), ([], [], []))
-        grads.append(bucket_order_flat(param.grad))
-        weights.append(bucket_order_flat(param.detach()))
-        if s.momentum:
-            momenta.append(memory.buffer("momentum", spec.name, spec.numel, param.device))
-    for (momentum, nesterov, decay, u_convention), (grads, weights, momenta) in groups.items():
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
-        if decay:
-            torch._foreach_add_(grads, weights, alpha=decay)
-        if momentum:
-            if u_convention:  # u' = m (u + g); d = g + u'
-                torch._foreach_add_(momenta, grads)
-                torch._foreach_mul_(momenta, momentum)
-                torch._foreach_add_(grads, momenta)
-            else:  # b' = m b + g; d = b' (Nesterov: g + m b')
-                torch._foreach_mul_(momenta, momentum)
-                torch._foreach_add_(momenta, grads)
-                if nesterov:
-                    torch._foreach_add_(grads, momenta, alpha=momentum)
-                else:
-                    torch._foreach_copy_(grads, momenta)
-        if scale != 1.0:
-            torch._foreach_mul_(grads, scale)
+        g = [grads[i] for i in used]
+        momenta = [memory.buffer("momentum", entries[i].name, entries[i].numel, g[0].device) for i in used]
+        if u_convention:  # u' = m (u + g); d = g + u'
+            torch._foreach_add_(momenta, g)
+            torch._foreach_mul_(momenta, momentum)
+            torch._foreach_add_(g, momenta)
+        else:  # b' = m b + g; d = b' (Nesterov: g + m b')
+            torch._foreach_mul_(momenta, momentum)
+            torch._foreach_add_(momenta, g)
+            if nesterov:
+                torch._foreach_add_(g, momenta, alpha=momentum)
+            else:
+                torch._foreach_copy_(g, momenta)
+    if scale != 1.0:
+        torch._foreach_mul_(list(grads.values()), scale)
