@@ -12,7 +12,9 @@ part that fails, raises or runs out of time is recorded as such and the next one
 * ``fits``: a real Lightning ``fit`` of a small convolutional network, 2 processes sharing the GPU over
   gloo, under ``16-mixed`` and ``bf16-true`` for ``dgc``, ``deft`` and ``powersgd`` (all six at once):
   that it ran every step, the losses and parameters stayed finite, both ranks ended with the same
-  parameters, and the exchange's ``compression_stats()``.
+  parameters, and the exchange's ``compression_stats()``. Beside them (all eight at once) ``ddp`` and
+  ``dgc_dense`` (DGC at density 1) in fp32: DGC must take DDP's own step and end with its parameters, bit
+  for bit.
 * ``selection``: :mod:`benchmarks.selection` with ``--device cuda`` on ResNet-50 (5 rounds, DEFT at 8
   simulated workers): per-tensor and batched selection times and the GPU targets.
 * ``checkpoint_memory``: :mod:`benchmarks.checkpoint_memory`'s workers with ``--accelerator cuda``, both
@@ -56,6 +58,8 @@ MIN_START_S = 10.0
 PARTIAL = "partial.json"
 ALGORITHMS = ("dgc", "deft", "powersgd")
 PRECISIONS = ("16-mixed", "bf16-true")
+#: DGC at density 1 takes DDP's own step: a fit of each, whose parameters must agree bit for bit.
+DENSE_PAIR = (("ddp", "32-true"), ("dgc_dense", "32-true"))
 STATUSES = ("ok", "failed", "error", "timeout", "skipped")
 #: Every process a part started as the leader of a new process group (`start_new_session`: the ranks of a fit), stopped with the part.
 _STARTED: list[Any] = []
@@ -188,7 +192,7 @@ def fit_rank(out: Path, algorithm: str, precision: str, device: str = "cuda", st
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             self.losses.append(float(outputs["loss"]))
-            self.stats.append(dict(trainer.strategy.compression_stats()))
+            self.stats.append(dict(getattr(trainer.strategy, "compression_stats", dict)()))  # DDP: none
 
     recorder, module = Recorder(), Net()
     trainer = L.Trainer(
@@ -220,32 +224,40 @@ def fit_rank(out: Path, algorithm: str, precision: str, device: str = "cuda", st
     }
 
 
-def fit_checks(ranks: Sequence[dict[str, Any]], steps: int) -> dict[str, bool]:
-    """What a fit must show: every step ran, with the hook, finite, and both ranks hold the same parameters."""
+def fit_checks(ranks: Sequence[dict[str, Any]], steps: int, algorithm: str = "dgc") -> dict[str, bool]:
+    """What a fit must show: every step ran, finite, both ranks hold the same parameters, and (but under
+    ``ddp``) the hook ran and compressed; ``dgc_dense`` instead took DDP's own step."""
     finite = all(
         r["params_finite"] and all(x == x and abs(x) != float("inf") for x in r["losses"]) for r in ranks
     )
-    return {
+    checks = {
         "ran": len(ranks) == 2 and all(r["global_step"] == steps for r in ranks),
-        "hook_called": all(r["hook_calls"] > 0 for r in ranks),
         "finite": finite,
         "ranks_agree": len({r["params_sha256"] for r in ranks}) == 1,
-        "compressed": all((r["compression_stats"].get("compression_ratio") or 0) > 1 for r in ranks),
     }
+    if algorithm == "ddp":
+        return checks
+    checks["hook_called"] = all(r["hook_calls"] > 0 for r in ranks)
+    if algorithm == "dgc_dense":
+        checks["ddp_step"] = all(r["compression_stats"].get("ddp_step") is True for r in ranks)
+    else:
+        checks["compressed"] = all((r["compression_stats"].get("compression_ratio") or 0) > 1 for r in ranks)
+    return checks
 
 
 def run_fits(
     out: Path, budget_s: float, device: str = "cuda", algorithms: Sequence[str] = ALGORITHMS,
-    precisions: Sequence[str] = PRECISIONS, steps: int = 8,
+    precisions: Sequence[str] = PRECISIONS, steps: int = 8, dense: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
-    """Every (algorithm, precision) fit at once, each on its own 2 processes."""
+    """Every (algorithm, precision) fit at once, each on its own 2 processes; with ``dense``, also
+    :data:`DENSE_PAIR`, and whether DGC at density 1 ended with DDP's parameters (``equals_ddp``)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from benchmarks import common
 
     folder = out.parent / "fits"
     folder.mkdir(parents=True, exist_ok=True)
-    runs = [(a, p) for a in algorithms for p in precisions]
+    runs = [(a, p) for a in algorithms for p in precisions] + (list(DENSE_PAIR) if dense else [])
 
     def one(algorithm: str, precision: str) -> dict[str, Any]:
         name = f"{algorithm}_{precision}"
@@ -259,12 +271,17 @@ def run_fits(
         if any(code != 0 for code in codes):
             return {"ok": False, "exit_codes": codes, "log_tail": common.tail(folder / f"{name}.rank0.log", 30)}
         ranks = [json.loads((folder / f"{name}.rank{r}.json").read_text())["result"] for r in range(2)]
-        checks = fit_checks(ranks, steps)
+        checks = fit_checks(ranks, steps, algorithm)
         return {"ok": all(checks.values()), "checks": checks, "ranks": ranks}
 
     with ThreadPoolExecutor(max_workers=len(runs)) as pool:
         futures = {f"{a}/{p}": pool.submit(one, a, p) for a, p in runs}
         fits = {name: future.result() for name, future in futures.items()}
+    ddp, dense_fit = (fits.get("/".join(pair)) for pair in DENSE_PAIR)
+    if ddp and dense_fit and "ranks" in ddp and "checks" in dense_fit:
+        same = ddp["ranks"][0]["params_sha256"] == dense_fit["ranks"][0]["params_sha256"]
+        dense_fit["checks"]["equals_ddp"] = same
+        dense_fit["ok"] = dense_fit["ok"] and same
     return {"ok": all(f["ok"] for f in fits.values()), "steps": steps, "fits": fits}
 
 
@@ -348,7 +365,7 @@ PARTS: dict[str, Part] = {
     p.name: p
     for p in (
         Part("tests", "every CUDA test of the suite (pytest)", 150, run_tests),
-        Part("fits", "a Lightning fit under 16-mixed and bf16-true for dgc, deft and powersgd", 90, run_fits),
+        Part("fits", "a Lightning fit under 16-mixed and bf16-true for dgc, deft and powersgd; DGC at density 1 against DDP", 90, run_fits),
         Part("selection", "the selection benchmark on CUDA", 75, run_selection),
         Part("checkpoint_memory", "the CUDA memory columns of benchmarks.checkpoint_memory", 75, run_checkpoint_memory),
         Part("profile", "the ResNet-50 profile for the scaling model", 75, run_profile),

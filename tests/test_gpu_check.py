@@ -120,6 +120,13 @@ def test_fit_checks() -> None:
     ]:
         checks = fit_checks(ranks, steps=8)
         assert [k for k, v in checks.items() if not v] == [failed], (ranks, checks)
+    # DDP has no hook nor compression; DGC at density 1 must take DDP's own step instead of compressing
+    assert list(fit_checks([_rank(hook_calls=0), _rank(hook_calls=0)], 8, "ddp")) == ["ran", "finite", "ranks_agree"]
+    dense = _rank(compression_stats={"compression_ratio": 1.0, "ddp_step": True})
+    assert all(fit_checks([dense, dense], 8, "dgc_dense").values())
+    left = _rank(compression_stats={"compression_ratio": 1.0, "ddp_step": False})
+    checks = fit_checks([dense, left], 8, "dgc_dense")
+    assert [k for k, v in checks.items() if not v] == ["ddp_step"] and "compressed" not in checks
 
 
 def test_the_record_says_ok_only_when_every_part_finished_ok() -> None:
@@ -188,3 +195,5 @@ def test_a_fit_runs_on_two_ranks_and_checks_them(tmp_path: Path) -> None:
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world_size"] == 2 for r in ranks)
     assert all(r["precision"] == "bf16-mixed" and r["param_dtype"] == "torch.float32" for r in ranks)
     assert all(len(r["losses"]) == 3 and r["compression_stats"]["algorithm"] == "deft" for r in ranks)
+    dense = record["result"]["fits"]["dgc_dense/32-true"]
+    assert dense["checks"]["equals_ddp"] and dense["checks"]["ddp_step"], dense["checks"]
