@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from lightning_dgc.selection import batched
 from lightning_dgc.selection.batched import (
     batched_topk,
     concatenated_ranges,
@@ -109,3 +110,27 @@ def test_ranges_are_selected_where_they_lie() -> None:
         want = torch.topk(flat[starts[j] : starts[j] + sizes[j]].abs(), ks[j]).indices + starts[j]
         assert sorted(got) == sorted(want.tolist())
     assert layout.out_segment.tolist() == [0] * 40 + [1] * 5 + [2] * 1024
+
+
+def test_a_large_bucket_is_selected_in_groups_of_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``max_values``, consecutive segments are selected group by group (a larger segment alone), so that
+    the temporaries are a group's, not the bucket's; every segment still gets exactly its top-k, in order."""
+    sizes, ks = [30_000, 5000, 5000, 50_000, 100, 20_000], [30, 5, 5000, 50, 1, 0]
+    flat = torch.randn(sum(sizes), generator=_gen(7))
+    layout = segment_layout(sizes, ks, 0.01, flat.device, max_values=40_000)
+    assert [(a, b) for a, b, _ in layout.groups] == [(0, 3), (3, 4), (4, 6)]
+    assert segment_layout(sizes, ks, 0.01, flat.device).groups == ()  # under the default bound: one group
+    chosen = batched_topk(flat, layout, _gen(8))
+    assert chosen.numel() == layout.k_total
+    for t, got in enumerate(_per_segment(chosen, layout)):
+        start, stop = layout.starts[t], layout.starts[t + 1]
+        assert sorted(got) == sorted((torch.topk(flat[start:stop].abs(), ks[t]).indices + start).tolist()), t
+    # DEFT's ranges likewise
+    monkeypatch.setattr(batched, "MAX_BATCH_VALUES", 45_000)
+    starts, sizes, ks = [150_000, 3, 60_000], [40_000, 5000, 1024], [40, 5, 1024]
+    flat = torch.randn(200_000, generator=_gen(6))
+    chosen, layout = topk_in_ranges(flat, starts, sizes, ks, 0.01, _gen(0))
+    assert [(a, b) for a, b, _ in layout.groups] == [(0, 2), (2, 3)]
+    for j, got in enumerate(_per_segment(chosen, layout)):
+        want = torch.topk(flat[starts[j] : starts[j] + sizes[j]].abs(), ks[j]).indices + starts[j]
+        assert sorted(got) == sorted(want.tolist())

@@ -23,7 +23,11 @@ bucket are *segments* of one flat buffer (their memory lives contiguously,
 
 Full-size passes: ``|x|``, the thresholds' running sum, the comparison, the mask's running sum and
 the compaction (about 1.2 GB of memory traffic for ResNet-50's 25.5M values); everything else is
-the size of the samples or of the candidates.
+the size of the samples or of the candidates. Memory: ``|x|`` (4 bytes a value) is freed once the
+candidates are known, so at most the thresholds (4 bytes), the mask (1) and either ``|x|`` or the mask's
+running sum (4) live at once: 9 bytes a value. Consecutive segments are selected in groups of at most
+:data:`MAX_BATCH_VALUES` values (a larger segment alone), which bounds that by the group, not by the
+bucket (DDP's first bucket is the whole model); each group adds its kernels and its synchronisation.
 
 The result is, for every segment, exactly its ``k_t`` largest magnitudes (ties at the threshold
 broken by the sort), the same set as the per-tensor selection up to ties; the number of kernels does
@@ -43,6 +47,7 @@ from torch import Tensor
 from lightning_dgc.selection.sampled import MIN_SAMPLES, THRESHOLD_MARGIN
 
 __all__ = [
+    "MAX_BATCH_VALUES",
     "SegmentLayout",
     "batched_topk",
     "concatenated_ranges",
@@ -50,6 +55,11 @@ __all__ = [
     "to_device",
     "topk_in_ranges",
 ]
+
+
+#: The most values one batched selection reads at once (32 MiB of float32: DDP's default 25 MB buckets
+#: are one group; a larger bucket is cut between segments).
+MAX_BATCH_VALUES = 2**23
 
 
 @dataclass(frozen=True)
@@ -72,6 +82,8 @@ class SegmentLayout:
     threshold_at: Tensor  # (T,) index of each segment's threshold among the sorted samples
     out_segment: Tensor  # (K,) segment of each selected slot
     out_within: Tensor  # (K,) position of the slot within its segment's k
+    #: ``(first, end, layout)``: segments ``first..end-1`` selected together, when more than one group
+    groups: tuple[tuple[int, int, SegmentLayout], ...] = ()
 
 
 def _threshold_rank(k: int, n: int, samples: int) -> int:
@@ -79,11 +91,27 @@ def _threshold_rank(k: int, n: int, samples: int) -> int:
     return min(samples, max(1, math.ceil(expected + THRESHOLD_MARGIN * math.sqrt(expected))))
 
 
+def _group_bounds(sizes: Sequence[int], max_values: int) -> list[tuple[int, int]]:
+    """Consecutive segments in groups of at most ``max_values`` values (a larger segment alone)."""
+    bounds, first, total = [], 0, 0
+    for t, n in enumerate(sizes):
+        if t > first and total + n > max_values:
+            bounds.append((first, t))
+            first, total = t, 0
+        total += n
+    bounds.append((first, len(sizes)))
+    return bounds
+
+
 def segment_layout(
-    sizes: Sequence[int], ks: Sequence[int], sample_ratio: float, device: torch.device
-) -> SegmentLayout:
+    sizes: Sequence[int], ks: Sequence[int], sample_ratio: float, device: torch.device,
+    max_values: int | None = None,
+) -> SegmentLayout:  # fmt: skip
     """The :class:`SegmentLayout` of consecutive segments of ``sizes`` with ``ks`` values to select each
-    (its tables reach the device in one copy)."""
+    (its tables reach the device in one copy); with more than ``max_values`` values (default
+    :data:`MAX_BATCH_VALUES`), also one layout per group of segments (``groups``), which
+    :func:`batched_topk` selects one after the other."""
+    max_values = MAX_BATCH_VALUES if max_values is None else max_values
     sizes, ks = (
         tuple(int(n) for n in sizes),
         tuple(min(int(k), int(n)) for k, n in zip(ks, sizes, strict=True)),
@@ -112,8 +140,12 @@ def segment_layout(
     packed = to_device(torch.cat([t.reshape(-1).long() for t in tables.values()]), device)
     views = dict(zip(tables, packed.split([t.numel() for t in tables.values()]), strict=True))
     views["take_all"] = views["take_all"].bool()
+    bounds = _group_bounds(sizes, max_values) if starts[-1] > max_values else []
+    groups = tuple(
+        (a, b, segment_layout(sizes[a:b], ks[a:b], sample_ratio, device, max_values)) for a, b in bounds
+    ) if len(bounds) > 1 else ()  # fmt: skip
     return SegmentLayout(sizes=sizes, ks=ks, starts=tuple(starts), k_starts=tuple(k_starts), total=starts[-1],
-                         k_total=k_starts[-1], **views)  # fmt: skip
+                         k_total=k_starts[-1], groups=groups, **views)  # fmt: skip
 
 
 #: Sort keys that order (segment ascending, magnitude descending) in one int64 sort: a non-negative
@@ -135,6 +167,11 @@ def batched_topk(values: Tensor, layout: SegmentLayout, generator: torch.Generat
         return torch.zeros(0, dtype=torch.int64, device=values.device)
     if values.dtype != torch.float32:
         raise TypeError(f"batched_topk selects from float32 values, got {values.dtype}")
+    if layout.groups:
+        return torch.cat([
+            batched_topk(values[layout.starts[a] : layout.starts[b]], group, generator).add_(layout.starts[a])
+            for a, b, group in layout.groups
+        ])  # fmt: skip
     magnitudes = values.abs()
     # Step 2: every segment's threshold from its samples (as float32 bit patterns: they order alike).
     draws = torch.rand(
@@ -154,6 +191,7 @@ def batched_topk(values: Tensor, layout: SegmentLayout, generator: torch.Generat
     )
     per_value = per_value.cumsum_(0)
     mask = magnitudes.view(torch.int32) >= per_value
+    del magnitudes, samples  # (read again from ``values`` where needed: abs is exact)
     running = torch.cumsum(mask, 0, dtype=torch.int32, out=per_value)
     ends = running[layout.segment_lasts].long()
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
@@ -171,7 +209,7 @@ def batched_topk(values: Tensor, layout: SegmentLayout, generator: torch.Generat
     candidates = torch.nonzero_static(mask, size=sum(host_counts)).squeeze(1)
     segment_of = torch.repeat_interleave(torch.arange(len(layout.sizes), device=values.device), counts,
                                          output_size=candidates.numel())  # fmt: skip
-    order = _order_by_segment(magnitudes[candidates], segment_of)
+    order = _order_by_segment(values[candidates].abs(), segment_of)
     first = (torch.cumsum(counts, 0) - counts)[layout.out_segment] + layout.out_within
     if candidates.numel():
         chosen = candidates[
@@ -180,7 +218,7 @@ def batched_topk(values: Tensor, layout: SegmentLayout, generator: torch.Generat
     else:
         chosen = torch.zeros(layout.k_total, dtype=torch.int64, device=values.device)
     for t in short:
-        exact = torch.topk(magnitudes[starts[t] : starts[t + 1]], layout.ks[t], sorted=False).indices
+        exact = torch.topk(values[starts[t] : starts[t + 1]].abs(), layout.ks[t], sorted=False).indices
         chosen[k_starts[t] : k_starts[t + 1]] = exact + starts[t]
     return chosen
 
@@ -210,8 +248,12 @@ def topk_in_ranges(
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, SegmentLayout]:  # fmt: skip
     """Positions in ``values`` of the ``ks[j]`` largest magnitudes inside each range ``[starts[j], +sizes[j])``:
-    the ranges are gathered into one buffer (only they are read) and selected with :func:`batched_topk`.
-    Returns the positions, range by range, and the layout (``out_segment``: the range of each)."""
-    positions = concatenated_ranges(starts, sizes, values.device)
+    the ranges are gathered into one buffer (only they are read; group by group, see :func:`segment_layout`)
+    and selected with :func:`batched_topk`. Returns the positions, range by range, and the layout (``out_segment``: the range of each)."""
     layout = segment_layout(sizes, ks, sample_ratio, values.device)
-    return positions[batched_topk(values[positions], layout, generator)], layout
+    chosen = []
+    for a, b, group in layout.groups or ((0, len(layout.sizes), layout),):
+        positions = concatenated_ranges(starts[a:b], sizes[a:b], values.device)
+        chosen.append(positions[batched_topk(values[positions], group, generator)])
+        del positions  # (one group's positions and copy at a time)
+    return (torch.cat(chosen) if len(chosen) > 1 else chosen[0]), layout
