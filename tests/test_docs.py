@@ -818,3 +818,35 @@ def test_step_cost_figures_quote_the_overhead_record() -> None:
     assert f"a step of the CIFAR-10 CPU recipe's ResNet-20 {costs['trim']} of CPU time" in _text(
         "docs/checkpoints.md"
     ), costs
+
+
+# -- the GPU records (python -m benchmarks.gpu_check, benchmarks.selection --device cuda)
+def _cuda_peaks() -> dict[tuple[str, int], float]:
+    """``gpu_check.json``'s CUDA training peak over DDP's, per strategy and rank (model sizes)."""
+    part = _record("gpu_check")["parts"]["checkpoint_memory"]
+    assert part["status"] == "ok", part
+    return {(c["strategy"], c["rank"]): c["cuda peak - ddp"] for c in part["result"]["cuda_columns"]}
+
+
+def test_gpu_memory_figures_quote_the_record() -> None:
+    peaks, ddp = _cuda_peaks(), _record("gpu_check")["parts"]["checkpoint_memory"]["result"]["cuda_columns"][0]
+    checkpoints, diloco = _text("docs/checkpoints.md"), _text("docs/diloco.md")
+    assert f"over DDP's {ddp['cuda peak']:.2f} model sizes: DGC {_signed(peaks['dgc', 0], 2)}," in checkpoints
+    assert f"DEFT {_signed(peaks['deft', 0], 2)} (rank 1: {_signed(peaks['deft', 1], 2)})" in checkpoints
+    assert f"PowerSGD {_signed(peaks['powersgd', 0], 2)}." in checkpoints
+    assert f"is {_signed(peaks['diloco', 0], 2)} model sizes over DDP's without `offload`" in diloco
+    assert f"and {_signed(peaks['diloco_offload', 0], 2)} with it" in diloco
+
+
+def test_gpu_profile_and_selection_figures_quote_the_records() -> None:
+    profile = _record("profile_resnet50_h100")
+    assert "H100" in profile["device"] and profile["batch_size"] == 32 and profile["value_dtype"] == "fp32"
+    text = _text("docs/performance-model.md")
+    assert f"measured {profile['compute_s'] * 1e3:.1f} ms of compute and {profile['selection_s'] * 1e3:.1f} ms" in text
+    selection = _record("selection_cuda")
+    assert selection["config"]["device"] == "cuda"
+    ms = selection["models"]["resnet50"]["median_ms"]
+    dgc = _text("docs/algorithms/dgc.md")
+    assert f"take {ms['dgc_batched']:.2f} ms per step batched, against {ms['dgc']:.2f} ms tensor by tensor" in dgc
+    assert f"and {ms['exact']:.2f} ms for exact `torch.topk` per tensor" in dgc
+    assert f"reading the buckets once takes {ms['floor_bucket']:.2f} ms" in dgc
