@@ -14,10 +14,18 @@ threshold once they are freed, after which such arrays come from the heap, whose
   recipe, ``python -m benchmarks.overhead --recipe``). What the heap keeps
   free then is what the step's own peak held, never more than :data:`TRIM_AFTER_STEP_GROWTH_BYTES` above
   it; growth past that (a step that frees more than the steps before it) goes back at once.
+
+Left to itself, glibc hands pages back on its own too: its mmap threshold and its trim threshold (twice the
+former) move with what was freed, and a free that leaves more than the trim threshold at the top of the heap
+returns it, which the next step faults in again. :func:`tune_for_steps` fixes both thresholds once per process,
+at the end of the first step whose memory is on the host, so that this module alone decides: measured on the
+CPU recipe (2 processes, ResNet-20, 110 steps), DGC at density 1 faulted 2.4-3.0 million pages in where DDP
+faulted 1.2 million, and its steps took 5-10% longer; with the thresholds fixed, 0.56 million and DDP's step.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -35,6 +43,17 @@ TRIM_BEFORE_BYTES: float = 32 << 20
 #: then what the rank holds, at the cost of faulting the pages in again in the next step);
 #: ``float("inf")`` never at the end of a step.
 TRIM_AFTER_STEP_GROWTH_BYTES: float = 16 << 20
+
+#: Whether :func:`tune_for_steps` fixes glibc's thresholds (``False``: glibc's own dynamic ones stay). It leaves
+#: them alone where the environment sets them (``GLIBC_TUNABLES``, ``MALLOC_MMAP_THRESHOLD_``,
+#: ``MALLOC_TRIM_THRESHOLD_``). They apply to the whole process.
+TUNE_MALLOC: bool = True
+#: The thresholds it sets: allocations from 32 MiB up (the highest glibc's dynamic threshold reaches) are their
+#: own ``mmap``; the top of the heap goes back by itself only past 256 MiB.
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_tuned = False  # whether this process decided already (tuned, or left alone)
 
 _malloc_trim: Any = None  # glibc's malloc_trim, looked up on first use; False where there is none
 _mallinfo2: Any = None  # glibc's mallinfo2 (2.33+), likewise
@@ -132,6 +151,25 @@ def trim_after_step() -> bool:
     if free is not None:
         _free_after_trim = free_heap_bytes()
     return True
+
+
+def tune_for_steps() -> bool:
+    """Fix glibc's mmap and trim thresholds (:data:`MMAP_THRESHOLD_BYTES`, :data:`TRIM_THRESHOLD_BYTES`), once per
+    process, unless :data:`TUNE_MALLOC` is false or the environment sets them. Returns whether it set them now."""
+    global _tuned
+    if _tuned:
+        return False
+    _tuned = True
+    if not TUNE_MALLOC or any(
+        v in os.environ for v in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+    ):
+        return False
+    mallopt = _libc("mallopt")
+    if not mallopt:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
 
 
 def trim_before(nbytes: int) -> None:

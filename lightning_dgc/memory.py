@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from lightning_dgc.heap import trim_after_step
+from lightning_dgc.heap import trim_after_step, tune_for_steps
 
 
 def bucket_order_flat(tensor: Tensor) -> Tensor:
@@ -260,13 +260,15 @@ class ResidualMemory:
         for future in futures:
             future.wait()
 
-    def finish_step(self, unused: Callable[[str], bool] | None = None) -> bool:
+    def finish_step(self, unused: Callable[[str], bool] | None = None, trim: bool = True) -> bool:
         """Close the step: commit if every bucket decoded finite, else discard. Returns finiteness.
 
         Waits first on every bucket's future, which re-raises a failed exchange and, on CUDA, orders
         this stream after the decode callbacks (the host waits until every callback has run; the
         verdict itself is one more synchronisation). Every rank reaches the same verdict: it is computed from the decoded buckets, identical on all ranks. ``unused(name)``
-        says which parameters did not take part in the step: their staged buffers are dropped.
+        says which parameters did not take part in the step: their staged buffers are dropped. For memory on the
+        host: glibc's thresholds fixed (:func:`~lightning_dgc.heap.tune_for_steps`) and, with ``trim``, the heap's
+        free pages handed back if they grew (:func:`~lightning_dgc.heap.trim_after_step`).
         """
         self.wait_buckets()
         with self._lock:
@@ -289,7 +291,9 @@ class ResidualMemory:
         else:
             self.discard()
         if self.on_host:
-            trim_after_step()
+            tune_for_steps()
+            if trim:
+                trim_after_step()
         return finite
 
     # -- inspection and checkpoints -------------------------------------------------------------------------

@@ -337,7 +337,7 @@ class ExchangeState:
                     " after backward() and before the optimizer's zero_grad() (the strategies do this for you)."
                 )
             unused = self._unused_in_step
-        finite = self.memory.finish_step(unused)
+        finite = self.memory.finish_step(unused, trim=not self.passthrough)  # DDP's step: no temporaries to hand back
         if not finite:
             self.skipped_steps += 1
         self.consecutive_skipped_steps = 0 if finite else self.consecutive_skipped_steps + 1

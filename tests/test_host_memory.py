@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 import pytest
@@ -170,3 +171,41 @@ def test_a_bucket_layout_gone_from_a_step_takes_its_plan_with_it() -> None:
         assert len(state.plans) == 2 and all(plan is not whole for plan in state.plans)
         assert kept is None or [id(p) for p in state.plans] == [id(p) for p in kept]
         kept = state.plans
+
+
+_MMAPPED_AFTER_TUNING = """
+import ctypes, os, sys
+from lightning_dgc import heap
+heap.TUNE_MALLOC = sys.argv[1] == "on"
+heap.free_heap_bytes()  # loads mallinfo2
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+tuned = heap.tune_for_steps()
+before = heap._mallinfo2().hblkhd
+block = libc.malloc(8 << 20)  # over glibc's first mmap threshold (128 KiB), under the tuned one (32 MiB)
+print(tuned, heap._mallinfo2().hblkhd - before, heap.tune_for_steps())
+libc.free(block)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt and mallinfo2: Linux only")
+@pytest.mark.parametrize(
+    "switch,environment,tuned", [("on", {}, True), ("off", {}, False), ("on", {"MALLOC_MMAP_THRESHOLD_": "131072"}, False)]
+)
+def test_glibc_thresholds_are_fixed_once_unless_turned_off_or_set_by_the_user(
+    switch: str, environment: dict[str, str], tuned: bool
+) -> None:
+    """Tuned, an 8 MB block comes from the heap, not from its own mmap, as a block of that size does once glibc's
+    dynamic threshold has risen (after the first step): the next steps reuse the heap's pages, not fault them in
+    again. A second call does nothing; ``TUNE_MALLOC = False`` or a threshold in the environment leaves glibc's."""
+    import subprocess
+
+    if heap.free_heap_bytes() is None or not heap._libc("mallopt"):
+        pytest.skip("no glibc mallinfo2 (2.33+) or mallopt")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    done = subprocess.run([sys.executable, "-c", _MMAPPED_AFTER_TUNING, switch], env={**env, **environment},
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    said, mmapped, again = done.stdout.split()
+    assert (said, again) == (str(tuned), "False")
+    assert (int(mmapped) == 0) is tuned, done.stdout  # untuned: the block is its own mapping
