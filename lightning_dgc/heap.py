@@ -17,10 +17,9 @@ threshold once they are freed, after which such arrays come from the heap, whose
 
 Left to itself, glibc hands pages back on its own too: its mmap threshold and its trim threshold (twice the
 former) move with what was freed, and a free that leaves more than the trim threshold at the top of the heap
-returns it, which the next step faults in again. :func:`tune_for_steps` fixes both thresholds once per process,
-at the end of the first step whose memory is on the host, so that this module alone decides: measured on the
-CPU recipe (2 processes, ResNet-20, 110 steps), DGC at density 1 faulted 2.4-3.0 million pages in where DDP
-faulted 1.2 million, and its steps took 5-10% longer; with the thresholds fixed, 0.56 million and DDP's step.
+returns it, which the next step faults in again (under DGC at density 1 on the CPU recipe, twice the page faults
+of DDP's run and measurably longer steps). :func:`tune_for_steps` fixes both thresholds once per process, at the
+end of the first step whose memory is on the host, so that this module alone decides.
 """
 
 from __future__ import annotations

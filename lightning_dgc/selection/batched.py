@@ -249,7 +249,8 @@ def topk_in_ranges(
 ) -> tuple[Tensor, SegmentLayout]:  # fmt: skip
     """Positions in ``values`` of the ``ks[j]`` largest magnitudes inside each range ``[starts[j], +sizes[j])``:
     the ranges are gathered into one buffer (only they are read; group by group, see :func:`segment_layout`)
-    and selected with :func:`batched_topk`. Returns the positions, range by range, and the layout (``out_segment``: the range of each)."""
+    and selected with :func:`batched_topk`. Returns the positions, range by range, and the layout
+    (``out_segment``: the range of each)."""
     layout = segment_layout(sizes, ks, sample_ratio, values.device)
     chosen = []
     for a, b, group in layout.groups or ((0, len(layout.sizes), layout),):
