@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_dgc import hook
+from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.selection import batched
 from lightning_dgc.selection.batched import (
     batched_topk,
@@ -14,6 +18,7 @@ from lightning_dgc.selection.batched import (
     segment_layout,
     topk_in_ranges,
 )
+from lightning_dgc.state import ExchangeState
 from tests.test_selection import _values
 
 
@@ -134,3 +139,53 @@ def test_a_large_bucket_is_selected_in_groups_of_segments(monkeypatch: pytest.Mo
     for j, got in enumerate(_per_segment(chosen, layout)):
         want = torch.topk(flat[starts[j] : starts[j] + sizes[j]].abs(), ks[j]).indices + starts[j]
         assert sorted(got) == sorted(want.tolist())
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """The most float32 values one allocation asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided") and out.dtype == torch.float32:
+            self.largest = max(self.largest, out.numel())
+        return out
+
+
+def _dgc_steps(nesterov: bool, steps: int = 4) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], int]:
+    """Updates, the committed memory and the largest float32 temporary of DGC's batched path on one bucket."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, 40)) for n in (300, 500, 200, 700)]
+    config = DGCConfig(density=0.01, selection_backend="torch", momentum=0.9, nesterov=nesterov, min_compress_numel=64)
+    state = ExchangeState(config)
+    state.register_parameters([(f"p{i}", p) for i, p in enumerate(params)])
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    numel = sum(p.numel() for p in params)
+    updates, watch = [], _LargestAllocation()
+    for step in range(steps):
+        grad = torch.randn(numel, generator=_gen(100 + step))
+        with watch if step == steps - 1 else contextlib.nullcontext():
+            updates.append(hook.exchange(state, params, grad).wait().clone())
+        state.finish_step()
+    committed = state.memory.committed
+    memory = {f"{kind}/{name}": t.clone() for kind in ("velocity", "momentum") for name, t in committed[kind].items()}
+    return updates, memory, watch.largest
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dgc_makes_a_grouped_buckets_velocity_one_group_at_a_time(monkeypatch: pytest.MonkeyPatch, nesterov: bool) -> None:
+    """A bucket selected in groups has each group's v' made just before that group's selection, so that the
+    largest temporary is a group's, not the bucket's; the updates and the memory stay the same, bit for bit."""
+    whole_updates, whole_memory, whole_largest = _dgc_steps(nesterov)
+    monkeypatch.setattr(batched, "MAX_BATCH_VALUES", 30_000)
+    grouped_updates, grouped_memory, grouped_largest = _dgc_steps(nesterov)
+    assert whole_largest >= 68_000 and grouped_largest <= 28_000, (whole_largest, grouped_largest)
+    for whole, grouped in zip(whole_updates, grouped_updates, strict=True):
+        assert torch.equal(whole, grouped)
+    assert whole_memory.keys() == grouped_memory.keys()
+    for key in whole_memory:
+        assert torch.equal(whole_memory[key], grouped_memory[key]), key

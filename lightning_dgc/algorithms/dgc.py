@@ -276,9 +276,9 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
         return torch.cat(indices), torch.cat(values)
 
     def _select_batched(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
-        """All compressed tensors at once (:func:`~lightning_dgc.selection.batched.batched_topk`)."""
-        assert work.velocity is not None
-        device = work.velocity.device
+        """All compressed tensors at once (:func:`~lightning_dgc.selection.batched.batched_topk`), or, for a
+        bucket selected in groups, group by group with each group's v' made just before its selection."""
+        device = work.flat.device
         if plan.segments is None:
             sparse = [e for e in plan.entries if e.kind == "sparse"]
             plan.segments = segment_layout(
@@ -289,10 +289,45 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
                 shifts.append(e.offset - start)
                 start += e.numel
             plan.out_shift = to_device(shifts, device)[plan.segments.out_segment]
-        idx = batched_topk(work.velocity, plan.segments, self.state.draw_generator(device))
-        values = work.velocity[idx]
+        generator = self.state.draw_generator(device)
+        if work.velocity is not None:
+            idx = batched_topk(work.velocity, plan.segments, generator)
+            values = work.velocity[idx]
+        else:  # ``compensate`` left v' to the selection: the draws and the result are the whole bucket's
+            layout, parts, taken = plan.segments, [], []
+            for a, b, group in layout.groups or ((0, len(layout.sizes), layout),):
+                velocity = self._group_velocity([e for e, _ in work.sparse[a:b]], work)
+                chosen = batched_topk(velocity, group, generator)
+                taken.append(velocity[chosen])
+                parts.append(chosen.add_(layout.starts[a]))
+                velocity = chosen = None  # one group's v' at a time
+            idx, values = torch.cat(parts), torch.cat(taken)
         work.selected = idx  # cleared from the memory at commit
         return idx + plan.out_shift, values
+
+    def _group_velocity(self, entries: list[Entry], work: DGCWork) -> Tensor:
+        """The v' of consecutive compressed tensors, one float32 buffer, as ``compensate`` makes it for the
+        whole bucket (the same elementwise operations: bit for bit)."""
+        committed, numel = self.state.memory.committed, sum(e.numel for e in entries)
+        if work.flat.is_cpu:
+            trim_before(numel * 4)  # the heap's free pages go back first
+        out = torch.empty(numel, dtype=torch.float32, device=work.flat.device)
+        by_settings: dict[tuple[float, bool, bool], list[tuple[Entry, Tensor]]] = {}
+        for e, view in zip(entries, out.split([e.numel for e in entries]), strict=True):
+            settings = self.state.settings_for(e.name)
+            key = (settings.momentum, settings.nesterov, self.state.continues(e.name))
+            by_settings.setdefault(key, []).append((e, view))
+        for (momentum, nesterov, continuing), items in by_settings.items():
+            compensated_velocity_each(
+                [work.flat[e.offset : e.offset + e.numel] for e, _ in items],
+                [committed["velocity"][e.name] for e, _ in items],
+                [view for _, view in items],
+                momentum,
+                nesterov,
+                [committed["momentum"][e.name] for e, _ in items] if momentum else [],
+                continuing,
+            )
+        return out
 
     # -- step 4 ----------------------------------------------------------------------------------------------
     def exchange(self, plan: DGCPlan, work: DGCWork, collectives: Collectives) -> list[Pending]:

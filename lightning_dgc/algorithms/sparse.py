@@ -31,7 +31,7 @@ from lightning_dgc.algorithms.base import Algorithm, BucketWork, TensorSpec
 from lightning_dgc.memory import bucket_order_flat
 from lightning_dgc.momentum import clip_each_by_norm_, compensated_velocity_each, momentum_correction_each_
 from lightning_dgc.selection import sampled_topk, topk_indices
-from lightning_dgc.selection.batched import SegmentLayout
+from lightning_dgc.selection.batched import SegmentLayout, selected_in_groups
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Pending
@@ -277,8 +277,10 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
                 first, last = plan.entries[sparse[0]], plan.entries[sparse[-1]]
                 work.velocity = flat[first.offset : last.offset + last.numel] if side_by_side else None
                 work.in_bucket = True
-            elif self.velocity_per_tensor and not self.batched(device):
-                work.per_tensor = True  # v' made tensor by tensor by the selection: one tensor's temporary
+            elif self.velocity_per_tensor and (not self.batched(device) or selected_in_groups(sizes)):
+                # v' made by the selection: tensor by tensor (one tensor's temporary), or, batched, group of
+                # tensors by group (one group's temporary, not the bucket's)
+                work.per_tensor = True
             else:
                 work.velocity = torch.empty(sum(sizes), dtype=torch.float32, device=device)
             if work.velocity is not None:

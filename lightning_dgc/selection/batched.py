@@ -52,6 +52,7 @@ __all__ = [
     "batched_topk",
     "concatenated_ranges",
     "segment_layout",
+    "selected_in_groups",
     "to_device",
     "topk_in_ranges",
 ]
@@ -103,6 +104,12 @@ def _group_bounds(sizes: Sequence[int], max_values: int) -> list[tuple[int, int]
     return bounds
 
 
+def selected_in_groups(sizes: Sequence[int], max_values: int | None = None) -> bool:
+    """Whether :func:`batched_topk` selects segments of ``sizes`` in more than one group (more than
+    ``max_values`` values, default :data:`MAX_BATCH_VALUES`, in more than one segment)."""
+    return len(sizes) > 1 and sum(sizes) > (MAX_BATCH_VALUES if max_values is None else max_values)
+
+
 def segment_layout(
     sizes: Sequence[int], ks: Sequence[int], sample_ratio: float, device: torch.device,
     max_values: int | None = None,
@@ -140,10 +147,10 @@ def segment_layout(
     packed = to_device(torch.cat([t.reshape(-1).long() for t in tables.values()]), device)
     views = dict(zip(tables, packed.split([t.numel() for t in tables.values()]), strict=True))
     views["take_all"] = views["take_all"].bool()
-    bounds = _group_bounds(sizes, max_values) if starts[-1] > max_values else []
+    bounds = _group_bounds(sizes, max_values) if selected_in_groups(sizes, max_values) else []
     groups = tuple(
         (a, b, segment_layout(sizes[a:b], ks[a:b], sample_ratio, device, max_values)) for a, b in bounds
-    ) if len(bounds) > 1 else ()  # fmt: skip
+    )  # fmt: skip
     return SegmentLayout(sizes=sizes, ks=ks, starts=tuple(starts), k_starts=tuple(k_starts), total=starts[-1],
                          k_total=k_starts[-1], groups=groups, **views)  # fmt: skip
 
