@@ -76,6 +76,26 @@ def parse_delay(text: str) -> float:
     return float(match.group(1))
 
 
+def parse_schedule(text: str) -> tuple[int, int, int]:
+    """``"1,315,63"`` -> (epochs, train batches per epoch, evaluate every this many steps), each >= 1."""
+    parts = text.split(",")
+    if len(parts) != 3 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"a schedule is EPOCHS,BATCHES,EVERY (whole numbers >= 1, e.g. 1,315,63), got {text!r}"
+        )
+    epochs, batches, every = (int(p) for p in parts)
+    if batches % every:
+        raise argparse.ArgumentTypeError(
+            f"the evaluations must fall evenly: BATCHES ({batches}) must be a multiple of EVERY ({every})"
+        )
+    return epochs, batches, every
+
+
+def schedule_of(args: argparse.Namespace, task: str) -> tuple[int, int, int]:
+    """The run's (epochs, batches, evaluate every): ``--quick``'s, ``--schedule``'s, or the task's own."""
+    return QUICK if args.quick else (getattr(args, "schedule", None) or SCHEDULES[task])
+
+
 def link_name(mbit: float | None) -> str:
     return "none" if mbit is None else (f"{mbit / 1e3:g}gbit" if mbit >= 1e3 else f"{mbit:g}mbit")
 
@@ -84,7 +104,7 @@ def link_name(mbit: float | None) -> str:
 def run_argv(args: argparse.Namespace, task: parity.Task, method: str, link: str, seed: int, workdir: Path
              ) -> tuple[list[str], Path]:  # fmt: skip
     """The recipe's command for one node (both run the same) and its record's path."""
-    epochs, batches, val_every = QUICK if args.quick else SCHEDULES[task.name]
+    epochs, batches, val_every = schedule_of(args, task.name)
     name = f"{args.name}/{link}"
     argv, record = parity.command(task, METHODS[method], args.data_root, epochs, batches, workdir, name=name,
                                   seed=seed)  # fmt: skip
@@ -472,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"of {', '.join(METHODS)}")  # fmt: skip
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42])
     parser.add_argument("--val-every", type=int, default=None, help="evaluate every this many steps (default per task)")
+    parser.add_argument("--schedule", type=parse_schedule, default=None,
+                        help="EPOCHS,BATCHES,EVERY for every task of this invocation (a shorter run; give it its own"
+                             " --name): epochs, train batches per epoch, evaluate every this many steps")  # fmt: skip
     parser.add_argument("--data-root", type=Path, default=common.REPO.parent / "shared" / "data")
     parser.add_argument("--timeout", type=float, default=6 * 3600, help="seconds per run")
     parser.add_argument("--report-only", action="store_true",
@@ -510,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         "tasks": list(dict.fromkeys([r["task"] for r in runs] + args.tasks)),
         "methods": {m: parity.ALGO_SPECS[METHODS[m]][:2] for m in methods},
         "seeds": sorted({r["seed"] for r in runs} | set(args.seeds)),
-        "schedule": {t: QUICK if args.quick else SCHEDULES[t] for t in args.tasks},
+        "schedule": {t: schedule_of(args, t) for t in args.tasks},
         "nodes": 2, "processes_per_node": 1, "threads_per_process": 1,
     })  # fmt: skip
     show(result)

@@ -18,6 +18,19 @@ def test_rates_read_as_mbit_and_none_is_unshaped() -> None:
         tta.parse_rate("fast")
 
 
+def test_a_schedule_reads_as_epochs_batches_and_evaluation_interval() -> None:
+    assert tta.parse_schedule("1,315,63") == (1, 315, 63)
+    args = argparse.Namespace(quick=False, schedule=None)
+    assert tta.schedule_of(args, "ptb") == tta.SCHEDULES["ptb"]
+    assert tta.schedule_of(argparse.Namespace(quick=False, schedule=(1, 315, 63)), "ptb") == (1, 315, 63)
+    assert tta.schedule_of(argparse.Namespace(quick=True, schedule=(1, 315, 63)), "ptb") == tta.QUICK
+    for bad in ("1,315", "0,315,63", "1,x,63", "1,-3,1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="EPOCHS,BATCHES,EVERY"):
+            tta.parse_schedule(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="multiple of EVERY"):
+        tta.parse_schedule("1,315,60")
+
+
 def _run(method: str, link: str, seed: int, accs: list[float], step_s: float) -> dict:
     history = [{"step": 10 * (i + 1), "wall_s": 100.0 * (i + 1), "val_s": 5.0 * (i + 1), "val_acc": a}
                for i, a in enumerate(accs)]  # fmt: skip
