@@ -189,3 +189,27 @@ def test_dgc_makes_a_grouped_buckets_velocity_one_group_at_a_time(monkeypatch: p
     assert whole_memory.keys() == grouped_memory.keys()
     for key in whole_memory:
         assert torch.equal(whole_memory[key], grouped_memory[key]), key
+
+
+def test_a_segment_selected_alone_needs_no_per_value_tables() -> None:
+    """One segment has one threshold: its candidates are counted without the thresholds' and the mask's running
+    sums (4 bytes a value each); it gets exactly its top-k, as inside a bucket of several."""
+    values = torch.randn(50_000, generator=_gen(11))
+    layout = segment_layout([50_000], [50], 0.01, values.device)
+    seen: list[tuple[str, torch.dtype, int]] = []
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and func.overloadpacket.__name__ not in ("view", "detach"):  # not aliases
+                seen.append((func.overloadpacket.__name__, out.dtype, out.numel()))
+            return out
+
+    with Allocations():
+        chosen = batched_topk(values, layout, _gen(12))
+    assert sorted(chosen.tolist()) == sorted(torch.topk(values.abs(), 50).indices.tolist())
+    assert not [s for s in seen if s[1] in (torch.int32, torch.int64) and s[2] >= 50_000], seen
+    # the same selection as the tensor's inside a bucket of several (another segment after it)
+    both = segment_layout([50_000, 1000], [50, 10], 0.01, values.device)
+    inside = batched_topk(torch.cat([values, torch.randn(1000, generator=_gen(13))]), both, _gen(12))
+    assert sorted(inside[:50].tolist()) == sorted(chosen.tolist())

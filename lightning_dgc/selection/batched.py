@@ -25,7 +25,8 @@ Full-size passes: ``|x|``, the thresholds' running sum, the comparison, the mask
 the compaction (about 1.2 GB of memory traffic for ResNet-50's 25.5M values); everything else is
 the size of the samples or of the candidates. Memory: ``|x|`` (4 bytes a value) is freed once the
 candidates are known, so at most the thresholds (4 bytes), the mask (1) and either ``|x|`` or the mask's
-running sum (4) live at once: 9 bytes a value. Consecutive segments are selected in groups of at most
+running sum (4) live at once: 9 bytes a value; a single segment (one threshold: a tensor selected alone)
+needs neither table, 5 bytes a value. Consecutive segments are selected in groups of at most
 :data:`MAX_BATCH_VALUES` values (a larger segment alone), which bounds that by the group, not by the
 bucket (DDP's first bucket is the whole model); each group adds its kernels and its synchronisation.
 
@@ -189,19 +190,25 @@ def batched_topk(values: Tensor, layout: SegmentLayout, generator: torch.Generat
     samples = magnitudes[positions]
     threshold = samples[_order_by_segment(samples, layout.sample_segment)[layout.threshold_at]]
     threshold_bits = threshold.view(torch.int32).masked_fill(layout.take_all, 0)
-    # Step 3: candidates and their count per segment (the host synchronisation). Every value's threshold,
-    # without a per-value index: each segment's threshold minus the previous one at the segment's start,
-    # then a running sum (exact: integers).
-    per_value = torch.zeros(layout.total, dtype=torch.int32, device=values.device)
-    per_value.index_copy_(
-        0, layout.segment_starts, torch.diff(threshold_bits, prepend=threshold_bits.new_zeros(1))
-    )
-    per_value = per_value.cumsum_(0)
-    mask = magnitudes.view(torch.int32) >= per_value
-    del magnitudes, samples  # (read again from ``values`` where needed: abs is exact)
-    running = torch.cumsum(mask, 0, dtype=torch.int32, out=per_value)
-    ends = running[layout.segment_lasts].long()
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    # Step 3: candidates and their count per segment (the host synchronisation).
+    if len(layout.sizes) == 1:  # one threshold: no per-value tables (a tensor selected alone, e.g. a large one)
+        mask = magnitudes.view(torch.int32) >= threshold_bits
+        del magnitudes, samples
+        counts = mask.sum(dtype=torch.int64).reshape(1)
+    else:
+        # Every value's threshold, without a per-value index: each segment's threshold minus the previous one
+        # at the segment's start, then a running sum (exact: integers).
+        per_value = torch.zeros(layout.total, dtype=torch.int32, device=values.device)
+        per_value.index_copy_(
+            0, layout.segment_starts, torch.diff(threshold_bits, prepend=threshold_bits.new_zeros(1))
+        )
+        per_value = per_value.cumsum_(0)
+        mask = magnitudes.view(torch.int32) >= per_value
+        del magnitudes, samples  # (read again from ``values`` where needed: abs is exact)
+        running = torch.cumsum(mask, 0, dtype=torch.int32, out=per_value)
+        ends = running[layout.segment_lasts].long()
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        del per_value, running
     host_counts = counts.tolist()
     # Rare: the sample put a segment's threshold above its k-th largest value. Such a segment takes its
     # exact top-k below instead, and leaves the candidates (no further synchronisation).
