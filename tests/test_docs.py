@@ -595,6 +595,29 @@ def test_the_time_to_accuracy_page_quotes_the_record() -> None:
     assert f"DGC's steps took {ratio:.2f}x DDP's at 1 Gbit/s" in _text("docs/migrating-from-ddp.md"), ratio
 
 
+def test_the_time_to_accuracy_page_quotes_the_slow_links_gaps_and_steps() -> None:
+    """At 20 Mbit/s: the density ``auto`` chose on every seed, the bytes, the accuracy gaps and the step times."""
+    record = _record("time_to_accuracy")
+    report = {(r["link"], r["method"]): r for r in record["report"]}
+    runs = [r for r in record["runs"] if r["link"] == "20mbit"]
+    chosen = {r["auto"]["auto_density"] for r in runs if r["method"] == "auto"}
+    assert chosen == {1 / 16}, chosen
+    ratio = {m: {r["compression"]["compression_ratio"] for r in runs if r["method"] == m} for m in ("auto", "dgc")}
+    assert all(len(v) == 1 for v in ratio.values()), ratio
+    ddp, auto, dgc = (report["20mbit", m] for m in ("ddp", "auto", "dgc"))
+    step = {m: f"{report['20mbit', m]['median_step_s'] * 1e3:.0f}" for m in ("ddp", "auto", "dgc")}
+    text = _text("docs/benchmarks/time-to-accuracy.md")
+    for expected in (
+        f"chose 1/16 on every seed ({ratio['auto'].pop():.1f}x fewer bytes than DDP over the run) and ended"
+        f" {(ddp['final'] - auto['final']) * 100:.1f} points below DDP (mean of {auto['seeds']} seeds)",
+        f"the recommended DGC recipe ({ratio['dgc'].pop():.1f}x fewer bytes) {(ddp['final'] - dgc['final']) * 100:.1f}"
+        " points below",
+        f"({step['auto']} and {step['dgc']} ms against {report['none', 'ddp']['median_step_s'] * 1e3:.0f}; DDP"
+        f" {step['ddp']} ms)",
+    ):
+        assert expected in text, expected
+
+
 @pytest.mark.parametrize("page", ["benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"])
 def test_slow_link_step_times_quote_the_record(page: str) -> None:
     runs = _slow()
