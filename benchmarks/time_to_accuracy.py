@@ -425,8 +425,10 @@ def markdown_table(result: dict[str, Any], task_name: str = "cifar10") -> list[s
     for link in links:
         eff = f", DDP efficiency {efficiency[link]:.0%}" if efficiency.get(link) else ""
         target = (f"{100 * goal:.2f}%" if task.metric == "val_acc" else f"{goal:.2f}") if goal is not None else ""
-        header += [f"{link_label(link)}{eff}: to {pct(milestone)}" if milestone is not None else "",
-                   f"to {target} (DDP's final {'- 0.5 points' if not task.relative else '+ 2%'})" if target else ""]  # fmt: skip
+        lead = f"{link_label(link)}{eff}: "  # on the first of the link's columns
+        header += [f"{lead}to {pct(milestone)}" if milestone is not None else "",
+                   f"{'' if milestone is not None else lead}to {target} (DDP's final"
+                   f" {'- 0.5 points' if not task.relative else '+ 2%'})" if target else ""]  # fmt: skip
     lines = ["| " + " | ".join(h for h in header if h) + " |", "|" + " --- |" * len([h for h in header if h])]
     if any(r["link"] == "none" and r["method"] == "ddp" for r in runs):
         bound = [cell("none", "ddp", lv) for link in links for lv in (milestone, goal) if lv is not None]

@@ -408,6 +408,7 @@ def test_checkpoints_memory_table_quotes_the_record() -> None:
         "ddp": "| DDP + SGD momentum |",
         "ddp_bucket_view": "| DDP, `gradient_as_bucket_view=True` |",
         "dgc": "| DGC |",
+        "dgc_batched": "| DGC, batched selection",
         "deft": "| DEFT |",
         "powersgd": "| PowerSGD (rank 2) |",
     }
@@ -426,6 +427,8 @@ def test_checkpoints_memory_table_quotes_the_record() -> None:
             assert _shows(cell, difference), f"checkpoints.md {strategy}: {cell!r} against {difference:.4f}"
             if "(" in cell:  # the baseline: 0 (its own size)
                 assert _shows(cell.split("(")[1], absolute), f"checkpoints.md {strategy}: {cell!r}"
+    batched = rank0["dgc_batched"]["over"]["step peak - ddp"]
+    assert f"{_signed(batched, 2)} in a later step of this MLP" in _text("docs/checkpoints.md"), batched
 
 
 def test_checkpoint_sizes_table_quotes_the_record_and_meets_its_targets() -> None:
@@ -616,6 +619,36 @@ def test_the_time_to_accuracy_page_quotes_the_slow_links_gaps_and_steps() -> Non
         f" {step['ddp']} ms)",
     ):
         assert expected in text, expected
+
+
+def test_the_time_to_accuracy_page_quotes_the_ptb_record() -> None:
+    from benchmarks.time_to_accuracy import markdown_table, markdown_time_split
+
+    record = _record("time_to_accuracy_ptb")
+    text = _text("docs/benchmarks/time-to-accuracy.md")
+    for table in (markdown_table(record, "ptb"), markdown_time_split(record)):
+        assert "\n".join(table) in (ROOT / "docs" / "benchmarks" / "time-to-accuracy.md").read_text(), table[0]
+    report = {(r["link"], r["method"]): r for r in record["report"]}
+    runs = {(r["link"], r["method"]): r for r in record["runs"]}
+    split = {(w["link"], w["method"]): w for w in record["time_split"]}
+    ddp, auto, dgc, bound = report["200mbit", "ddp"], report["200mbit", "auto"], report["200mbit", "dgc"], report["none", "ddp"]
+    ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
+    for expected in (
+        f"reaches the target {ddp['time_to_target_s'] / auto['time_to_target_s']:.2f}x sooner than DDP**"
+        f" ({auto['time_to_target_s']:.0f} s against {ddp['time_to_target_s']:.0f} s)",
+        f"(final perplexity {auto['final']:.1f} against {ddp['final']:.1f})",
+        f"chose 1/{1 / runs['200mbit', 'auto']['auto']['auto_density']:.0f}"
+        f" ({runs['200mbit', 'auto']['compression']['compression_ratio']:.1f}x fewer bytes",
+        f"{auto['time_to_target_s'] / bound['time_to_target_s']:.2f}x the compute-only bound"
+        f" ({bound['time_to_target_s']:.0f} s): of its {ms(auto['median_step_s'])} ms step,"
+        f" {ms(split['200mbit', 'auto']['selection_s'])} ms are its selection",
+        f"and {ms(split['200mbit', 'auto']['rest_s'])} ms the exchange and the waits, against"
+        f" {ms(bound['median_step_s'])} ms of compute",
+        f"({runs['200mbit', 'dgc']['compression']['compression_ratio']:.1f}x fewer bytes) steps in"
+        f" {ms(dgc['median_step_s'])} ms but ends at {dgc['final']:.1f}, {dgc['final'] - dgc['target']:.1f} above",
+    ):
+        assert expected in text, expected
+    assert dgc["time_to_target_s"] is None
 
 
 @pytest.mark.parametrize("page", ["benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"])

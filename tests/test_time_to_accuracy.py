@@ -92,3 +92,19 @@ def test_a_steps_time_splits_into_compute_selection_and_the_rest_beside_the_mode
     assert 0.8 < rows["10mbit", "ddp"]["predicted_step_s"] < 1.3
     assert w["predicted_step_s"] < rows["10mbit", "ddp"]["predicted_step_s"]
     assert rows["none", "ddp"]["predicted_step_s"] is None  # no goodput measured on the unshaped link
+
+
+def test_a_task_without_a_lower_level_names_the_link_on_its_target_column() -> None:
+    """PTB has no lower level than its target: the link and DDP's efficiency head the target's column."""
+    def ptb(method: str, link: str, ppls: list[float], step_s: float) -> dict:
+        run = _run(method, link, 42, [0.0], step_s)
+        run["history"] = [{"step": 10 * (i + 1), "wall_s": 100.0 * (i + 1), "val_s": 5.0 * (i + 1), "val_ppl": p}
+                          for i, p in enumerate(ppls)]  # fmt: skip
+        run.update(task="ptb", final=run["history"][-1])
+        return run
+
+    runs = [ptb("ddp", "none", [300, 200, 150], 1.0), ptb("ddp", "200mbit", [300, 200, 150], 4.0),
+            ptb("auto", "200mbit", [250, 152, 149], 2.0)]  # fmt: skip
+    lines = tta.markdown_table({"runs": runs}, "ptb")
+    assert lines[0] == "| method | 200 Mbit/s, DDP efficiency 25%: to 153.00 (DDP's final + 2%) |"
+    assert lines[3:] == ["| `ddp` | 285 s |", '| `density="auto"` | 190 s (1.50x) |']
