@@ -148,7 +148,7 @@ class SparseWork(BucketWork):
     local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
     in_bucket: bool = False  # ``velocity`` is a part of the bucket (v' made in place of the local gradient)
     grouped: bool = False  # the compressed tensors' memory is one flat buffer per kind
-    per_tensor: bool = False  # ``sparse`` holds no v': the selection makes it tensor by tensor
+    per_tensor: bool = False  # ``sparse`` holds no v': the selection makes it tensor by tensor (or group by group)
     gathered: Pending | None = None
     dense: Pending | None = None
 
