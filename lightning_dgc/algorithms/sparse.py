@@ -278,9 +278,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
                 work.velocity = flat[first.offset : last.offset + last.numel] if side_by_side else None
                 work.in_bucket = True
             elif self.velocity_per_tensor and (not self.batched(device) or selected_in_groups(sizes)):
-                # v' made by the selection: tensor by tensor (one tensor's temporary), or, batched, group of
-                # tensors by group (one group's temporary, not the bucket's)
-                work.per_tensor = True
+                work.per_tensor = True  # v' made by the selection: a tensor's (or, batched, a group's) at a time
             else:
                 work.velocity = torch.empty(sum(sizes), dtype=torch.float32, device=device)
             if work.velocity is not None:
