@@ -120,7 +120,7 @@ def test_dgc_selecting_from_chunks_of_v_prime_gives_the_whole_v_prime_bit_for_bi
     options = {"density": 0.05, "momentum": 0.9, "nesterov": nesterov, "selection_backend": "numpy"}
     made_whole = []
     velocity_of = dgc_algorithm.DGC.velocity_of
-    monkeypatch.setattr(dgc_algorithm.DGC, "velocity_of", lambda self, e, w: made_whole.append(e.name) or velocity_of(self, e, w))
+    monkeypatch.setattr(dgc_algorithm.DGC, "velocity_of", lambda self, es, w: made_whole.extend(e.name for e in es) or velocity_of(self, es, w))
     monkeypatch.setattr(dgc_algorithm, "DIRECT_NUMEL", 1_000)
     chunks = _train("dgc", options, deferred=True, nan_at=(3, 1))
     assert made_whole == []

@@ -175,23 +175,28 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
     velocity_per_tensor: ClassVar[bool] = True  # (see SparseTopK)
 
     # -- step 3 ----------------------------------------------------------------------------------------------
-    def velocity_of(self, e: Entry, work: DGCWork) -> Tensor:
-        """The compressed tensor ``e``'s v' (a new tensor), as ``compensate`` makes it for a whole bucket."""
-        settings, committed = self.state.settings_for(e.name), self.state.memory.committed
-        grad = work.flat[e.offset : e.offset + e.numel]
-        if grad.is_cpu:
-            trim_before(grad.numel() * grad.element_size())  # the heap's free pages go back first
-        out = torch.empty_like(grad)
-        u = [committed["momentum"][e.name]] if settings.momentum else []
-        compensated_velocity_each(
-            [grad],
-            [committed["velocity"][e.name]],
-            [out],
-            settings.momentum,
-            settings.nesterov,
-            u,
-            self.state.continues(e.name),
-        )
+    def velocity_of(self, entries: list[Entry], work: DGCWork) -> Tensor:
+        """The v' of consecutive compressed tensors (one, or a group of the batched selection), one new float32
+        buffer, as ``compensate`` makes it for a whole bucket (the same elementwise operations: bit for bit)."""
+        committed, numel = self.state.memory.committed, sum(e.numel for e in entries)
+        if work.flat.is_cpu:
+            trim_before(numel * 4)  # the heap's free pages go back first
+        out = torch.empty(numel, dtype=torch.float32, device=work.flat.device)
+        by_settings: dict[tuple[float, bool, bool], list[tuple[Entry, Tensor]]] = {}
+        for e, view in zip(entries, out.split([e.numel for e in entries]), strict=True):
+            settings = self.state.settings_for(e.name)
+            key = (settings.momentum, settings.nesterov, self.state.continues(e.name))
+            by_settings.setdefault(key, []).append((e, view))
+        for (momentum, nesterov, continuing), items in by_settings.items():
+            compensated_velocity_each(
+                [work.flat[e.offset : e.offset + e.numel] for e, _ in items],
+                [committed["velocity"][e.name] for e, _ in items],
+                [view for _, view in items],
+                momentum,
+                nesterov,
+                [committed["momentum"][e.name] for e, _ in items] if momentum else [],
+                continuing,
+            )
         return out
 
     def _selects_in_chunks(self, e: Entry, work: DGCWork) -> bool:
@@ -238,7 +243,7 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
 
         idx = sampled_topk_of(
             e.numel, grad.dtype, e.k, fill, take, self.config.sample_ratio, self.state.generator,
-            whole=lambda: self.velocity_of(e, work),
+            whole=lambda: self.velocity_of([e], work),
         )  # fmt: skip
         return idx, take(idx)
 
@@ -264,7 +269,7 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
                 idx, selected = self._select_in_chunks(e, work)
             else:
                 if velocity is None:  # made now, freed after this tensor (see ``compensate``)
-                    velocity = self.velocity_of(e, work)
+                    velocity = self.velocity_of([e], work)
                 idx = self.choose(velocity, e.k)
                 selected = velocity.index_select(0, idx)
             indices.append(idx + e.offset)
@@ -296,7 +301,7 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
         else:  # ``compensate`` left v' to the selection: the draws and the result are the whole bucket's
             layout, parts, taken = plan.segments, [], []
             for a, b, group in layout.groups or ((0, len(layout.sizes), layout),):
-                velocity = self._group_velocity([e for e, _ in work.sparse[a:b]], work)
+                velocity = self.velocity_of([e for e, _ in work.sparse[a:b]], work)
                 chosen = batched_topk(velocity, group, generator)
                 taken.append(velocity[chosen])
                 parts.append(chosen.add_(layout.starts[a]))
@@ -304,30 +309,6 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
             idx, values = torch.cat(parts), torch.cat(taken)
         work.selected = idx  # cleared from the memory at commit
         return idx + plan.out_shift, values
-
-    def _group_velocity(self, entries: list[Entry], work: DGCWork) -> Tensor:
-        """The v' of consecutive compressed tensors, one float32 buffer, as ``compensate`` makes it for the
-        whole bucket (the same elementwise operations: bit for bit)."""
-        committed, numel = self.state.memory.committed, sum(e.numel for e in entries)
-        if work.flat.is_cpu:
-            trim_before(numel * 4)  # the heap's free pages go back first
-        out = torch.empty(numel, dtype=torch.float32, device=work.flat.device)
-        by_settings: dict[tuple[float, bool, bool], list[tuple[Entry, Tensor]]] = {}
-        for e, view in zip(entries, out.split([e.numel for e in entries]), strict=True):
-            settings = self.state.settings_for(e.name)
-            key = (settings.momentum, settings.nesterov, self.state.continues(e.name))
-            by_settings.setdefault(key, []).append((e, view))
-        for (momentum, nesterov, continuing), items in by_settings.items():
-            compensated_velocity_each(
-                [work.flat[e.offset : e.offset + e.numel] for e, _ in items],
-                [committed["velocity"][e.name] for e, _ in items],
-                [view for _, view in items],
-                momentum,
-                nesterov,
-                [committed["momentum"][e.name] for e, _ in items] if momentum else [],
-                continuing,
-            )
-        return out
 
     # -- step 4 ----------------------------------------------------------------------------------------------
     def exchange(self, plan: DGCPlan, work: DGCWork, collectives: Collectives) -> list[Pending]:
