@@ -93,7 +93,7 @@ def parse_schedule(text: str) -> tuple[int, int, int]:
 
 def schedule_of(args: argparse.Namespace, task: str) -> tuple[int, int, int]:
     """The run's (epochs, batches, evaluate every): ``--quick``'s, ``--schedule``'s, or the task's own."""
-    return QUICK if args.quick else (getattr(args, "schedule", None) or SCHEDULES[task])
+    return QUICK if args.quick else (args.schedule or SCHEDULES[task])
 
 
 def link_name(mbit: float | None) -> str:

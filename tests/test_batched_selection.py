@@ -141,18 +141,22 @@ def test_a_large_bucket_is_selected_in_groups_of_segments(monkeypatch: pytest.Mo
         assert sorted(got) == sorted(want.tolist())
 
 
-class _LargestAllocation(TorchDispatchMode):
-    """The most float32 values one allocation asked for."""
+class _Outputs(TorchDispatchMode):
+    """Every tensor the operations under it return, but aliases: ``(operation, dtype, values)``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.largest = 0
+        self.seen: list[tuple[str, torch.dtype, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ in ("empty", "empty_like", "empty_strided") and out.dtype == torch.float32:
-            self.largest = max(self.largest, out.numel())
+        if isinstance(out, torch.Tensor) and func.overloadpacket.__name__ not in ("view", "detach"):
+            self.seen.append((func.overloadpacket.__name__, out.dtype, out.numel()))
         return out
+
+    def largest_float32_allocation(self) -> int:
+        empty = ("empty", "empty_like", "empty_strided")
+        return max((n for op, dtype, n in self.seen if op in empty and dtype == torch.float32), default=0)
 
 
 def _dgc_steps(nesterov: bool, steps: int = 4) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], int]:
@@ -165,7 +169,7 @@ def _dgc_steps(nesterov: bool, steps: int = 4) -> tuple[list[torch.Tensor], dict
     for p in params:
         p.grad = torch.zeros_like(p)
     numel = sum(p.numel() for p in params)
-    updates, watch = [], _LargestAllocation()
+    updates, watch = [], _Outputs()
     for step in range(steps):
         grad = torch.randn(numel, generator=_gen(100 + step))
         with watch if step == steps - 1 else contextlib.nullcontext():
@@ -173,7 +177,7 @@ def _dgc_steps(nesterov: bool, steps: int = 4) -> tuple[list[torch.Tensor], dict
         state.finish_step()
     committed = state.memory.committed
     memory = {f"{kind}/{name}": t.clone() for kind in ("velocity", "momentum") for name, t in committed[kind].items()}
-    return updates, memory, watch.largest
+    return updates, memory, watch.largest_float32_allocation()
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -196,19 +200,10 @@ def test_a_segment_selected_alone_needs_no_per_value_tables() -> None:
     sums (4 bytes a value each); it gets exactly its top-k, as inside a bucket of several."""
     values = torch.randn(50_000, generator=_gen(11))
     layout = segment_layout([50_000], [50], 0.01, values.device)
-    seen: list[tuple[str, torch.dtype, int]] = []
-
-    class Allocations(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and func.overloadpacket.__name__ not in ("view", "detach"):  # not aliases
-                seen.append((func.overloadpacket.__name__, out.dtype, out.numel()))
-            return out
-
-    with Allocations():
+    with _Outputs() as outputs:
         chosen = batched_topk(values, layout, _gen(12))
     assert sorted(chosen.tolist()) == sorted(torch.topk(values.abs(), 50).indices.tolist())
-    assert not [s for s in seen if s[1] in (torch.int32, torch.int64) and s[2] >= 50_000], seen
+    assert not [s for s in outputs.seen if s[1] in (torch.int32, torch.int64) and s[2] >= 50_000], outputs.seen
     # the same selection as the tensor's inside a bucket of several (another segment after it)
     both = segment_layout([50_000, 1000], [50, 10], 0.01, values.device)
     inside = batched_topk(torch.cat([values, torch.randn(1000, generator=_gen(13))]), both, _gen(12))
