@@ -99,9 +99,9 @@ def test_readme_links_point_at_files() -> None:
 #: and the algorithm of each column (DGC, DEFT, PowerSGD, DiLoCo; several where a cell quotes several).
 ACCURACY_ROWS = [
     ("CIFAR-10 subset top-1", "parity_seeds_cifar8",
-     [["dgc", "dgc_regimes_warmup"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
+     [["dgc", "dgc_regimes_warmup", "dgc_short_warmup"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
     ("the same, 2 workers", "parity_seeds_cifar2",
-     [["dgc", "dgc_regimes_warmup", "dgc_regimes"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
+     [["dgc", "dgc_regimes_warmup", "dgc_regimes", "dgc_short_warmup"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
     ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"], []]),
     ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"], []]),
     ("PTB transformer", "parity_seeds_xfmr2", [["dgc", "dgc_density_0.01"], [], ["powersgd"], []]),
@@ -163,7 +163,8 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
 
 # the algorithm guide's table: one column per algorithm (a study's DEFT variants are on deft.md)
 INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "dgc_regimes_warmup": 2, "dgc_regimes": 2,
-                 "dgc_regimes_0.005": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5}  # fmt: skip
+                 "dgc_regimes_0.005": 2, "dgc_short_warmup": 2, "deft": 3, "powersgd": 4, "diloco": 5,
+                 "diloco_dgc": 5}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", [row[1] for row in ACCURACY_ROWS])
@@ -184,6 +185,34 @@ def test_algorithm_index_accuracy_rows_quote_the_records(name: str) -> None:
             expected.append((INDEX_COLUMNS[algo], f"({_difference_text(s, percent)}"))
     missing = [(cells[column], text) for column, text in expected if text not in cells[column]]
     assert not missing, f"{rel(page)} row of {name}.json does not quote it: (cell, expected) {missing}"
+
+
+#: The DGC page's measured schedules: the text that starts a row, and its algorithm in the 2- and 8-worker
+#: CIFAR studies (``None``: not measured there).
+DGC_SCHEDULE_ROWS = [
+    ("`algo/dgc_warmup`", "dgc", "dgc"),
+    ("`algo/dgc_regimes`", "dgc_regimes_warmup", "dgc_regimes_warmup"),
+    ("the warm-up in the first 20% of the run", "dgc_short_warmup", "dgc_short_warmup"),
+    ("`CriticalRegimes()` alone, density 0.001", "dgc_regimes", None),
+]
+
+
+@pytest.mark.parametrize("row", DGC_SCHEDULE_ROWS, ids=lambda row: row[1])
+def test_the_dgc_pages_schedules_quote_the_cifar_records(row: tuple[str, str, str | None]) -> None:
+    """Each schedule's paired difference, link kB per step and compression, as the records have them."""
+    start, *algos = row
+    page = (ROOT / "docs" / "algorithms" / "dgc.md").read_text()
+    lines = [line for line in page.splitlines() if line.startswith(f"| {start}")]
+    assert len(lines) == 1, f"dgc.md: no single row starting {start!r}"
+    cells = _cells(lines[0])
+    for column, (name, algo) in enumerate(zip(("parity_seeds_cifar2", "parity_seeds_cifar8"), algos, strict=True), 1):
+        if algo is None:
+            assert cells[column] == "not measured"
+            continue
+        s = _study(name)[0][algo]
+        quoted = f"{_difference_text(s, True)}; {s['link_kb_per_step']:,.0f} kB ({s['compression']:.1f}x)"
+        assert cells[column].startswith(quoted), f"dgc.md {start!r}, {name}: {cells[column]!r}, want {quoted!r}"
+        assert cells[column].endswith("1 seed") == (len(s["seeds"]) == 1)
 
 
 @pytest.mark.parametrize("path", PAGES, ids=rel)

@@ -57,6 +57,13 @@ def test_a_run_of_another_length_gets_the_configs_milestones_at_the_same_fractio
     assert parity.milestones(task, 2) == [1]
 
 
+def test_the_short_warmup_takes_a_fifth_of_any_run_and_the_paper_warmup_its_epochs() -> None:
+    record = Path("record.json")
+    assert "run_fraction: 0.2" in parity.callbacks_yaml("dgc_short_warmup", record, epochs=10)
+    assert "run_fraction" not in parity.callbacks_yaml("dgc", record, epochs=10)  # per epoch: 4 of the 10
+    assert "run_fraction: 0.2" in parity.callbacks_yaml("dgc", record, epochs=4)  # too short for 4 epochs
+
+
 def test_a_bf16_task_on_a_cpu_without_bf16_instructions_runs_its_matmuls_in_fp32(monkeypatch) -> None:
     transformer, lstm = parity.TASKS["ptb_transformer"], parity.TASKS["ptb"]
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
