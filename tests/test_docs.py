@@ -121,6 +121,13 @@ def _cells(row: str) -> list[str]:
     return [cell.strip() for cell in row.strip("|").split("|")]
 
 
+def _row(page: str, start: str) -> list[str]:
+    """The cells of the one table row of ``page`` whose first cell starts with ``start``."""
+    lines = [line for line in (ROOT / page).read_text().splitlines() if line.startswith(f"| {start}")]
+    assert len(lines) == 1, f"{page}: no single row starting {start!r}"
+    return _cells(lines[0])
+
+
 def _metric_text(s: dict, percent: bool, digits: int = 2) -> str:
     """An algorithm's mean ± std as the pages write it: accuracy in percent, perplexity as is."""
     return mean_std_text(s["metric"], s["metric_std"], percent, digits) + ("%" if percent else "")
@@ -137,10 +144,8 @@ def _difference_text(s: dict, percent: bool, digits: int = 2) -> str:
 def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[str]]]) -> None:
     """A record rebuilt with more seeds changes its figures; the README's row must follow."""
     start, name, columns = row
-    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(f"| {start}")]
-    assert len(lines) == 1, f"README: no single row starting {start!r}"
-    cells = _cells(lines[0])
-    quotes_kb = "kB" in lines[0]
+    cells = _row("README.md", start)
+    quotes_kb = any("kB" in cell for cell in cells)
     summary, percent = _study(name)
     # accuracy and its differences with 2 decimals, perplexity and its relative differences with 1
     digits = 2 if percent else 1
@@ -201,10 +206,7 @@ DGC_SCHEDULE_ROWS = [
 def test_the_dgc_pages_schedules_quote_the_cifar_records(row: tuple[str, str, str | None]) -> None:
     """Each schedule's paired difference, link kB per step and compression, as the records have them."""
     start, *algos = row
-    page = (ROOT / "docs" / "algorithms" / "dgc.md").read_text()
-    lines = [line for line in page.splitlines() if line.startswith(f"| {start}")]
-    assert len(lines) == 1, f"dgc.md: no single row starting {start!r}"
-    cells = _cells(lines[0])
+    cells = _row("docs/algorithms/dgc.md", start)
     for column, (name, algo) in enumerate(zip(("parity_seeds_cifar2", "parity_seeds_cifar8"), algos, strict=True), 1):
         if algo is None:
             assert cells[column] == "not measured"
