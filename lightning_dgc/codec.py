@@ -5,12 +5,19 @@ size on every rank because every rank selects exactly ``K`` values and the code 
 length; gloo has no all-gather of uneven sizes)::
 
     [ K values (fp32 or fp16) | K + F uint16 delta codes | 0-2 bytes of padding (zeros) ]
+    [ fp32 scale | K int8 values | 0-1 byte | K + F uint16 delta codes | 0-3 bytes of padding ]   (int8)
 
     F = span // FILLER_SPAN   (FILLER_SPAN = 65535; span = the bucket's numel; F = 0 below 65535)
     nbytes = K * value_bytes + 2 * (K + F), rounded up to a multiple of 4   (0 when K = 0)
+    int8: 4 + K rounded up to even, + 2 * (K + F), rounded up to a multiple of 4
+
+With ``int8`` each value is ``round(v / scale)`` in ``[-127, 127]``, ``scale = max |v| / 127`` over the
+payload's ``K`` values (one scale per rank and bucket); the receiver multiplies back. The sender keeps
+``v - scale * round(v / scale)`` (at most ``scale / 2``) in its error feedback, so nothing is lost, only
+delayed; a non-finite value makes the scale, and so every decoded value of the row, non-finite.
 
 Values come first so that the fp32 view is 4-byte aligned (the codes then start at an even
-offset); the padding keeps every row of the gathered ``(world, nbytes)`` tensor a multiple of 4
+offset; an int8 value part is padded to an even length); the padding keeps every row of the gathered ``(world, nbytes)`` tensor a multiple of 4
 bytes. The ``K`` selected bucket-flat indices ``p_1 < p_2 < ... < p_K`` (in ``[0, span)``) travel as
 gaps ``d_i = p_i - p_{i-1}`` with ``p_0 = -1``, so every ``d_i >= 1``:
 
@@ -40,7 +47,11 @@ import torch
 from torch import Tensor
 
 #: Dtypes a value may travel in (``value_dtype`` of the algorithms that send values).
-VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
+VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
+#: Bytes of an int8 payload's scale (fp32, ahead of its values).
+SCALE_BYTES = 4
+#: The largest magnitude of an int8 value on the wire (symmetric: -127..127).
+INT8_LEVELS = 127
 #: Bytes of one int32 index (DEFT still all-reduces its union indices as int32).
 INDEX_BYTES = 4
 #: Bytes of one delta code of DGC's payload (uint16).
@@ -71,8 +82,16 @@ def payload_size(k_total: int, value_bytes: int, span: int) -> tuple[int, int]:
         raise ValueError(f"cannot select {k_total} values out of a bucket of {span} values (0 <= k <= span).")
     if k_total == 0:
         return 0, 0
-    raw = k_total * value_bytes + CODE_BYTES * (k_total + _fillers(span))
+    raw = _value_part(k_total, value_bytes) + CODE_BYTES * (k_total + _fillers(span))
     return raw + (-raw) % 4, (-raw) % 4
+
+
+def _value_part(k: int, value_bytes: int) -> int:
+    """Bytes ahead of the codes: the ``k`` values, with an int8 payload's scale and its even padding."""
+    if value_bytes == 1:  # int8: the scale first, the codes at an even offset
+        raw = SCALE_BYTES + k
+        return raw + raw % 2
+    return k * value_bytes
 
 
 def payload_nbytes(k_total: int, value_dtype: torch.dtype, span: int) -> int:
@@ -126,8 +145,11 @@ def pack_into(
             raise ValueError("pack_into needs indices sorted ascending, distinct and >= 0 (sort them first).")
         if int(idx[-1]) >= span:
             raise ValueError(f"pack_into got index {int(idx[-1])} outside the bucket of {span} values.")
-    vbytes = k * value_dtype.itemsize
-    payload_values(payload, k, value_dtype).copy_(values.reshape(-1))
+    vbytes = _value_part(k, value_dtype.itemsize)
+    if value_dtype == torch.int8:
+        _quantize_into(payload, values.reshape(-1))
+    else:
+        payload_values(payload, k, value_dtype).copy_(values.reshape(-1))
     slots = k + _fillers(span)
     codes = payload[vbytes : vbytes + CODE_BYTES * slots].view(torch.int16)
     if slots == k:  # span < 65535: every gap fits one code, no filler
@@ -140,14 +162,32 @@ def pack_into(
     payload[vbytes + CODE_BYTES * slots :].zero_()
 
 
+def _quantize_into(payload: Tensor, values: Tensor) -> None:
+    """Write ``values`` as int8 with their fp32 scale (``max |v| / 127``) at the head of ``payload``."""
+    k = values.numel()
+    values = values.float()
+    scale = values.abs().amax().div_(INT8_LEVELS)  # NaN or inf when a value is: the row decodes non-finite
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zeros: any scale decodes them to 0
+    payload[:SCALE_BYTES].view(torch.float32).copy_(scale.reshape(1))
+    levels = values.div(step).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).nan_to_num_(0.0)
+    payload[SCALE_BYTES : SCALE_BYTES + k].view(torch.int8).copy_(levels)
+    payload[SCALE_BYTES + k : _value_part(k, 1)].zero_()
+
+
 def payload_values(payload: Tensor, k: int, value_dtype: torch.dtype) -> Tensor:
-    """The value part of a payload (a view of its first ``k`` values), for writing values in place."""
-    return payload[: k * value_dtype.itemsize].view(value_dtype)
+    """The values of a packed payload as the receiver decodes them (fp32 for int8; for fp32 and fp16 a view
+    of its first ``k`` values, which may be written in place)."""
+    return gathered_values(payload.view(1, -1), k, value_dtype)
 
 
 def gathered_values(gathered: Tensor, k: int, value_dtype: torch.dtype) -> Tensor:
     """The values of a gathered ``(world, nbytes)`` uint8 tensor, ``(world * k,)``, as :func:`unpack` returns
-    them, without decoding the indices (which costs about 30 bytes of temporaries per value)."""
+    them, without decoding the indices (which costs about 30 bytes of temporaries per value); int8 rows
+    come back multiplied by their scale, in fp32."""
+    if value_dtype == torch.int8:
+        scales = gathered[:, :SCALE_BYTES].contiguous().view(torch.float32)  # (world, 1)
+        levels = gathered[:, SCALE_BYTES : SCALE_BYTES + k].view(torch.int8)
+        return levels.float().mul_(scales).reshape(-1)
     return gathered[:, : k * value_dtype.itemsize].view(value_dtype).reshape(-1)  # rows: 4-byte multiples
 
 
@@ -170,9 +210,9 @@ def unpack(gathered: Tensor, k: int, value_dtype: torch.dtype, span: int) -> tup
     device = gathered.device
     if k == 0:
         empty = torch.empty(0, dtype=torch.int64, device=device)
-        return empty, torch.empty(0, dtype=value_dtype, device=device)
+        return empty, torch.empty(0, dtype=torch.float32 if value_dtype == torch.int8 else value_dtype, device=device)
     gathered = gathered.contiguous()
-    vbytes = k * value_dtype.itemsize
+    vbytes = _value_part(k, value_dtype.itemsize)
     slots = k + _fillers(span)
     values = gathered_values(gathered, k, value_dtype)
     codes = gathered[:, vbytes : vbytes + CODE_BYTES * slots].view(torch.int16).to(torch.int32)

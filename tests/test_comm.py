@@ -18,7 +18,21 @@ from lightning_dgc.codec import (
     unpack,
 )
 
-DTYPES = (torch.float32, torch.float16)
+DTYPES = (torch.float32, torch.float16, torch.int8)
+FLOATS = (torch.float32, torch.float16)
+
+
+def value_part(k: int, dtype: torch.dtype) -> int:
+    """Bytes ahead of the codes: k values, or for int8 a 4-byte scale and k levels padded to even."""
+    return 4 + k + k % 2 if dtype == torch.int8 else k * dtype.itemsize
+
+
+def on_the_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the receiver decodes: a cast, or for int8 each value rounded to a multiple of max |v| / 127."""
+    if dtype != torch.int8:
+        return values.to(dtype)
+    scale = values.abs().max() / 127
+    return (values / scale).round().clamp(-127, 127) * scale
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -33,7 +47,7 @@ def packed(indices, values, dtype: torch.dtype, span: int, device: str = "cpu") 
 
 
 def codes_of(payload: torch.Tensor, k: int, dtype: torch.dtype, span: int) -> list[int]:
-    start = k * dtype.itemsize
+    start = value_part(k, dtype)
     raw = payload[start : start + CODE_BYTES * (k + span // FILLER_SPAN)].view(torch.int16)
     return (raw.to(torch.int32) & 0xFFFF).tolist()
 
@@ -48,10 +62,13 @@ def round_trip(
     gathered = torch.stack([packed(r, v, dtype, span, device) for r, v in zip(rows, values, strict=True)])
     assert gathered.shape == (len(rows), payload_nbytes(k, dtype, span)) and gathered.shape[1] % 4 == 0
     indices, decoded = unpack(gathered, k, dtype, span)
-    assert indices.dtype == torch.int64 and decoded.dtype == dtype
+    assert indices.dtype == torch.int64 and decoded.dtype == (torch.float32 if dtype == torch.int8 else dtype)
     assert indices.shape == decoded.shape == (len(rows) * k,)
     assert indices.cpu().tolist() == [i for r in rows for i in r]
-    assert torch.equal(decoded.cpu(), torch.cat(values).to(dtype))  # exact for fp32, fp16-cast for fp16
+    expected = torch.cat([on_the_wire(v, dtype) for v in values])  # exact for fp32, cast for fp16, int8 levels
+    assert torch.allclose(decoded.cpu(), expected, rtol=1e-6, atol=0) if dtype == torch.int8 else torch.equal(
+        decoded.cpu(), expected
+    )
 
 
 # -- size and layout ------------------------------------------------------------------------------------
@@ -65,6 +82,9 @@ def test_payload_size_by_hand() -> None:
     # ResNet-50-like: 25 533 values in one bucket of 25 557 032 (389 filler slots)
     assert payload_nbytes(25_533, torch.float32, 25_557_032) == 4 * 25_533 + 2 * (25_533 + 389) == 153_976
     assert payload_nbytes(25_533, torch.float16, 25_557_032) == 2 * 25_533 + 2 * (25_533 + 389) + 2 == 102_912
+    # int8: a 4-byte scale, k levels padded to an even length, then the codes
+    assert payload_nbytes(3, torch.int8, 5000) == 16  # 4 + 3 + 1 + 6 = 14, padded
+    assert payload_nbytes(25_533, torch.int8, 25_557_032) == 4 + 25_534 + 2 * (25_533 + 389) + 2 == 77_384
     with pytest.raises(ValueError, match="out of a bucket"):
         payload_nbytes(11, torch.float32, 10)
 
@@ -72,11 +92,11 @@ def test_payload_size_by_hand() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_payload_is_four_byte_aligned_and_is_what_dgc_reports(dtype: torch.dtype) -> None:
     """The payload formula, and DGC's wire cost (read by the statistics and the performance model) uses it."""
-    value_dtype = {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+    value_dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.int8: "int8"}[dtype]
     for span in (1, 7, 1000, 65_534, 65_535, 65_536, 131_070, 10**6, 25_557_032):
         for k in {min(span, k) for k in (1, 2, 3, 5, 17, 999, span // 2 or 1, span if span < 10**5 else 1)}:
             n = payload_nbytes(k, dtype, span)
-            assert n % 4 == 0 and 0 <= n - (k * dtype.itemsize + 2 * (k + span // 65535)) <= 2
+            assert n % 4 == 0 and 0 <= n - (value_part(k, dtype) + 2 * (k + span // 65535)) <= 2
             assert (n, codec.payload_padding(k, dtype, span)) == codec.payload_size(k, dtype.itemsize, span)
     rng = random.Random(0)
     for _ in range(50):  # one compressed [rows, cols] tensor of `span` values: k = ceil(density * span)
@@ -92,7 +112,7 @@ def test_payload_is_four_byte_aligned_and_is_what_dgc_reports(dtype: torch.dtype
         ) and cost.padding_bytes == codec.payload_padding(k, dtype, cols)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_values_come_first_then_codes_then_zero_padding(dtype: torch.dtype) -> None:
     span, k = 200_000, 3  # F = 3
     p = packed([2, 70_000, 199_999], [1.0, 2.0, 3.0], dtype, span)
@@ -102,6 +122,28 @@ def test_values_come_first_then_codes_then_zero_padding(dtype: torch.dtype) -> N
     assert codes_of(p, k, dtype, span) == [3, 0, 4463, 0, 64464, 0]
     end = k * dtype.itemsize + 2 * 6
     assert p[end:].tolist() == [0] * (p.numel() - end)  # the padding is zeroed, not left as it was
+
+
+def test_int8_scale_then_levels_then_codes() -> None:
+    span, k = 200_000, 3
+    p = packed([2, 70_000, 199_999], [0.5, -1.27, 0.01], torch.int8, span)
+    assert p[:4].view(torch.float32).item() == pytest.approx(0.01)  # max |v| / 127
+    assert p[4:7].view(torch.int8).tolist() == [50, -127, 1] and p[7].item() == 0  # padded to even
+    assert codes_of(p, k, torch.int8, span) == [3, 0, 4463, 0, 64464, 0]
+    assert payload_values(p, k, torch.int8).tolist() == pytest.approx([0.5, -1.27, 0.01])
+    zeros = packed([1, 2], [0.0, 0.0], torch.int8, span)  # a scale of 0 decodes to zeros, not NaN
+    assert payload_values(zeros, 2, torch.int8).tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_an_int8_row_with_a_non_finite_value_decodes_all_non_finite(bad: float) -> None:
+    """The scale carries it: the receivers' finiteness check sees the row, as it sees an fp32 NaN."""
+    span = 1000
+    good = packed([1, 2, 3], [1.0, 2.0, 3.0], torch.int8, span)
+    poisoned = packed([4, 5, 6], [1.0, bad, 3.0], torch.int8, span)
+    indices, values = unpack(torch.stack([good, poisoned]), 3, torch.int8, span)
+    assert indices.tolist() == [1, 2, 3, 4, 5, 6]
+    assert values[:3].isfinite().all() and not values[3:].isfinite().any()
 
 
 # -- round trips ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def test_bad_sample_ratio_is_rejected(ratio: float) -> None:
     "kwargs,match",
     [
         ({"selection": "random"}, "selection"),
-        ({"value_dtype": "int8"}, "value_dtype"),
+        ({"value_dtype": "int4"}, "value_dtype"),
         ({"momentum": 1.0}, "momentum"),
         ({"nesterov": True}, "nesterov"),
         ({"local_clip_norm": 0.0}, "local_clip_norm"),
@@ -37,6 +37,13 @@ def test_bad_sample_ratio_is_rejected(ratio: float) -> None:
 def test_other_bad_settings(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DGCConfig(**kwargs)
+
+
+def test_int8_values_are_dgcs_alone() -> None:
+    """DGC gathers each rank's values with its own scale; DEFT sums values in an all-reduce, which cannot."""
+    assert DGCStrategy(value_dtype="int8")._config.value_dtype == "int8"
+    with pytest.raises(ValueError, match="DEFT sums its values.*value_dtype='fp16'"):
+        DEFTStrategy(value_dtype="int8")
 
 
 @pytest.mark.parametrize("strategy", [DGCStrategy, DEFTStrategy])

@@ -244,6 +244,8 @@ SMALL = {"min_compress_numel": 64}
             DGCConfig(density=1.0, selection_backend="torch", **SMALL),
         ),
         (DGCConfig(density=0.1, selection="exact", value_dtype="fp16", **SMALL), None),
+        (DGCConfig(density=0.1, value_dtype="int8", **SMALL), None),
+        (DGCConfig(density=0.1, selection_backend="torch", value_dtype="int8", **SMALL), None),
         (DEFTConfig(density=0.1, **SMALL), DEFTConfig(density=1.0, **SMALL)),
         (DEFTConfig(density=0.1, selection_backend="torch", selectors="all", **SMALL), None),
         (DEFTConfig(density=0.1, k_allocation="size", fragmenting=False, **SMALL), None),
@@ -257,6 +259,8 @@ SMALL = {"min_compress_numel": 64}
         "dgc",
         "dgc-batched",
         "dgc-exact-fp16",
+        "dgc-int8",
+        "dgc-batched-int8",
         "deft",
         "deft-batched-all",
         "deft-size",
@@ -265,8 +269,17 @@ SMALL = {"min_compress_numel": 64}
     ],
 )
 def test_package_algorithms_pass_check_algorithm(config, lossless) -> None:
-    fp16 = getattr(config, "value_dtype", "fp32") == "fp16"  # fp16 on the wire drops its rounding error
+    # fp16 on the wire drops its rounding error (int8's dense tensors travel in fp16)
+    fp16 = getattr(config, "value_dtype", "fp32") in ("fp16", "int8")
     check_algorithm(config, lossless=lossless, conservation_rtol=2e-3 if fp16 else 1e-4)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_int8_values_keep_their_rounding_error_in_the_error_feedback(backend: str) -> None:
+    """Only compressed tensors (no dense one in fp16): what int8 rounds off is held back, as fp32 conserves."""
+    shapes = {"a.weight": (32, 16), "b.weight": (8, 40), "c.weight": (3, 5, 7)}
+    config = DGCConfig(density=0.1, value_dtype="int8", selection_backend=backend, min_compress_numel=64)
+    check_algorithm(config, lossless=None, shapes=shapes, conservation_rtol=1e-4)
 
 
 def test_dgc_with_momentum_passes_everything_but_conservation() -> None:

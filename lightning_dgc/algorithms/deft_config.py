@@ -76,6 +76,11 @@ class DEFTConfig(DGCConfig):
 
     def validate(self) -> None:
         super().validate()
+        if self.value_dtype == "int8":
+            raise ValueError(
+                "DEFT sums its values in an all-reduce, which int8 levels with per-rank scales cannot take;"
+                " use value_dtype='fp16' (or 'fp32'), or DGC for int8 values."
+            )
         self.momentum_correction = flag(self.momentum_correction, "momentum_correction")
         self.fragmenting = flag(self.fragmenting, "fragmenting")
         self.rotation = flag(self.rotation, "rotation")

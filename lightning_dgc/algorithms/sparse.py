@@ -145,6 +145,7 @@ class SparseWork(BucketWork):
     velocity: Tensor | None = None
     selected: Tensor | None = None  # what was sent: positions in the compressed tensors' flat memory
     selected_mask: Tensor | None = None  # (DEFT's ablation) which of ``selected`` this rank sent
+    unsent: Tensor | None = None  # per ``selected``: what the wire's rounding left out (int8 values), kept
     local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
     in_bucket: bool = False  # ``velocity`` is a part of the bucket (v' made in place of the local gradient)
     grouped: bool = False  # the compressed tensors' memory is one flat buffer per kind
@@ -403,7 +404,8 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
         kinds = ["velocity"] + (["momentum"] if self.config.momentum_masking and plan.sparse_momentum else [])
         if work.grouped and not any(skip(e.name) for e in sparse):  # one write per buffer of the bucket
             for kind in kinds:  # what was sent is no longer held back
-                clear_(memory.flat(kind, plan.sparse_names, sizes, device), positions, sent)
+                clear_(memory.flat(kind, plan.sparse_names, sizes, device), positions, sent,
+                       work.unsent if kind == "velocity" else None)  # fmt: skip
             return
         # tensor by tensor (a layout's first step, or a parameter unused in the step, whose memory stays)
         ends = torch.tensor(sizes, device=positions.device).cumsum(0)
@@ -418,6 +420,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
                             committed[kind][e.name],
                             positions[mine] - start,
                             sent[mine] if sent is not None else None,
+                            work.unsent[mine] if kind == "velocity" and work.unsent is not None else None,
                         )
             start += e.numel
 
@@ -442,9 +445,12 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
         )
 
 
-def clear_(memory: Tensor, positions: Tensor, sent: Tensor | None = None) -> None:
-    """Zero ``memory`` at ``positions`` (only where ``sent``, if given: positions are then distinct)."""
-    if sent is None:
+def clear_(memory: Tensor, positions: Tensor, sent: Tensor | None = None, unsent: Tensor | None = None) -> None:
+    """Zero ``memory`` at ``positions`` (only where ``sent``, if given: positions are then distinct), or set
+    it to ``unsent`` there (what the wire's rounding left out of each sent value)."""
+    if unsent is not None:
+        memory.index_copy_(0, positions, unsent.to(memory.dtype))
+    elif sent is None:
         memory.index_fill_(0, positions, 0.0)
     else:
         memory[positions] = torch.where(sent, 0.0, memory[positions])

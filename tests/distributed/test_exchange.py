@@ -90,22 +90,26 @@ def test_high_compression_learns_and_ranks_agree() -> None:
     assert stats["compression_ratio"] > 5
 
 
-def test_several_buckets_fp16_values() -> None:
-    """Tiny buckets (one parameter each) and fp16 values: still identical ranks and learning."""
+@pytest.mark.parametrize("value_dtype", ["fp16", "int8"])
+def test_several_buckets_with_fewer_bytes_per_value(value_dtype: str) -> None:
+    """Tiny buckets (one parameter each) and fp16 or int8 values: still identical ranks and learning."""
     results = run_ranks(
         workers.train, steps=20, use_hook=True, bucket_cap_mb=0.001,
-        config={"density": 0.01, "value_dtype": "fp16", "momentum": 0.9},
+        config={"density": 0.01, "value_dtype": value_dtype, "momentum": 0.9},
     )  # fmt: skip
     _assert_ranks_identical(results)
     assert results[0]["stats"][-1]["buckets"] > 1
     assert results[0]["losses"][-1] < results[0]["losses"][0]
 
 
-def test_non_finite_gradient_on_one_rank_skips_step_everywhere() -> None:
-    """An inf gradient on rank 1 at step 2: both ranks skip that step and keep their memory unchanged."""
+@pytest.mark.parametrize("value_dtype", ["fp32", "int8"])
+def test_non_finite_gradient_on_one_rank_skips_step_everywhere(value_dtype: str) -> None:
+    """An inf gradient on rank 1 at step 2: both ranks skip that step and keep their memory unchanged (int8:
+    the payload's scale carries the NaN to every receiver)."""
     results = run_ranks(
-        workers.train, steps=4, use_hook=True, poison=(1, 2), config={"density": 0.01, "momentum": 0.9}
-    )
+        workers.train, steps=4, use_hook=True, poison=(1, 2),
+        config={"density": 0.01, "momentum": 0.9, "value_dtype": value_dtype},
+    )  # fmt: skip
     for r in results:
         assert r["finite"] == [True, True, False, True]
         before, after = r["memory"][1], r["memory"][2]

@@ -66,6 +66,7 @@ def test_sparse_gradients_are_refused_by_name() -> None:
     [
         ("dgc", {"density": 0.001}, None),
         ("dgc", {"density": 0.01, "value_dtype": "fp16"}, None),
+        ("dgc", {"density": 0.01, "value_dtype": "int8"}, None),
         ("deft", {"density": 0.01}, None),
         # bf16 parameters (Lightning's "bf16-true"): the hook decodes into an fp32 copy of the bucket
         ("dgc", {"density": 0.01}, "bfloat16"),
