@@ -5,16 +5,19 @@ size on every rank because every rank selects exactly ``K`` values and the code 
 length; gloo has no all-gather of uneven sizes)::
 
     [ K values (fp32 or fp16) | K + F uint16 delta codes | 0-2 bytes of padding (zeros) ]
-    [ fp32 scale | K int8 values | 0-1 byte | K + F uint16 delta codes | 0-3 bytes of padding ]   (int8)
+    [ B fp32 scales | K int8 values | 0-1 byte | K + F uint16 delta codes | 0-3 bytes of padding ]   (int8)
 
     F = span // FILLER_SPAN   (FILLER_SPAN = 65535; span = the bucket's numel; F = 0 below 65535)
     nbytes = K * value_bytes + 2 * (K + F), rounded up to a multiple of 4   (0 when K = 0)
-    int8: 4 + K rounded up to even, + 2 * (K + F), rounded up to a multiple of 4
+    int8: 4 * B + K rounded up to even, + 2 * (K + F), rounded up to a multiple of 4; B = ceil(K / 32)
 
-With ``int8`` each value is ``round(v / scale)`` in ``[-127, 127]``, ``scale = max |v| / 127`` over the
-payload's ``K`` values (one scale per rank and bucket); the receiver multiplies back. The sender keeps
-``v - scale * round(v / scale)`` (at most ``scale / 2``) in its error feedback, so nothing is lost, only
-delayed; a non-finite value makes the scale, and so every decoded value of the row, non-finite.
+With ``int8`` the ``K`` values (in index order) are cut into blocks of ``INT8_BLOCK`` = 32, and each value
+is ``round(v / scale)`` in ``[-127, 127]`` with its block's ``scale = max |v| / 127``; the receiver
+multiplies back. Values next to each other in the bucket mostly come from one tensor, so a block's scale
+follows its layer's gradient size (one scale for the whole payload would round a layer with small gradients
+to zero). The scales cost 1/8 byte a value. The sender keeps ``v - scale * round(v / scale)`` (at most
+``scale / 2``) in its error feedback, so nothing is lost, only delayed; a non-finite value makes its block's
+scale, and so the block's decoded values, non-finite.
 
 Values come first so that the fp32 view is 4-byte aligned (the codes then start at an even
 offset; an int8 value part is padded to an even length); the padding keeps every row of the gathered ``(world, nbytes)`` tensor a multiple of 4
@@ -48,8 +51,10 @@ from torch import Tensor
 
 #: Dtypes a value may travel in (``value_dtype`` of the algorithms that send values).
 VALUE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}
-#: Bytes of an int8 payload's scale (fp32, ahead of its values).
+#: Bytes of one scale of an int8 payload (fp32, the scales ahead of the values).
 SCALE_BYTES = 4
+#: Consecutive int8 values that share one scale.
+INT8_BLOCK = 32
 #: The largest magnitude of an int8 value on the wire (symmetric: -127..127).
 INT8_LEVELS = 127
 #: Bytes of one int32 index (DEFT still all-reduces its union indices as int32).
@@ -87,11 +92,16 @@ def payload_size(k_total: int, value_bytes: int, span: int) -> tuple[int, int]:
 
 
 def _value_part(k: int, value_bytes: int) -> int:
-    """Bytes ahead of the codes: the ``k`` values, with an int8 payload's scale and its even padding."""
-    if value_bytes == 1:  # int8: the scale first, the codes at an even offset
-        raw = SCALE_BYTES + k
+    """Bytes ahead of the codes: the ``k`` values, with an int8 payload's scales and its even padding."""
+    if value_bytes == 1:  # int8: the scales first, the codes at an even offset
+        raw = SCALE_BYTES * _blocks(k) + k
         return raw + raw % 2
     return k * value_bytes
+
+
+def _blocks(k: int) -> int:
+    """The scales of ``k`` int8 values."""
+    return -(-k // INT8_BLOCK)
 
 
 def payload_nbytes(k_total: int, value_dtype: torch.dtype, span: int) -> int:
@@ -163,15 +173,19 @@ def pack_into(
 
 
 def _quantize_into(payload: Tensor, values: Tensor) -> None:
-    """Write ``values`` as int8 with their fp32 scale (``max |v| / 127``) at the head of ``payload``."""
-    k = values.numel()
-    values = values.float()
-    scale = values.abs().amax().div_(INT8_LEVELS)  # NaN or inf when a value is: the row decodes non-finite
-    step = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zeros: any scale decodes them to 0
-    payload[:SCALE_BYTES].view(torch.float32).copy_(scale.reshape(1))
-    levels = values.div(step).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).nan_to_num_(0.0)
-    payload[SCALE_BYTES : SCALE_BYTES + k].view(torch.int8).copy_(levels)
-    payload[SCALE_BYTES + k : _value_part(k, 1)].zero_()
+    """Write ``values`` as int8 levels, each block of ``INT8_BLOCK`` with its fp32 scale (``max |v| / 127``),
+    the scales at the head of ``payload``."""
+    k, blocks = values.numel(), _blocks(values.numel())
+    padded = values.new_zeros(blocks * INT8_BLOCK, dtype=torch.float32)
+    padded[:k] = values
+    padded = padded.view(blocks, INT8_BLOCK)
+    scale = padded.abs().amax(1).div_(INT8_LEVELS)  # NaN or inf where a value is: its block decodes so
+    step = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)  # all zeros: decoded as 0
+    head = SCALE_BYTES * blocks
+    payload[:head].view(torch.float32).copy_(scale)
+    levels = padded.div_(step).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).nan_to_num_(0.0)
+    payload[head : head + k].view(torch.int8).copy_(levels.view(-1)[:k])
+    payload[head + k : _value_part(k, 1)].zero_()
 
 
 def payload_values(payload: Tensor, k: int, value_dtype: torch.dtype) -> Tensor:
@@ -185,9 +199,10 @@ def gathered_values(gathered: Tensor, k: int, value_dtype: torch.dtype) -> Tenso
     them, without decoding the indices (which costs about 30 bytes of temporaries per value); int8 rows
     come back multiplied by their scale, in fp32."""
     if value_dtype == torch.int8:
-        scales = gathered[:, :SCALE_BYTES].contiguous().view(torch.float32)  # (world, 1)
-        levels = gathered[:, SCALE_BYTES : SCALE_BYTES + k].view(torch.int8)
-        return levels.float().mul_(scales).reshape(-1)
+        head = SCALE_BYTES * _blocks(k)
+        scales = gathered[:, :head].contiguous().view(torch.float32)  # (world, blocks)
+        levels = gathered[:, head : head + k].view(torch.int8).float()
+        return levels.mul_(scales.repeat_interleave(INT8_BLOCK, dim=1)[:, :k]).reshape(-1)
     return gathered[:, : k * value_dtype.itemsize].view(value_dtype).reshape(-1)  # rows: 4-byte multiples
 
 

@@ -23,16 +23,23 @@ FLOATS = (torch.float32, torch.float16)
 
 
 def value_part(k: int, dtype: torch.dtype) -> int:
-    """Bytes ahead of the codes: k values, or for int8 a 4-byte scale and k levels padded to even."""
-    return 4 + k + k % 2 if dtype == torch.int8 else k * dtype.itemsize
+    """Bytes ahead of the codes: k values, or for int8 a 4-byte scale per 32 values and k levels, padded to even."""
+    if dtype != torch.int8:
+        return k * dtype.itemsize
+    raw = 4 * ((k + 31) // 32) + k
+    return raw + raw % 2
 
 
 def on_the_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What the receiver decodes: a cast, or for int8 each value rounded to a multiple of max |v| / 127."""
+    """What the receiver decodes: a cast, or for int8 each value rounded to a multiple of its block's
+    max |v| / 127 (blocks of 32 in order)."""
     if dtype != torch.int8:
         return values.to(dtype)
-    scale = values.abs().max() / 127
-    return (values / scale).round().clamp(-127, 127) * scale
+    out = []
+    for block in values.split(32):
+        scale = block.abs().max() / 127
+        out.append(block if scale == 0 else (block / scale).round().clamp(-127, 127) * scale)
+    return torch.cat(out)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -84,7 +91,8 @@ def test_payload_size_by_hand() -> None:
     assert payload_nbytes(25_533, torch.float16, 25_557_032) == 2 * 25_533 + 2 * (25_533 + 389) + 2 == 102_912
     # int8: a 4-byte scale, k levels padded to an even length, then the codes
     assert payload_nbytes(3, torch.int8, 5000) == 16  # 4 + 3 + 1 + 6 = 14, padded
-    assert payload_nbytes(25_533, torch.int8, 25_557_032) == 4 + 25_534 + 2 * (25_533 + 389) + 2 == 77_384
+    # 798 scales (one per 32 values) and the levels, 28 725 bytes padded to even, then the codes
+    assert payload_nbytes(25_533, torch.int8, 25_557_032) == 4 * 798 + 25_534 + 2 * (25_533 + 389) + 2 == 80_572
     with pytest.raises(ValueError, match="out of a bucket"):
         payload_nbytes(11, torch.float32, 10)
 
@@ -133,17 +141,26 @@ def test_int8_scale_then_levels_then_codes() -> None:
     assert payload_values(p, k, torch.int8).tolist() == pytest.approx([0.5, -1.27, 0.01])
     zeros = packed([1, 2], [0.0, 0.0], torch.int8, span)  # a scale of 0 decodes to zeros, not NaN
     assert payload_values(zeros, 2, torch.int8).tolist() == [0.0, 0.0]
+    # 40 values: two blocks, each with its own scale (the second block's small values keep their precision)
+    values = torch.cat([torch.full((32,), 100.0), torch.tensor([0.5, -0.25] * 4)])
+    p = packed(list(range(0, 80, 2)), values, torch.int8, span)
+    assert p[:8].view(torch.float32).tolist() == pytest.approx([100 / 127, 0.5 / 127])
+    half_steps = [50 / 127] * 32 + [0.25 / 127] * 8  # rounding error at most half its block's scale
+    assert (payload_values(p, 40, torch.int8) - values).abs().le(torch.tensor(half_steps) * 1.0001).all()
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_an_int8_row_with_a_non_finite_value_decodes_all_non_finite(bad: float) -> None:
-    """The scale carries it: the receivers' finiteness check sees the row, as it sees an fp32 NaN."""
-    span = 1000
-    good = packed([1, 2, 3], [1.0, 2.0, 3.0], torch.int8, span)
-    poisoned = packed([4, 5, 6], [1.0, bad, 3.0], torch.int8, span)
-    indices, values = unpack(torch.stack([good, poisoned]), 3, torch.int8, span)
-    assert indices.tolist() == [1, 2, 3, 4, 5, 6]
-    assert values[:3].isfinite().all() and not values[3:].isfinite().any()
+def test_an_int8_block_with_a_non_finite_value_decodes_all_non_finite(bad: float) -> None:
+    """Its scale carries it: the receivers' finiteness check (a sum over every value) sees it, as it sees an
+    fp32 NaN; the other block of the row decodes as usual."""
+    span, k = 1000, 40
+    good = packed(list(range(k)), torch.ones(k), torch.int8, span)
+    values = torch.ones(k)
+    values[35] = bad  # the second block
+    poisoned = packed(list(range(k)), values, torch.int8, span)
+    _, decoded = unpack(torch.stack([good, poisoned]), k, torch.int8, span)
+    assert decoded[:k].isfinite().all() and decoded[k : k + 32].tolist() == [1.0] * 32
+    assert not decoded[k + 32 :].isfinite().any() and not decoded.sum().isfinite()
 
 
 # -- round trips ---------------------------------------------------------------------------------------

@@ -74,9 +74,9 @@ class DGCConfig(AlgorithmConfig):
     Wire:
         value_dtype: ``"fp32"`` or ``"fp16"``: the dtype of every value on the wire, the payload's and the
             tensors averaged dense alike (those in fp16 are pre-divided by the world size, as in
-            torch's ``fp16_compress_hook``). ``"int8"``: the payload's values as int8 with one fp32
-            scale per rank and bucket, the rounding error kept in the error feedback (3 bytes a value
-            with its index, not 6); the tensors averaged dense travel in fp16. DGC only.
+            torch's ``fp16_compress_hook``). ``"int8"``: the payload's values as int8, each 32 with one
+            fp32 scale, the rounding error kept in the error feedback (3.125 bytes a value with its
+            index, not 6); the tensors averaged dense travel in fp16. DGC only.
         seed: seeds the per-rank sampling generator.
     """
 
