@@ -20,9 +20,10 @@ to zero). The scales cost 1/8 byte a value. The sender keeps ``v - scale * round
 scale, and so the block's decoded values, non-finite.
 
 Values come first so that the fp32 view is 4-byte aligned (the codes then start at an even
-offset; an int8 value part is padded to an even length); the padding keeps every row of the gathered ``(world, nbytes)`` tensor a multiple of 4
-bytes. The ``K`` selected bucket-flat indices ``p_1 < p_2 < ... < p_K`` (in ``[0, span)``) travel as
-gaps ``d_i = p_i - p_{i-1}`` with ``p_0 = -1``, so every ``d_i >= 1``:
+offset; an int8 value part is padded to an even length); the padding keeps every row of the gathered
+``(world, nbytes)`` tensor a multiple of 4 bytes. The ``K`` selected bucket-flat indices
+``p_1 < p_2 < ... < p_K`` (in ``[0, span)``) travel as gaps ``d_i = p_i - p_{i-1}`` with ``p_0 = -1``, so
+every ``d_i >= 1``:
 
 * a code ``c`` in ``1..65535`` means "advance ``c`` positions; an entry is here" (the i-th entry
   code goes with the i-th value);
@@ -179,8 +180,8 @@ def _quantize_into(payload: Tensor, values: Tensor) -> None:
     padded = values.new_zeros(blocks * INT8_BLOCK, dtype=torch.float32)
     padded[:k] = values
     padded = padded.view(blocks, INT8_BLOCK)
-    scale = padded.abs().amax(1).div_(INT8_LEVELS)  # NaN or inf where a value is: its block decodes so
-    step = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)  # all zeros: decoded as 0
+    scale = padded.abs().amax(1).div_(INT8_LEVELS)  # a NaN or inf value: its block's scale, so its block, too
+    step = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)  # a block of zeros decodes to 0
     head = SCALE_BYTES * blocks
     payload[:head].view(torch.float32).copy_(scale)
     levels = padded.div_(step).round_().clamp_(-INT8_LEVELS, INT8_LEVELS).nan_to_num_(0.0)

@@ -78,7 +78,7 @@ class DEFTConfig(DGCConfig):
         super().validate()
         if self.value_dtype == "int8":
             raise ValueError(
-                "DEFT sums its values in an all-reduce, which int8 levels with per-rank scales cannot take;"
+                "DEFT sums its values in an all-reduce, which int8 levels scaled on each rank cannot take;"
                 " use value_dtype='fp16' (or 'fp32'), or DGC for int8 values."
             )
         self.momentum_correction = flag(self.momentum_correction, "momentum_correction")
