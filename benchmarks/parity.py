@@ -94,6 +94,17 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "dgc_regimes": ("configs/algo/dgc_regimes.yaml", (), "regimes"),
     # the paper's warm-up in a fifth of the run (each stage 5%), not four epochs: fewer bytes over a short run
     "dgc_short_warmup": ("configs/algo/dgc_warmup.yaml", (), "short_warmup"),
+    # the shipped regimes recipe with its values sent in fp16 or int8 (4 or 3 bytes a value with its index, not 6)
+    "dgc_regimes_fp16": (
+        "configs/algo/dgc_regimes.yaml",
+        ("--trainer.strategy.init_args.value_dtype", "fp16"),
+        "regimes+warmup",
+    ),
+    "dgc_regimes_int8": (
+        "configs/algo/dgc_regimes.yaml",
+        ("--trainer.strategy.init_args.value_dtype", "int8"),
+        "regimes+warmup",
+    ),
     "deft_regimes": ("configs/algo/deft.yaml", (), "regimes"),
     # AdamW: the regimes over a target of 0.005 (0.05 in the start window)
     "dgc_regimes_0.005": ("configs/algo/dgc_regimes.yaml", ("--trainer.strategy.init_args.density", "0.005"), "regimes"),
@@ -103,6 +114,12 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "dgc_density_0.01": (
         "configs/algo/dgc_warmup.yaml",
         ("--trainer.strategy.init_args.density", "0.01"),
+        True,
+    ),
+    # the same with its values sent in int8 (3 bytes a value with its index, not 6)
+    "dgc_density_0.01_int8": (
+        "configs/algo/dgc_warmup.yaml",
+        ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
         True,
     ),
     # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01

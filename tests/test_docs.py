@@ -99,9 +99,11 @@ def test_readme_links_point_at_files() -> None:
 #: and the algorithm of each column (DGC, DEFT, PowerSGD, DiLoCo; several where a cell quotes several).
 ACCURACY_ROWS = [
     ("CIFAR-10 subset top-1", "parity_seeds_cifar8",
-     [["dgc", "dgc_regimes_warmup", "dgc_short_warmup"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
+     [["dgc", "dgc_regimes_warmup", "dgc_regimes_int8", "dgc_short_warmup"], ["deft"], ["powersgd"],
+      ["diloco", "diloco_dgc"]]),
     ("the same, 2 workers", "parity_seeds_cifar2",
-     [["dgc", "dgc_regimes_warmup", "dgc_regimes", "dgc_short_warmup"], ["deft"], ["powersgd"], ["diloco", "diloco_dgc"]]),
+     [["dgc", "dgc_regimes_warmup", "dgc_regimes_int8", "dgc_short_warmup"], ["deft"], ["powersgd"],
+      ["diloco", "diloco_dgc"]]),
     ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"], []]),
     ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"], []]),
     ("PTB transformer", "parity_seeds_xfmr2", [["dgc", "dgc_density_0.01"], [], ["powersgd"], []]),
@@ -168,7 +170,8 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
 
 # the algorithm guide's table: one column per algorithm (a study's DEFT variants are on deft.md)
 INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "dgc_regimes_warmup": 2, "dgc_regimes": 2,
-                 "dgc_regimes_0.005": 2, "dgc_short_warmup": 2, "deft": 3, "powersgd": 4, "diloco": 5,
+                 "dgc_regimes_0.005": 2, "dgc_short_warmup": 2, "dgc_regimes_int8": 2, "dgc_density_0.01_int8": 2,
+                 "deft": 3, "powersgd": 4, "diloco": 5,
                  "diloco_dgc": 5}  # fmt: skip
 
 
@@ -198,6 +201,7 @@ DGC_SCHEDULE_ROWS = [
     ("`algo/dgc_warmup`", "dgc", "dgc"),
     ("`algo/dgc_regimes`", "dgc_regimes_warmup", "dgc_regimes_warmup"),
     ("the warm-up in the first 20% of the run", "dgc_short_warmup", "dgc_short_warmup"),
+    ("int8 values", "dgc_regimes_int8", "dgc_regimes_int8"),
     ("`CriticalRegimes()` alone, density 0.001", "dgc_regimes", None),
 ]
 
@@ -215,6 +219,28 @@ def test_the_dgc_pages_schedules_quote_the_cifar_records(row: tuple[str, str, st
         quoted = f"{_difference_text(s, True)}; {s['link_kb_per_step']:,.0f} kB ({s['compression']:.1f}x)"
         assert cells[column].startswith(quoted), f"dgc.md {start!r}, {name}: {cells[column]!r}, want {quoted!r}"
         assert cells[column].endswith("1 seed") == (len(s["seeds"]) == 1)
+
+
+#: The recipes page's AdamW table: the text that starts a row and its algorithm in ``parity_seeds_xfmr2.json``.
+RECIPES_XFMR_ROWS = [
+    ("DDP", "ddp"),
+    ("`algo/dgc_warmup` (density 0.001)", "dgc"),
+    ("`algo/dgc_warmup`, `--trainer.strategy.init_args.density 0.01`", "dgc_density_0.01"),
+    ("`algo/dgc_warmup`, `--trainer.strategy.init_args.density 0.01 --trainer.strategy.init_args.value_dtype int8`",
+     "dgc_density_0.01_int8"),
+    ("`algo/powersgd` (rank 2)", "powersgd"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", RECIPES_XFMR_ROWS, ids=lambda row: row[1])
+def test_the_recipes_adamw_table_quotes_its_record(row: tuple[str, str]) -> None:
+    """Perplexity (mean ± std) and the paired difference to DDP, as ``parity_seeds_xfmr2.json`` has them."""
+    start, algo = row
+    cells = _row("docs/recipes.md", start)
+    s = _study("parity_seeds_xfmr2")[0][algo]
+    assert cells[1] == _metric_text(s, False), f"recipes.md {algo}: {cells[1]!r}"
+    if algo != "ddp":
+        assert cells[2] == _difference_text(s, False), f"recipes.md {algo}: {cells[2]!r}"
 
 
 @pytest.mark.parametrize("path", PAGES, ids=rel)
@@ -493,7 +519,8 @@ def test_resume_without_memory_table_quotes_the_record() -> None:
 
 
 def _traffic() -> dict[str, dict]:
-    """ResNet-50's rows of ``traffic.json`` by name: dgc, dgc_fp16, deft, powersgd_1, _2, _4 (density 0.001)."""
+    """ResNet-50's rows of ``traffic.json`` by name: dgc, dgc_fp16, dgc_int8, deft, deft_fp16, powersgd_1, _2, _4
+    (density 0.001)."""
     rows = {}
     for row in _record("traffic")["rows"]:
         if row["model"] != "resnet50" or row["density"] not in (None, 0.001):
@@ -501,7 +528,7 @@ def _traffic() -> dict[str, dict]:
         if row["algorithm"] == "powersgd":
             rows[f"powersgd_{row['rank']}"] = row
         else:
-            rows[row["algorithm"] + ("_fp16" if row["value_dtype"] == "fp16" else "")] = row
+            rows[row["algorithm"] + ("" if row["value_dtype"] == "fp32" else f"_{row['value_dtype']}")] = row
     return rows
 
 
@@ -517,7 +544,7 @@ def test_traffic_figures_quote_the_record(page: str) -> None:
     """ResNet-50's bytes per step (``python -m benchmarks.traffic --quick``) wherever a page quotes them."""
     t = _traffic()
     text = _text(page)
-    dgc, deft, fp16 = t["dgc"], t["deft"], t["dgc_fp16"]
+    dgc, deft, fp16, int8 = t["dgc"], t["deft"], t["dgc_fp16"], t["dgc_int8"]
     ranks = [t[f"powersgd_{r}"] for r in (1, 2, 4)]
     expected = {
         "README.md": [
@@ -526,13 +553,15 @@ def test_traffic_figures_quote_the_record(page: str) -> None:
         ],
         "benchmarks/README.md": [
             f"ResNet-50 sends {dgc['dense_bytes'] / 1e6:.1f} MB under DDP, {_kb(dgc['bytes_sent'])} under DGC"
-            f" ({_ratio(dgc)} less; {_kb(fp16['bytes_sent'])} with fp16 values), {_kb(deft['bytes_sent'])} under DEFT,"
+            f" ({_ratio(dgc)} less; {_kb(fp16['bytes_sent'])} with fp16 values, {_kb(int8['bytes_sent'])} with int8),"
+            f" {_kb(deft['bytes_sent'])} under DEFT,"
             f" {_kb(ranks[0]['bytes_sent'])} to {_kb(ranks[2]['bytes_sent'])} under PowerSGD",
             f"{dgc['dense_exchange_bytes'] / dgc['bytes_sent']:.0%} of DGC's bytes are the 1-D tensors",
         ],
         "docs/algorithms/index.md": [
             f"| {dgc['dense_bytes'] / 1e6:.1f} MB | {_kb(dgc['bytes_sent'])} ({_ratio(dgc)} less);"
-            f" {_kb(fp16['bytes_sent'])} with fp16 values | {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |"
+            f" {_kb(fp16['bytes_sent'])} with fp16 values, {_kb(int8['bytes_sent'])} with int8 ({_ratio(int8)}) |"
+            f" {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |"
             f" rank 1: {_kb(ranks[0]['bytes_sent'])} ({_ratio(ranks[0])}); rank 2: {_kb(ranks[1]['bytes_sent'])};"
             f" rank 4: {_kb(ranks[2]['bytes_sent'])} |",
         ],
