@@ -170,9 +170,8 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
 
 # the algorithm guide's table: one column per algorithm (a study's DEFT variants are on deft.md)
 INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "dgc_regimes_warmup": 2, "dgc_regimes": 2,
-                 "dgc_regimes_0.005": 2, "dgc_short_warmup": 2, "dgc_regimes_int8": 2, "dgc_density_0.01_int8": 2,
-                 "deft": 3, "powersgd": 4, "diloco": 5,
-                 "diloco_dgc": 5}  # fmt: skip
+                 "dgc_regimes_0.005": 2, "dgc_short_warmup": 2, "dgc_regimes_int8": 2, "dgc_regimes_fp16": 2,
+                 "dgc_density_0.01_int8": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", [row[1] for row in ACCURACY_ROWS])
@@ -201,6 +200,7 @@ DGC_SCHEDULE_ROWS = [
     ("`algo/dgc_warmup`", "dgc", "dgc"),
     ("`algo/dgc_regimes`", "dgc_regimes_warmup", "dgc_regimes_warmup"),
     ("the warm-up in the first 20% of the run", "dgc_short_warmup", "dgc_short_warmup"),
+    ("fp16 values", "dgc_regimes_fp16", None),
     ("int8 values", "dgc_regimes_int8", "dgc_regimes_int8"),
     ("`CriticalRegimes()` alone, density 0.001", "dgc_regimes", None),
 ]
