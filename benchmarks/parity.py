@@ -94,7 +94,7 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "dgc_regimes": ("configs/algo/dgc_regimes.yaml", (), "regimes"),
     # the paper's warm-up in a fifth of the run (each stage 5%), not four epochs: fewer bytes over a short run
     "dgc_short_warmup": ("configs/algo/dgc_warmup.yaml", (), "short_warmup"),
-    # the shipped regimes recipe with its values sent in fp16 or int8 (4 or 3 bytes a value with its index, not 6)
+    # the shipped regimes recipe with its values sent in fp16 or int8 (4 or 3.125 bytes a value with its index, not 6)
     "dgc_regimes_fp16": (
         "configs/algo/dgc_regimes.yaml",
         ("--trainer.strategy.init_args.value_dtype", "fp16"),
@@ -116,7 +116,7 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         ("--trainer.strategy.init_args.density", "0.01"),
         True,
     ),
-    # the same with its values sent in int8 (3 bytes a value with its index, not 6)
+    # the same with its values sent in int8 (3.125 bytes a value with its index, not 6)
     "dgc_density_0.01_int8": (
         "configs/algo/dgc_warmup.yaml",
         ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),

@@ -20,6 +20,7 @@ from lightning_dgc.codec import (
 
 DTYPES = (torch.float32, torch.float16, torch.int8)
 FLOATS = (torch.float32, torch.float16)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def value_part(k: int, dtype: torch.dtype) -> int:
@@ -40,7 +41,6 @@ def on_the_wire(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         scale = block.abs().max() / 127
         out.append(block if scale == 0 else (block / scale).round().clamp(-127, 127) * scale)
     return torch.cat(out)
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def packed(indices, values, dtype: torch.dtype, span: int, device: str = "cpu") -> torch.Tensor:

@@ -105,7 +105,7 @@ def test_several_buckets_with_fewer_bytes_per_value(value_dtype: str) -> None:
 @pytest.mark.parametrize("value_dtype", ["fp32", "int8"])
 def test_non_finite_gradient_on_one_rank_skips_step_everywhere(value_dtype: str) -> None:
     """An inf gradient on rank 1 at step 2: both ranks skip that step and keep their memory unchanged (int8:
-    the payload's scale carries the NaN to every receiver)."""
+    the value's block scale carries the NaN to every receiver)."""
     results = run_ranks(
         workers.train, steps=4, use_hook=True, poison=(1, 2),
         config={"density": 0.01, "momentum": 0.9, "value_dtype": value_dtype},
