@@ -65,6 +65,18 @@ def write_bucket_order_(tensor: Tensor, flat: Tensor) -> None:
 Replay = Callable[[Callable[[str], bool]], None]
 
 
+def clear_(memory: Tensor, positions: Tensor, sent: Tensor | None = None, unsent: Tensor | None = None) -> None:
+    """Clear what was sent from one flat buffer: zero ``memory`` at ``positions`` (only where ``sent``, if given:
+    positions are then distinct), or set it to ``unsent`` there (what the wire's rounding left out of each sent
+    value, which error feedback keeps)."""
+    if unsent is not None:
+        memory.index_copy_(0, positions, unsent.to(memory.dtype))
+    elif sent is None:
+        memory.index_fill_(0, positions, 0.0)
+    else:
+        memory[positions] = torch.where(sent, 0.0, memory[positions])
+
+
 class ResidualMemory:
     """Per-parameter buffers by kind, and the step that commits them (see the module docstring).
 

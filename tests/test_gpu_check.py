@@ -160,7 +160,7 @@ def test_the_command_finds_every_cuda_test_and_writes_its_record(tmp_path: Path)
     assert part["status"] == "ok" and 0 < part["wall_s"] <= part["budget_s"] == 150
     tests = part["result"]["tests"]
     ranks = [t for t in tests if "test_models.py::test_cuda_ranks_stay_bit_identical[" in t]
-    assert len(ranks) == 5 and "tests/test_selection.py::test_cuda_selection_with_a_cpu_generator" in tests
+    assert len(ranks) == 6 and "tests/test_selection.py::test_cuda_selection_with_a_cpu_generator" in tests
     assert all(is_cuda_test(t, []) for t in tests) and not any("[cpu" in t or "test_gpu_check" in t for t in tests)
     for nodeid in [*ranks, "tests/test_selection.py::test_cuda_selection_with_a_cpu_generator"]:
         expected = "passed" if torch.cuda.is_available() else "skipped"

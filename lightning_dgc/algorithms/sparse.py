@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_dgc import codec
 from lightning_dgc.algorithms.base import Algorithm, BucketWork, TensorSpec
-from lightning_dgc.memory import bucket_order_flat
+from lightning_dgc.memory import bucket_order_flat, clear_
 from lightning_dgc.momentum import clip_each_by_norm_, compensated_velocity_each, momentum_correction_each_
 from lightning_dgc.selection import sampled_topk, topk_indices
 from lightning_dgc.selection.batched import SegmentLayout, selected_in_groups
@@ -443,14 +443,3 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
         return self.config.selection == "sampled" and (
             backend == "torch" or (backend == "auto" and device.type != "cpu")
         )
-
-
-def clear_(memory: Tensor, positions: Tensor, sent: Tensor | None = None, unsent: Tensor | None = None) -> None:
-    """Zero ``memory`` at ``positions`` (only where ``sent``, if given: positions are then distinct), or set
-    it to ``unsent`` there (what the wire's rounding left out of each sent value)."""
-    if unsent is not None:
-        memory.index_copy_(0, positions, unsent.to(memory.dtype))
-    elif sent is None:
-        memory.index_fill_(0, positions, 0.0)
-    else:
-        memory[positions] = torch.where(sent, 0.0, memory[positions])
