@@ -136,6 +136,10 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
          "--trainer.strategy.init_args.outer_nesterov", "false"),
         False,
     ),
+    # Streaming DiLoCo: the same rounds in 5 staggered fragments, each exchange behind one inner step; and the
+    # fragments alone (no overlap), which tells the fragments' cost from the overlap's
+    "diloco_streaming": ("configs/algo/diloco_streaming.yaml", (), False),
+    "diloco_fragments": ("configs/algo/diloco_streaming.yaml", ("--trainer.strategy.init_args.overlap_steps", "0"), False),
     # DGC's top-k with error feedback on the optimizer's update (each rank's own step), not the gradient
     "dgc_updates": ("configs/algo/dgc_updates.yaml", (), False),
 }

@@ -51,6 +51,9 @@ class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
       ``accumulate_grad_batches`` counts as Lightning counts ``global_step``): 1. pseudo-gradient = global -
       local; 2. its mean over the ranks (``algorithm``); 3. outer SGD on the global weights; 4. local := global,
       and floating-point buffers (BatchNorm's statistics) averaged. The ranks are bit-identical after it.
+    * Streaming (``fragments``, ``overlap_steps``): each fragment of the model takes this outer step on its own
+      staggered round; with an overlap the answer is mixed into local weights that trained on meanwhile, so the
+      ranks then differ until the end of ``fit`` (docs: Local steps, Streaming).
     * Validation mid-round sees each rank's local weights (no copy, no exchange).
     * When ``fit`` ends mid-round, a last outer step runs (over the shorter round), so every rank holds the same
       model once ``fit`` returns (callbacks' ``on_train_end`` still see the local weights).
@@ -80,6 +83,12 @@ class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
         hierarchical: ``"auto"`` (the default): DDP inside each node and DiLoCo across the nodes when there are
             several nodes of several devices, else every rank is a DiLoCo worker; ``True``: always the former
             (an error on one node); ``False``: always the latter.
+        fragments: Streaming DiLoCo: the trained tensors split into this many fragments of about equal size, each
+            with its own round of ``sync_every`` steps, the rounds staggered so that one fragment sends at a time
+            and the largest message is about ``1 / fragments`` of the model (1: plain DiLoCo).
+        overlap_steps: optimizer steps a fragment's exchange runs behind the inner steps before its answer is
+            merged (0: wait at once; below ``sync_every``).
+        mixing: with ``overlap_steps``, the merge ``local := mixing * local + (1 - mixing) * global``.
         **kwargs: the algorithm's settings. DDP's own arguments are refused: the model is not wrapped in DDP, or
             only inside the node.
     """
@@ -97,6 +106,9 @@ class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
         offload: bool = False,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         hierarchical: Literal["auto"] | bool = "auto",
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        mixing: float = 0.5,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -110,7 +122,7 @@ class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
         # Validated before anything else, so that a bad value fails at construction, on the launching process.
         self._init_outer(
             sync_every, outer_lr, outer_momentum, outer_nesterov, offload, max_consecutive_skips, algorithm, options,
-            kwargs, DDPStrategy, hierarchical,
+            kwargs, DDPStrategy, hierarchical, (fragments, overlap_steps, mixing),
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

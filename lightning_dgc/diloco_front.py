@@ -86,8 +86,9 @@ class OuterAccess(ProcessGroupAtExit):
         kwargs: dict[str, Any],
         base: type,
         hierarchical: Any = "auto",
+        streaming: tuple[int, int, float] = (1, 0, 0.5),
     ) -> None:
-        self.settings = OuterSettings(sync_every, outer_lr, outer_momentum, outer_nesterov, offload)
+        self.settings = OuterSettings(sync_every, outer_lr, outer_momentum, outer_nesterov, offload, *streaming)
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         self._hierarchical = comm.check_hierarchical(hierarchical)  # the nodes are known at setup
         self._config = outer_config(type(self).__name__, algorithm, options, kwargs, base)
@@ -134,9 +135,10 @@ class OuterAccess(ProcessGroupAtExit):
         self._after(self.outer.after_optimizer_step())
 
     def finish(self) -> None:
-        """End a round cut short with an outer step over its steps so far, so that every rank holds the same
-        (global) weights; nothing when the last optimizer step ended a round. All ranks call it."""
-        if self._outer is not None and self._outer.inner_steps:
+        """End the rounds cut short with an outer step over their steps so far (what is in flight merged first), so
+        that every rank holds the same (global) weights; nothing when the last optimizer step ended every round.
+        All ranks call it."""
+        if self._outer is not None:
             self._after(self._outer.step())
 
     def _after(self, finite: bool | None) -> None:
@@ -163,6 +165,7 @@ class OuterAccess(ProcessGroupAtExit):
         memory into its own file beside ``filepath`` (all ranks call this). Rank 0 gets the checkpoint's DiLoCo
         entry (the outer state and the manifest of the rank files), the others ``None``."""
         outer = self.outer
+        outer.settle()  # the exchanges in flight received and stepped: what is saved is complete
         tag = comm.all_gather_object(f"{outer.optimizer_steps:08d}-{os.urandom(4).hex()}")[0]  # rank 0's
         mine = {
             "local": {n: p.detach().cpu().clone() for n, p in zip(outer.names, outer.params, strict=True)},
@@ -210,7 +213,7 @@ class OuterAccess(ProcessGroupAtExit):
                 " and an empty outer exchange memory (the outer momentum is kept)."
             )
             outer.load_local()
-            outer.inner_steps = 0
+            outer.restart_rounds()
             return None
         rank = self.global_rank  # type: ignore[attr-defined]
         state = read_rank_states(entry, [rank], path, io)[rank]

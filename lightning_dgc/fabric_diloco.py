@@ -72,7 +72,8 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
 
     One model per strategy. Arguments: those of :class:`~lightning_dgc.DiLoCoStrategy` (``sync_every``,
     ``outer_lr``, ``outer_momentum``, ``outer_nesterov``, ``algorithm``, ``options`` or the algorithm's settings as
-    keyword arguments, ``offload``, ``max_consecutive_skips``, ``hierarchical``) and those of Fabric's ``DDPStrategy`` but DDP's own.
+    keyword arguments, ``offload``, ``max_consecutive_skips``, ``hierarchical``, ``fragments``,
+    ``overlap_steps``, ``mixing``) and those of Fabric's ``DDPStrategy`` but DDP's own.
     """
 
     set_up_by = "`fabric.setup(model, ...)`"
@@ -88,6 +89,9 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
         offload: bool = False,
         max_consecutive_skips: int | None = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         hierarchical: Literal["auto"] | bool = "auto",
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        mixing: float = 0.5,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -101,7 +105,7 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
         # Validated before anything else, so that a bad value fails at construction, on the launching process.
         self._init_outer(
             sync_every, outer_lr, outer_momentum, outer_nesterov, offload, max_consecutive_skips, algorithm, options,
-            kwargs, DDPStrategy, hierarchical,
+            kwargs, DDPStrategy, hierarchical, (fragments, overlap_steps, mixing),
         )  # fmt: skip
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,

@@ -19,9 +19,8 @@ was); step 4 still runs, so a round that diverged restarts from the last good gl
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -30,63 +29,18 @@ from torch import Tensor
 from lightning_dgc import comm
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.base import ring_allreduce_volume
-from lightning_dgc.checks import flag, real_number, whole_number
 from lightning_dgc.comm import Collectives, TorchCollectives
 from lightning_dgc.hook import exchange
+from lightning_dgc.rounds import STREAMING_DEFAULTS, InFlight, OuterSettings, first_round, split_fragments
 from lightning_dgc.state import ExchangeState
 
 #: The algorithm name of the plain mean (one all-reduce of the pseudo-gradients).
 DENSE = "dense"
-#: Version of :meth:`OuterStep.state_dict`.
-FORMAT = 1
+#: Version of :meth:`OuterStep.state_dict` (1: before fragments; still read).
+FORMAT = 2
 #: The figures of ``compression_stats()`` that are one optimizer step's (0 inside a round): summed over the steps,
 #: the run's.
 STEP_KEYS = ("bytes_sent", "link_bytes", "inter_node_bytes", "payload_bytes", "selection_ms")
-
-
-@dataclass
-class OuterSettings:
-    """DiLoCo's outer loop, validated on construction (a ``ValueError`` names the argument and the fix).
-
-    Args:
-        sync_every: optimizer steps of every rank between two outer steps (DiLoCo's ``H``; the paper uses 500).
-        outer_lr: the outer SGD's learning rate (the paper: 0.7).
-        outer_momentum: the outer SGD's momentum (the paper: 0.9).
-        outer_nesterov: Nesterov momentum, with torch's SGD semantics (the paper: ``True``).
-        offload: keep the global weights and the outer momentum in host memory (two model sizes in fp32 off the
-            device), copied over at every outer step.
-    """
-
-    sync_every: int
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
-    offload: bool = False
-
-    def __post_init__(self) -> None:
-        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int | float):
-            raise ValueError(
-                f"`sync_every` is the number of optimizer steps between outer steps and must be a whole number >= 1,"
-                f" got {self.sync_every!r}: pass e.g. sync_every=500 (DiLoCo's H)."
-            )
-        self.sync_every = whole_number(self.sync_every, "sync_every")
-        if self.sync_every < 1:
-            raise ValueError(
-                f"`sync_every` must be >= 1 (optimizer steps between outer steps), got {self.sync_every}: pass e.g."
-                " sync_every=500 (DiLoCo's H); sync_every=1 exchanges after every step."
-            )
-        self.outer_lr = real_number(self.outer_lr, "outer_lr")
-        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0.0):
-            raise ValueError(f"`outer_lr` must be a finite number > 0, got {self.outer_lr!r}: DiLoCo uses 0.7.")
-        self.outer_momentum = real_number(self.outer_momentum, "outer_momentum")
-        if not (math.isfinite(self.outer_momentum) and 0.0 <= self.outer_momentum < 1.0):
-            raise ValueError(
-                f"`outer_momentum` must be a finite number in [0, 1), got {self.outer_momentum!r}: DiLoCo uses 0.9."
-            )
-        self.outer_nesterov = flag(self.outer_nesterov, "outer_nesterov")
-        if self.outer_nesterov and self.outer_momentum == 0.0:
-            raise ValueError("`outer_nesterov=True` needs an `outer_momentum` > 0: pass outer_nesterov=False.")
-        self.offload = flag(self.offload, "offload")
 
 
 class OuterStep:
@@ -145,7 +99,12 @@ class OuterStep:
         if config is not None:
             self.exchange_state = ExchangeState(config, collectives=self.collectives)
             self.exchange_state.register_parameters(named)
-        self.inner_steps = 0  # optimizer steps since the last outer step (the position in the round)
+        #: The tensors (indices into :attr:`params`) of each fragment; one fragment of all of them in plain DiLoCo.
+        self.fragments = split_fragments([p.numel() for p in self.params], settings.fragments)
+        self.until_send: list[int] = []  # per fragment: optimizer steps until it sends
+        self.since_send: list[int] = []  # per fragment: optimizer steps since it last sent (or since the start)
+        self.in_flight: list[InFlight] = []  # exchanges started and not merged yet (overlap_steps)
+        self.restart_rounds()
         self.optimizer_steps = 0  # optimizer steps counted by this object (restored from checkpoints)
         self.outer_steps = 0
         self.skipped_outer_steps = 0
@@ -171,7 +130,20 @@ class OuterStep:
         with torch.no_grad():
             for g, p in zip(self.global_params, self.params, strict=True):
                 g.copy_(p.detach())
-        self.inner_steps = 0
+        self.restart_rounds()
+
+    def restart_rounds(self) -> None:
+        """Every fragment starts its first round now; nothing is in flight."""
+        settings = self.settings
+        self.until_send = [first_round(f, settings.fragments, settings.sync_every) for f in range(settings.fragments)]
+        self.since_send = [0] * settings.fragments
+        self.in_flight = []
+
+    @property
+    def inner_steps(self) -> int:
+        """The position in the round: optimizer steps since the last fragment's (in plain DiLoCo: the model's) last
+        outer step."""
+        return self.since_send[-1]
 
     def load_local(self) -> None:
         """local := global (every rank then holds the same weights)."""
@@ -181,90 +153,158 @@ class OuterStep:
 
     # -- the round -------------------------------------------------------------------------------------------
     def after_optimizer_step(self) -> bool | None:
-        """Count one optimizer step; at the end of a round run the outer step. Returns its finiteness, or ``None``
-        when no outer step ran."""
+        """Count one optimizer step; merge the exchange due now, and start (with ``overlap_steps=0``: run) the outer
+        step of the fragment whose round ends. Returns the verdict of the outer step merged, or ``None``."""
         self.optimizer_steps += 1
-        self.inner_steps += 1
         self.exchanged_this_step, self.step_bytes_sent, self.step_link_bytes = False, 0, 0.0
-        return self.step() if self.inner_steps >= self.settings.sync_every else None
+        verdict = None
+        for flight in self.in_flight:
+            flight.merge_in -= 1
+        for flight in [f for f in self.in_flight if f.merge_in <= 0]:
+            verdict = self._merge(flight)
+        for f in range(self.settings.fragments):
+            self.since_send[f] += 1
+            self.until_send[f] -= 1
+        for f in [f for f in range(self.settings.fragments) if self.until_send[f] <= 0]:
+            self.until_send[f], self.since_send[f] = self.settings.sync_every, 0
+            flight = self._start(self.fragments[f], self.settings.overlap_steps, f == self.settings.fragments - 1)
+            if not flight.merge_in:
+                verdict = self._merge(flight)
+        return verdict
 
-    def step(self) -> bool:
-        """The outer step (steps 1-4 of the module docstring), on every rank at once. Returns whether the averaged
-        pseudo-gradient was finite (``False``: the outer optimizer did not step, on any rank)."""
-        # Steps 1-2: the pseudo-gradient, global - local, fp32, flat on the model's device, and its mean over the
-        # ranks; in a hierarchical run the first rank of each node does both, and hands the mean to its node.
-        average: Tensor | None = None
-        finite, sent, link = True, 0, 0.0
+    def step(self) -> bool | None:
+        """Every round now (the end of ``fit``): what is in flight is merged, then one outer step of every fragment
+        that trained since it last sent replaces the local weights, so every rank holds the same (global) weights.
+        Returns its verdict; ``None`` (nothing to do) when the last optimizer step ended every round."""
+        for flight in list(self.in_flight):
+            self._merge(flight)
+        members = [i for f, m in enumerate(self.fragments) if self.since_send[f] for i in m]
+        self.restart_rounds()
+        if not members:
+            return None
+        flight = self._start(sorted(members), 0, True)
+        flight.replace = True
+        return self._merge(flight)
+
+    def settle(self) -> None:
+        """Wait for every exchange in flight and take its outer SGD step (its merge stays due at its step): what a
+        checkpoint saves is then complete. All ranks call it."""
+        for flight in self.in_flight:
+            self._receive(flight)
+
+    def _start(self, members: list[int], merge_in: int, buffers: bool) -> InFlight:
+        """Start the outer exchange of the tensors ``members``: steps 1-2, asynchronous (:meth:`_receive` waits);
+        ``buffers``: the floating-point buffers are averaged too (blocking; with the last fragment)."""
+        for flight in self.in_flight:  # one exchange at a time through the algorithm's memory
+            self._receive(flight)
+        flight = InFlight(members, merge_in)
         if self.leader:
-            average, finite, sent, link = self._average(self.pseudo_gradient())
+            flight.flat = self.pseudo_gradient(members)
+            state = self.exchange_state
+            if state is None:
+                flight.handle = self.collectives.all_reduce(flight.flat, "DiLoCo: the pseudo-gradients")
+            else:  # the hook's path: one bucket of the fragment's parameters
+                flight.handle = exchange(state, [self.params[i] for i in members], flight.flat)
+        if buffers and self.buffers:
+            for buffer in self.buffers:
+                if self.leader:
+                    self.collectives.all_reduce(buffer.data, "DiLoCo: the buffers").wait()
+                    buffer.data.div_(self.world_size)
+                else:
+                    buffer.data.zero_()
+                if self.node is not None:
+                    self.node.all_reduce(buffer.data, "DiLoCo: the buffers inside the node").wait()
+            if self.leader:
+                flight.sent = sum(b.numel() * b.element_size() for b in self.buffers)
+                flight.link = ring_allreduce_volume(flight.sent, self.world_size)
+        self.in_flight.append(flight)
+        return flight
+
+    def _receive(self, flight: InFlight) -> None:
+        """Step 2's end and step 3: the mean over the ranks (in a hierarchical run handed by the node's first rank to
+        the others), then the outer SGD step of the fragment's global weights if it is finite on every rank."""
+        if flight.done:
+            return
+        average: Tensor | None = None
+        finite = True
+        numel = sum(self.params[i].numel() for i in flight.members)
+        if self.leader:
+            average, finite, sent, link = self._average(flight, numel)
+            flight.sent, flight.link = flight.sent + sent, flight.link + link
         if self.node is not None:
-            average, finite = self._from_leader(average, finite)
+            average, finite = self._from_leader(average, finite, numel)
         assert average is not None
-        # Step 3: the outer SGD step on the global weights.
+        flight.handle = flight.flat = None
         if finite:
             offset = 0
-            for g in self.global_params:
+            for i in flight.members:
+                g = self.global_params[i]
                 g.grad = average[offset : offset + g.numel()].view(g.shape).to(g.device)
                 offset += g.numel()
-            self.outer_optimizer.step()
+            self.outer_optimizer.step()  # (only the fragment's tensors have a gradient)
             self.outer_optimizer.zero_grad(set_to_none=True)
+        flight.done, flight.finite = True, finite
+
+    def _merge(self, flight: InFlight) -> bool:
+        """Step 4: the fragment's local weights := its global ones (mixed with ``mixing`` after an overlap);
+        returns the verdict."""
+        self._receive(flight)
+        self.in_flight.remove(flight)
+        mixing = self.settings.mixing if self.settings.overlap_steps and flight.finite and not flight.replace else 0.0
+        with torch.no_grad():
+            for i in flight.members:
+                p, g = self.params[i], self.global_params[i]
+                if mixing:
+                    p.copy_(torch.lerp(g.to(self.device, non_blocking=True), p.detach().float(), mixing))
+                else:
+                    p.copy_(g, non_blocking=True)
+        if flight.finite:
             self.consecutive_skipped = 0
         else:
             self.skipped_outer_steps += 1
             self.consecutive_skipped += 1
-        # Step 4: local := global; the buffers averaged.
-        self.load_local()
-        for buffer in self.buffers:
-            if self.leader:
-                self.collectives.all_reduce(buffer.data, "DiLoCo: the buffers").wait()
-                buffer.data.div_(self.world_size)
-            else:
-                buffer.data.zero_()
-            if self.node is not None:
-                self.node.all_reduce(buffer.data, "DiLoCo: the buffers inside the node").wait()
-        buffer_bytes = sum(b.numel() * b.element_size() for b in self.buffers) if self.leader else 0
-        self.step_bytes_sent = sent + buffer_bytes
-        self.step_link_bytes = link + ring_allreduce_volume(buffer_bytes, self.world_size)
-        self.link_bytes_total += self.step_link_bytes
+        self.step_bytes_sent += flight.sent
+        self.step_link_bytes += flight.link
+        self.link_bytes_total += flight.link
         self.exchanged_this_step = True
-        self.inner_steps = 0
         self.outer_steps += 1
-        return finite
+        return flight.finite
 
-    def _from_leader(self, average: Tensor | None, finite: bool) -> tuple[Tensor, bool]:
+    def _from_leader(self, average: Tensor | None, finite: bool, numel: int) -> tuple[Tensor, bool]:
         """The node's first rank's ``average`` (``None`` on the others) and verdict, on every rank of the node: one
         all-reduce inside the node to which the other ranks bring zeros (the verdict travels as one more value)."""
         assert self.node is not None
-        packed = torch.zeros(self.dense_bytes // 4 + 1, dtype=torch.float32, device=self.device)
+        packed = torch.zeros(numel + 1, dtype=torch.float32, device=self.device)
         if average is not None:
             packed[:-1] = average
             packed[-1] = 0.0 if finite else 1.0
         packed = self.node.all_reduce(packed, "DiLoCo: the average inside the node").wait()
         return packed[:-1], bool(packed[-1] == 0.0)
 
-    def pseudo_gradient(self) -> Tensor:
-        """``global - local`` of every parameter, fp32, flat on the model's device."""
+    def pseudo_gradient(self, members: list[int] | None = None) -> Tensor:
+        """``global - local`` of the tensors ``members`` (default: every one), fp32, flat on the model's device."""
+        members = list(range(len(self.params))) if members is None else members
         with torch.no_grad():
             return torch.cat([
-                (g.to(self.device, non_blocking=True) - p.detach().float()).reshape(-1)
-                for g, p in zip(self.global_params, self.params, strict=True)
+                (self.global_params[i].to(self.device, non_blocking=True) - self.params[i].detach().float()).reshape(-1)
+                for i in members
             ])  # fmt: skip
 
-    def _average(self, flat: Tensor) -> tuple[Tensor, bool, int, float]:
-        """The mean of ``flat`` over the ranks, whether it is finite (the same verdict on every rank), the bytes
-        this rank sent and those its link carried."""
+    def _average(self, flight: InFlight, numel: int) -> tuple[Tensor, bool, int, float]:
+        """The mean over the ranks of what ``flight`` sent, whether it is finite (the same verdict on every rank), the
+        bytes this rank sent and those its link carried."""
         state = self.exchange_state
         if state is None:  # a non-finite value on any rank makes the sum non-finite on every rank
-            average = self.collectives.all_reduce(flat, "DiLoCo: the pseudo-gradients").wait().div_(self.world_size)
+            average = flight.handle.wait().div_(self.world_size)
             finite = bool(torch.isfinite(average.sum()))
-            sent = self.dense_bytes
+            sent = 4 * numel
             link = ring_allreduce_volume(sent, self.world_size)
             self.last_exchange = {
                 "bytes_sent": sent, "dense_bytes": sent, "link_bytes": link, "payload_bytes": 0,
                 "dense_exchange_bytes": sent, "finite": finite,
             }  # fmt: skip
-        else:  # the hook's path: one bucket of every parameter, the memory committed only if finite everywhere
-            average = exchange(state, self.params, flat).wait().clone()
+        else:  # the memory is committed only if the mean is finite everywhere
+            average = flight.handle.wait().clone()
             finite = state.finish_step(check_unused=False)
             self.last_exchange = state.compression_stats()
             sent = int(self.last_exchange.get("bytes_sent", 0))
@@ -302,15 +342,17 @@ class OuterStep:
         stats.update(
             algorithm=self.algorithm, step=self.optimizer_steps, outer_steps=self.outer_steps,
             skipped_outer_steps=self.skipped_outer_steps, position_in_round=self.inner_steps,
-            sync_every=self.settings.sync_every, link_bytes_per_step=per_step, ddp_link_bytes_per_step=ddp,
+            sync_every=self.settings.sync_every, fragments=self.settings.fragments, link_bytes_per_step=per_step,
+            ddp_link_bytes_per_step=ddp,
             compression_ratio=ddp / per_step if per_step else float("inf"),
         )  # fmt: skip
         return stats
 
     def state_dict(self) -> dict[str, Any]:
         """What every rank holds alike: the global weights (host copies), the outer optimizer, the position in
-        the round and the counters (``torch.load(weights_only=True)``-loadable). The outer exchange's memory is
-        each rank's own: :attr:`exchange_state`'s ``state_dict()``."""
+        every fragment's round, the exchanges waiting for their merge and the counters
+        (``torch.load(weights_only=True)``-loadable). Call :meth:`settle` first, on every rank. The outer
+        exchange's memory is each rank's own: :attr:`exchange_state`'s ``state_dict()``."""
         return {
             "format": FORMAT,
             "algorithm": self.algorithm,
@@ -319,6 +361,9 @@ class OuterStep:
             "global": {n: g.detach().cpu().clone() for n, g in zip(self.names, self.global_params, strict=True)},
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "inner_steps": self.inner_steps,
+            "until_send": list(self.until_send),
+            "since_send": list(self.since_send),
+            "in_flight": [flight.state_dict() for flight in self.in_flight],
             "optimizer_steps": self.optimizer_steps,
             "outer_steps": self.outer_steps,
             "skipped_outer_steps": self.skipped_outer_steps,
@@ -330,8 +375,8 @@ class OuterStep:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the global weights, outer optimizer, position and counters); the local
         weights are the caller's. A ``ValueError`` names what does not fit this run."""
-        if state.get("format") != FORMAT:
-            raise ValueError(f"DiLoCo state of format {state.get('format')!r}, this version reads {FORMAT}.")
+        if state.get("format") not in (1, FORMAT):
+            raise ValueError(f"DiLoCo state of format {state.get('format')!r}, this version reads 1 and {FORMAT}.")
         if state["algorithm"] != self.algorithm:
             raise ValueError(
                 f"the checkpoint's outer exchange is {state['algorithm']!r}, this run's {self.algorithm!r}: resume with"
@@ -339,15 +384,26 @@ class OuterStep:
             )
         if list(state["names"]) != self.names:
             raise ValueError("the checkpoint's DiLoCo state is of a model with other parameters: load it into the same model.")
+        saved = {key: state["settings"].get(key, default) for key, default in STREAMING_DEFAULTS.items()}
+        mine = {key: getattr(self.settings, key) for key in STREAMING_DEFAULTS}
+        if saved != mine:
+            raise ValueError(
+                f"the checkpoint was written with {saved}, this run has {mine}: resume with the same fragments,"
+                " overlap_steps and mixing (the rounds in progress are those of the fragments saved)."
+            )
         with torch.no_grad():
             for name, g in zip(self.names, self.global_params, strict=True):
-                saved = state["global"][name]
-                if tuple(saved.shape) != tuple(g.shape):
-                    raise ValueError(f"the checkpoint's global weight {name!r} has shape {tuple(saved.shape)}, the model {tuple(g.shape)}.")
-                g.copy_(saved)
+                saved_weight = state["global"][name]
+                if tuple(saved_weight.shape) != tuple(g.shape):
+                    raise ValueError(f"the checkpoint's global weight {name!r} has shape {tuple(saved_weight.shape)}, the model {tuple(g.shape)}.")
+                g.copy_(saved_weight)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        for name in ("inner_steps", "optimizer_steps", "outer_steps", "skipped_outer_steps", "consecutive_skipped"):
+        for name in ("optimizer_steps", "outer_steps", "skipped_outer_steps", "consecutive_skipped"):
             setattr(self, name, int(state[name]))
+        inner = int(state["inner_steps"])  # (format 1: plain DiLoCo, one fragment)
+        self.until_send = [int(n) for n in state.get("until_send", [self.settings.sync_every - inner])]
+        self.since_send = [int(n) for n in state.get("since_send", [inner])]
+        self.in_flight = [InFlight.from_state(flight) for flight in state.get("in_flight", [])]
         self.link_bytes_total = float(state["link_bytes_total"])
         self.last_exchange = dict(state.get("last_exchange", {}))
 

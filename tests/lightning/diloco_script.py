@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--algorithm", default="dense")
     p.add_argument("--options", default=None, help="JSON: the algorithm's settings")
     p.add_argument("--offload", action="store_true")
+    p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--overlap-steps", type=int, default=0)
     p.add_argument("--ckpt-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--manual", action="store_true")
@@ -74,6 +76,7 @@ def main() -> None:
     strategy = DiLoCoStrategy(
         sync_every=args.sync_every, algorithm=args.algorithm, options=json.loads(args.options or "null"),
         offload=args.offload, hierarchical={"true": True, "false": False}.get(args.hierarchical, "auto"),
+        fragments=args.fragments, overlap_steps=args.overlap_steps,
     )  # fmt: skip
     trainer_strategy = "ddp" if args.ddp else strategy
     callbacks = []

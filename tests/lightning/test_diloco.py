@@ -141,6 +141,25 @@ def test_a_resume_mid_round_equals_the_straight_run(tmp_path) -> None:
         torch.testing.assert_close(params(resumed, rank), params(straight, rank), rtol=0, atol=0)
 
 
+def test_streaming_a_resume_with_an_exchange_in_flight_equals_the_straight_run_and_fit_ends_on_identical_ranks(
+    tmp_path,
+) -> None:
+    """Two fragments with one step of overlap: the checkpoint at step 6 holds fragment 0's exchange (sent at 6,
+    merged at 7) in flight; the resumed run ends as the straight one, and both end with every rank on the same
+    weights."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = ("--sync-every", "4", "--samples", "16", "--fragments", "2", "--overlap-steps", "1")
+    run_script("diloco_script.py", straight, *common, "--max-steps", "11", "--ckpt-every", "6")
+    ckpt = f"{straight}.ckpts/epoch=5-step=6.ckpt"
+    saved = torch.load(ckpt, weights_only=True)["lightning_dgc_diloco"]["outer"]
+    assert [flight["merge_in"] for flight in saved["in_flight"]] == [1] and saved["until_send"] == [4, 2]
+    run_script("diloco_script.py", resumed, *common, "--max-steps", "11", "--resume", ckpt)
+    for rank in range(2):
+        torch.testing.assert_close(params(resumed, rank), params(straight, rank), rtol=0, atol=0)
+    assert torch.equal(params(straight, 0), params(straight, 1))
+    assert all(summary["stats"]["fragments"] == 2 for summary in results(straight))
+
+
 def test_a_plain_ddp_checkpoint_starts_a_round_from_its_weights(tmp_path) -> None:
     ddp, diloco = tmp_path / "ddp", tmp_path / "diloco"
     common = ("--sync-every", "2", "--samples", "16")

@@ -24,7 +24,9 @@ ALGORITHMS = sorted(path.stem for path in (REPO_ROOT / "configs" / "algo").glob(
 CPU_TASKS = [task for task in TASKS if task.endswith("_cpu")]
 #: The configs of DiLoCoStrategy: sync_every, outer_lr, outer_momentum, algorithm and its density.
 DILOCO = {"diloco": (10, 0.7, 0.9, "dense", None), "diloco_dgc": (10, 0.7, 0.9, "dgc", 0.01),
-          "dgc_updates": (1, 1.0, 0.0, "dgc", 0.001)}  # fmt: skip
+          "diloco_streaming": (10, 0.7, 0.9, "dense", None), "dgc_updates": (1, 1.0, 0.0, "dgc", 0.001)}  # fmt: skip
+#: Streaming DiLoCo's configs: fragments, overlap_steps, mixing (the others: one fragment, no overlap).
+STREAMING = {"diloco_streaming": (5, 1, 0.5)}
 #: The lightning_dgc classes the algorithm YAMLs may name (the package's public API).
 LIGHTNING_DGC_NAMES = {
     "CompressionStrategy",
@@ -96,6 +98,8 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
         got = (init_args["sync_every"], init_args["outer_lr"], init_args["outer_momentum"], init_args["algorithm"],
                (init_args["options"] or {}).get("density"))  # fmt: skip
         assert got == DILOCO[algorithm]
+        streaming = (init_args["fragments"], init_args["overlap_steps"], init_args["mixing"])
+        assert streaming == STREAMING.get(algorithm, (1, 0, 0.5))
         return
     elif (
         algorithm is not None
