@@ -167,7 +167,7 @@ class OuterStep:
             self.until_send[f] -= 1
         for f in [f for f in range(self.settings.fragments) if self.until_send[f] <= 0]:
             self.until_send[f], self.since_send[f] = self.settings.sync_every, 0
-            flight = self._start(self.fragments[f], self.settings.overlap_steps, f == self.settings.fragments - 1)
+            flight = self._start(self.fragments[f], self.settings.overlap_steps, f == self.settings.fragments - 1, f)
             if not flight.merge_in:
                 verdict = self._merge(flight)
         return verdict
@@ -176,7 +176,8 @@ class OuterStep:
         """Every round now (the end of ``fit``): what is in flight is merged, then one outer step of every fragment
         that trained since it last sent replaces the local weights, so every rank holds the same (global) weights.
         Returns its verdict; ``None`` (nothing to do) when the last optimizer step ended every round."""
-        for flight in list(self.in_flight):
+        for flight in list(self.in_flight):  # (sent by the last optimizer step: its answer replaces, as DiLoCo's)
+            flight.replace = not self.since_send[flight.fragment]
             self._merge(flight)
         members = [i for f, m in enumerate(self.fragments) if self.since_send[f] for i in m]
         self.restart_rounds()
@@ -192,12 +193,12 @@ class OuterStep:
         for flight in self.in_flight:
             self._receive(flight)
 
-    def _start(self, members: list[int], merge_in: int, buffers: bool) -> InFlight:
+    def _start(self, members: list[int], merge_in: int, buffers: bool, fragment: int = -1) -> InFlight:
         """Start the outer exchange of the tensors ``members``: steps 1-2, asynchronous (:meth:`_receive` waits);
         ``buffers``: the floating-point buffers are averaged too (blocking; with the last fragment)."""
         for flight in self.in_flight:  # one exchange at a time through the algorithm's memory
             self._receive(flight)
-        flight = InFlight(members, merge_in)
+        flight = InFlight(members, merge_in, fragment)
         if self.leader:
             flight.flat = self.pseudo_gradient(members)
             state = self.exchange_state

@@ -126,7 +126,8 @@ def first_round(fragment: int, fragments: int, sync_every: int) -> int:
 class InFlight:
     """One fragment's outer exchange between its start and its merge.
 
-    ``members``: the indices of its tensors; ``merge_in``: optimizer steps until the merge; ``handle``: what the
+    ``members``: the indices of its tensors (those of fragment ``fragment``; -1: every tensor, the last outer step
+    of ``fit``); ``merge_in``: optimizer steps until the merge; ``handle``: what the
     exchange returned (``.wait()`` gives the mean), ``None`` on a rank that exchanges nothing (a node's other ranks)
     and once the exchange is done; ``done``: the mean was received and the outer SGD stepped (or skipped);
     ``finite``: the verdict; ``sent`` / ``link``: this rank's bytes; ``replace``: the merge replaces the local weights
@@ -134,6 +135,7 @@ class InFlight:
 
     members: list[int]
     merge_in: int
+    fragment: int = -1
     handle: Any = None
     done: bool = False
     finite: bool = True
@@ -145,13 +147,14 @@ class InFlight:
     def state_dict(self) -> dict[str, Any]:
         assert self.done, "an exchange is saved once it is done (OuterStep.settle)"
         return {
-            "members": list(self.members), "merge_in": self.merge_in, "finite": self.finite, "sent": self.sent,
+            "members": list(self.members), "merge_in": self.merge_in, "fragment": self.fragment, "finite": self.finite,
+            "sent": self.sent,
             "link": self.link, "replace": self.replace,
         }  # fmt: skip
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> InFlight:
         return cls(
-            list(state["members"]), int(state["merge_in"]), done=True, finite=bool(state["finite"]),
+            list(state["members"]), int(state["merge_in"]), int(state["fragment"]), done=True, finite=bool(state["finite"]),
             sent=int(state["sent"]), link=float(state["link"]), replace=bool(state["replace"]),
         )  # fmt: skip

@@ -96,9 +96,12 @@ def test_streamed_rounds_equal_a_hand_written_streaming_diloco(overlap) -> None:
         assert outer.outer_steps == len(merged)
 
 
-def test_the_last_outer_step_merges_what_is_in_flight_and_leaves_every_rank_on_the_global_weights() -> None:
+@pytest.mark.parametrize("steps", [7, 10], ids=["merged_at_the_last_step", "sent_at_the_last_step"])
+def test_the_last_outer_step_merges_what_is_in_flight_and_leaves_every_rank_on_the_global_weights(steps) -> None:
+    """Fragment 0 sends at 6 and 10 (merged a step later): at 7 its merge has mixed the local weights, at 10 its
+    exchange is still in flight when ``fit`` ends; either way every rank ends on the global weights."""
     settings = OuterSettings(sync_every=4, fragments=2, overlap_steps=1)
-    out = _streamed(settings, steps=7, finish=True)
+    out = _streamed(settings, steps=steps, finish=True)
     (m0, o0, _, last), (m1, _, _, _) = out
     assert last is True and torch.equal(_flat(m0), _flat(m1))
     assert torch.equal(torch.cat([g.reshape(-1) for g in o0.global_params]), _flat(m0))
@@ -178,3 +181,22 @@ def test_more_fragments_than_trained_tensors_is_refused_at_set_up() -> None:
 def test_bad_streaming_settings_are_refused_with_the_fix(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
         OuterSettings(**kwargs)
+
+
+def test_hierarchical_streaming_ends_every_rank_of_a_node_as_the_flat_run() -> None:
+    """2 nodes x 2 ranks (the ranks of a node hold the same local weights): each fragment's exchange, in flight
+    for a step, ends on all 4 ranks as in a flat run of one rank per node."""
+    settings = OuterSettings(sync_every=4, fragments=2, overlap_steps=1)
+    flat = _streamed(settings, steps=9)
+
+    def rank_fn(topology):
+        model = _model()
+        outer = OuterStep(settings, None, model.named_parameters(), collectives=topology.across, node=topology.node)
+        for r in range(9):
+            _drift(model, topology.node_rank, r)
+            outer.after_optimizer_step()
+        return model
+
+    out = comm.simulate_nodes(2, 2, rank_fn)
+    for rank, model in enumerate(out):
+        assert torch.equal(_flat(model), _flat(flat[rank // 2][0])), rank

@@ -32,6 +32,8 @@ def main() -> None:
     p.add_argument("--algorithm", default="dense")
     p.add_argument("--options", default=None, help="JSON: the algorithm's settings")
     p.add_argument("--offload", action="store_true")
+    p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--overlap-steps", type=int, default=0)
     p.add_argument("--save-at", type=int, default=0, help="fabric.save after this many steps, to OUT.ckpt")
     p.add_argument("--resume", default=None)
     args = p.parse_args()
@@ -39,7 +41,8 @@ def main() -> None:
     L.seed_everything(0)
     options = json.loads(args.options or "null")
     strategy = FabricDiLoCoStrategy(
-        sync_every=args.sync_every, algorithm=args.algorithm, options=options, offload=args.offload
+        sync_every=args.sync_every, algorithm=args.algorithm, options=options, offload=args.offload,
+        fragments=args.fragments, overlap_steps=args.overlap_steps,
     )
     fabric = L.Fabric(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy)
     fabric.launch()

@@ -21,18 +21,21 @@ from tests.lightning.test_diloco import check_two_nodes_of_two
 
 
 @pytest.mark.slow
-def test_the_same_loop_under_fabric_and_the_trainer_gives_the_same_weights(tmp_path) -> None:
+@pytest.mark.parametrize("streaming", [(), ("--fragments", "2", "--overlap-steps", "1")], ids=["plain", "streaming"])
+def test_the_same_loop_under_fabric_and_the_trainer_gives_the_same_weights(tmp_path, streaming) -> None:
     trainer, fabric = tmp_path / "trainer", tmp_path / "fabric"
-    common = ("--sync-every", "4", "--max-steps", "10", "--samples", "32")  # outer steps at 4, 8 and 10
+    # plain: outer steps at 4, 8 and 10; streaming: 2 fragments, 6 (merged at 3, 5, 7, 9, then two at the end)
+    common = ("--sync-every", "4", "--max-steps", "10", "--samples", "32", *streaming)
     run_script("diloco_script.py", trainer, *common)
     run_script("fabric_diloco_script.py", fabric, *common)
     assert torch.equal(torch.load(f"{fabric}.rank0.init.pt"), torch.load(f"{trainer}.rank0.init.pt"))
     for rank in range(2):
         torch.testing.assert_close(params(fabric, rank), params(trainer, rank), rtol=0, atol=0)
     assert not torch.equal(params(fabric, 0), torch.load(f"{fabric}.rank0.init.pt"))
+    assert torch.equal(params(fabric, 0), params(fabric, 1)), "the end of the loop leaves every rank on the same weights"
     for by_fabric, by_trainer in zip(results(fabric), results(trainer), strict=True):
         assert by_fabric["wrapped"] == "Sequential", "no DDP wrapper"
-        assert by_fabric["outer_steps"] == by_trainer["outer_steps"] == 3
+        assert by_fabric["outer_steps"] == by_trainer["outer_steps"] == (6 if streaming else 3)
         assert by_fabric["stats"]["link_bytes_per_step"] == by_trainer["stats"]["link_bytes_per_step"] > 0
 
 
