@@ -83,6 +83,8 @@ class OuterStep:
         self.device = self.params[0].device
         self.collectives = collectives if collectives is not None else TorchCollectives()
         self.world_size = self.collectives.world_size
+        #: The tensors (indices into :attr:`params`) of each fragment; one fragment of all of them in plain DiLoCo.
+        self.fragments = split_fragments([p.numel() for p in self.params], settings.fragments)
         store = torch.device("cpu") if settings.offload else self.device
         pin = settings.offload and self.device.type == "cuda"
         #: The global weights, fp32 (on the host with ``offload``); their ``.grad`` is the averaged pseudo-gradient.
@@ -99,12 +101,6 @@ class OuterStep:
         if config is not None:
             self.exchange_state = ExchangeState(config, collectives=self.collectives)
             self.exchange_state.register_parameters(named)
-        #: The tensors (indices into :attr:`params`) of each fragment; one fragment of all of them in plain DiLoCo.
-        self.fragments = split_fragments([p.numel() for p in self.params], settings.fragments)
-        self.until_send: list[int] = []  # per fragment: optimizer steps until it sends
-        self.since_send: list[int] = []  # per fragment: optimizer steps since it last sent (or since the start)
-        self.in_flight: list[InFlight] = []  # exchanges started and not merged yet (overlap_steps)
-        self.restart_rounds()
         self.optimizer_steps = 0  # optimizer steps counted by this object (restored from checkpoints)
         self.outer_steps = 0
         self.skipped_outer_steps = 0
@@ -135,9 +131,10 @@ class OuterStep:
     def restart_rounds(self) -> None:
         """Every fragment starts its first round now; nothing is in flight."""
         settings = self.settings
+        #: Per fragment: optimizer steps until it sends, and since it last sent (or since the start).
         self.until_send = [first_round(f, settings.fragments, settings.sync_every) for f in range(settings.fragments)]
         self.since_send = [0] * settings.fragments
-        self.in_flight = []
+        self.in_flight: list[InFlight] = []  # exchanges started and not merged yet (overlap_steps)
 
     @property
     def inner_steps(self) -> int:
@@ -196,8 +193,8 @@ class OuterStep:
     def _start(self, members: list[int], merge_in: int, buffers: bool, fragment: int = -1) -> InFlight:
         """Start the outer exchange of the tensors ``members``: steps 1-2, asynchronous (:meth:`_receive` waits);
         ``buffers``: the floating-point buffers are averaged too (blocking; with the last fragment)."""
-        for flight in self.in_flight:  # one exchange at a time through the algorithm's memory
-            self._receive(flight)
+        for flight in self.in_flight if self.exchange_state is not None else ():
+            self._receive(flight)  # one exchange at a time through the algorithm's memory
         flight = InFlight(members, merge_in, fragment)
         if self.leader:
             flight.flat = self.pseudo_gradient(members)

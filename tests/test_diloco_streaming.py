@@ -82,17 +82,19 @@ def _reference(steps: int, sync_every: int, fragments: int, overlap: int, mixing
     return models, glob
 
 
-@pytest.mark.parametrize("overlap", [0, 2], ids=["replace", "overlap2"])
-def test_streamed_rounds_equal_a_hand_written_streaming_diloco(overlap) -> None:
-    settings = OuterSettings(sync_every=4, fragments=2, overlap_steps=overlap, mixing=0.5)
+@pytest.mark.parametrize(
+    ("fragments", "overlap"), [(2, 0), (2, 2), (4, 3)], ids=["replace", "overlap", "several_in_flight"]
+)
+def test_streamed_rounds_equal_a_hand_written_streaming_diloco(fragments, overlap) -> None:
+    settings = OuterSettings(sync_every=4, fragments=fragments, overlap_steps=overlap, mixing=0.5)
     out = _streamed(settings, steps=11)
-    models, _ = _reference(11, 4, 2, overlap, 0.5)
+    models, _ = _reference(11, 4, fragments, overlap, 0.5)
+    # fragment f first sends after first_round(f) steps, then every 4; each exchange counted on the step that merges it
+    sends = sorted(s for f in range(fragments) for s in range(first_round(f, fragments, 4), 12, 4))
     for rank, (model, outer, sent, _) in enumerate(out):
         torch.testing.assert_close(_flat(model), _flat(models[rank]), rtol=1e-5, atol=1e-6)
-        # fragment 0 (the 1920-weight matrix) ends its rounds at steps 2, 6, 10; fragment 1 at 4, 8; each exchange is
-        # counted on the step that merges it
         merged = [i + 1 for i, b in enumerate(sent) if b]
-        assert merged == [s + overlap for s in (2, 4, 6, 8, 10) if s + overlap <= 11], merged
+        assert merged == [s + overlap for s in sends if s + overlap <= 11], merged
         assert outer.outer_steps == len(merged)
 
 
