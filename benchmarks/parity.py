@@ -137,9 +137,11 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         False,
     ),
     # Streaming DiLoCo: the same rounds in 5 staggered fragments, each exchange behind one inner step; and the
-    # fragments alone (no overlap), which tells the fragments' cost from the overlap's
+    # fragments alone (no overlap), which tells the fragments' effect from the overlap's
     "diloco_streaming": ("configs/algo/diloco_streaming.yaml", (), False),
     "diloco_fragments": ("configs/algo/diloco_streaming.yaml", ("--trainer.strategy.init_args.overlap_steps", "0"), False),
+    # the overlap and its mix alone: one fragment, the whole model's exchange behind one inner step
+    "diloco_overlap": ("configs/algo/diloco_streaming.yaml", ("--trainer.strategy.init_args.fragments", "1"), False),
     # DGC's top-k with error feedback on the optimizer's update (each rank's own step), not the gradient
     "dgc_updates": ("configs/algo/dgc_updates.yaml", (), False),
 }
