@@ -100,10 +100,10 @@ def test_readme_links_point_at_files() -> None:
 ACCURACY_ROWS = [
     ("CIFAR-10 subset top-1", "parity_seeds_cifar8",
      [["dgc", "dgc_regimes_warmup", "dgc_regimes_int8", "dgc_short_warmup"], ["deft"], ["powersgd"],
-      ["diloco", "diloco_dgc"]]),
+      ["diloco", "diloco_dgc", "diloco_streaming"]]),
     ("the same, 2 workers", "parity_seeds_cifar2",
      [["dgc", "dgc_regimes_warmup", "dgc_regimes_int8", "dgc_short_warmup"], ["deft"], ["powersgd"],
-      ["diloco", "diloco_dgc"]]),
+      ["diloco", "diloco_dgc", "diloco_streaming"]]),
     ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"], []]),
     ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"], []]),
     ("PTB transformer", "parity_seeds_xfmr2", [["dgc", "dgc_density_0.01"], [], ["powersgd"], []]),
@@ -171,7 +171,8 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
 # the algorithm guide's table: one column per algorithm (a study's DEFT variants are on deft.md)
 INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "dgc_regimes_warmup": 2, "dgc_regimes": 2,
                  "dgc_regimes_0.005": 2, "dgc_short_warmup": 2, "dgc_regimes_int8": 2, "dgc_regimes_fp16": 2,
-                 "dgc_density_0.01_int8": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5}  # fmt: skip
+                 "dgc_density_0.01_int8": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5,
+                 "diloco_streaming": 5}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", [row[1] for row in ACCURACY_ROWS])
@@ -419,7 +420,9 @@ def _shows(cell: str, value: float) -> bool:
 #: The DiLoCo page's measured rows: the first cell of a row -> the parity variant it quotes.
 DILOCO_ROWS = {"DDP": "ddp", "`algo/diloco` (H = 10, dense)": "diloco", "`algo/diloco_dgc` (H = 10, DGC at 0.01)":
                "diloco_dgc", "H = 50, dense": "diloco_h50", "H = 50, DGC at 0.01": "diloco_dgc_h50",
-               "local SGD (H = 10, outer lr 1, no momentum)": "diloco_local_sgd"}  # fmt: skip
+               "local SGD (H = 10, outer lr 1, no momentum)": "diloco_local_sgd",
+               "`algo/diloco_streaming` (H = 10, 5 fragments, overlap 1)": "diloco_streaming",
+               "5 fragments, no overlap": "diloco_fragments", "1 fragment, overlap 1": "diloco_overlap"}  # fmt: skip
 
 
 def test_diloco_page_measured_tables_quote_the_records() -> None:
