@@ -2,7 +2,8 @@
 Models"), without Lightning: what :class:`~lightning_dgc.DiLoCoStrategy` runs every ``sync_every`` optimizer steps.
 
 Every rank trains its own copy of the model (the *local* weights) with the user's optimizer (the *inner*
-optimizer) and exchanges nothing in between. Every ``sync_every`` optimizer steps, :meth:`OuterStep.step`:
+optimizer) and exchanges nothing in between. Every ``sync_every`` optimizer steps
+(:meth:`OuterStep.after_optimizer_step`; :meth:`OuterStep.step` at the end of ``fit``):
 
 1. **pseudo-gradient**: ``global - local``, per parameter, in fp32, flat in one buffer on the model's device;
 2. **exchange**: its mean over the ranks: one all-reduce (``"dense"``), or any registered algorithm's exchange
@@ -12,7 +13,11 @@ optimizer) and exchanges nothing in between. Every ``sync_every`` optimizer step
    global weights, the averaged pseudo-gradient as their gradient;
 4. **local := global**; floating-point buffers (BatchNorm's statistics) are averaged too.
 
-Every rank gets the same average, so the ranks hold bit-identical weights after every outer step. A
+Streaming DiLoCo (``fragments``, ``overlap_steps``; :mod:`lightning_dgc.rounds`) runs these steps for one fragment
+of the tensors at a time, on staggered rounds, and may merge an exchange's answer some inner steps after it started.
+
+Every rank gets the same average, so the ranks hold bit-identical weights after every outer step (with an overlap,
+once ``fit`` ends). A
 pseudo-gradient that is not finite on any rank skips step 3 on every rank (and the exchange's memory stays as it
 was); step 4 still runs, so a round that diverged restarts from the last good global weights.
 """
@@ -173,16 +178,17 @@ class OuterStep:
         """Every round now (the end of ``fit``): what is in flight is merged, then one outer step of every fragment
         that trained since it last sent replaces the local weights, so every rank holds the same (global) weights.
         Returns its verdict; ``None`` (nothing to do) when the last optimizer step ended every round."""
+        verdicts = []
         for flight in list(self.in_flight):  # (sent by the last optimizer step: its answer replaces, as DiLoCo's)
             flight.replace = not self.since_send[flight.fragment]
-            self._merge(flight)
+            verdicts.append(self._merge(flight))
         members = [i for f, m in enumerate(self.fragments) if self.since_send[f] for i in m]
         self.restart_rounds()
-        if not members:
-            return None
-        flight = self._start(sorted(members), 0, True)
-        flight.replace = True
-        return self._merge(flight)
+        if members:
+            flight = self._start(sorted(members), 0, True)
+            flight.replace = True
+            verdicts.append(self._merge(flight))
+        return all(verdicts) if verdicts else None
 
     def settle(self) -> None:
         """Wait for every exchange in flight and take its outer SGD step (its merge stays due at its step): what a

@@ -127,9 +127,8 @@ class InFlight:
     """One fragment's outer exchange between its start and its merge.
 
     ``members``: the indices of its tensors (those of fragment ``fragment``; -1: every tensor, the last outer step
-    of ``fit``); ``merge_in``: optimizer steps until the merge; ``handle``: what the
-    exchange returned (``.wait()`` gives the mean), ``None`` on a rank that exchanges nothing (a node's other ranks)
-    and once the exchange is done; ``done``: the mean was received and the outer SGD stepped (or skipped);
+    of ``fit``); ``merge_in``: optimizer steps until the merge; ``handle``: what the exchange returned (``.wait()``
+    gives the mean), ``None`` on a rank that exchanges nothing (a node's other ranks) and once the exchange is done; ``done``: the mean was received and the outer SGD stepped (or skipped);
     ``finite``: the verdict; ``sent`` / ``link``: this rank's bytes; ``replace``: the merge replaces the local weights
     (the last outer step of ``fit``) instead of mixing them."""
 
@@ -147,14 +146,14 @@ class InFlight:
     def state_dict(self) -> dict[str, Any]:
         assert self.done, "an exchange is saved once it is done (OuterStep.settle)"
         return {
-            "members": list(self.members), "merge_in": self.merge_in, "fragment": self.fragment, "finite": self.finite,
-            "sent": self.sent,
-            "link": self.link, "replace": self.replace,
+            "members": list(self.members), "merge_in": self.merge_in, "fragment": self.fragment,
+            "finite": self.finite, "sent": self.sent, "link": self.link, "replace": self.replace,
         }  # fmt: skip
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> InFlight:
         return cls(
-            list(state["members"]), int(state["merge_in"]), int(state["fragment"]), done=True, finite=bool(state["finite"]),
-            sent=int(state["sent"]), link=float(state["link"]), replace=bool(state["replace"]),
+            list(state["members"]), int(state["merge_in"]), int(state["fragment"]), done=True,
+            finite=bool(state["finite"]), sent=int(state["sent"]), link=float(state["link"]),
+            replace=bool(state["replace"]),
         )  # fmt: skip

@@ -447,6 +447,17 @@ def test_diloco_page_measured_tables_quote_the_records() -> None:
                 assert f"({s['compression']:.1f}x fewer)" in cells[-1], (name, cells)
 
 
+def test_diloco_page_streaming_wall_clock_quotes_the_record() -> None:
+    runs = {r["method"]: r for r in _record("time_to_accuracy_streaming")["runs"]}
+    streamed, plain = runs["streaming"], runs["diloco"]
+    expected = (
+        f"took {streamed['launch_to_exit_s']:.0f} s from launch to exit against plain DiLoCo's"
+        f" {plain['launch_to_exit_s']:.0f} s, with a median step of {streamed['median_step_s'] * 1e3:.0f} ms against"
+        f" {plain['median_step_s'] * 1e3:.0f} ms"
+    )
+    assert expected in _text("docs/diloco.md")
+
+
 def test_diloco_page_memory_figures_quote_the_record() -> None:
     """The DiLoCo page's memory figures: rank 0's excess over ``strategy="ddp"``, with and without ``offload``."""
     runs = _record("diloco_memory")["runs"]
