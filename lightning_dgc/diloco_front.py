@@ -85,8 +85,8 @@ class OuterAccess(ProcessGroupAtExit):
         options: dict[str, Any] | None,
         kwargs: dict[str, Any],
         base: type,
-        hierarchical: Any = "auto",
-        streaming: tuple[int, int, float] = (1, 0, 0.5),
+        hierarchical: Any,
+        streaming: tuple[int, int, float],
     ) -> None:
         self.settings = OuterSettings(sync_every, outer_lr, outer_momentum, outer_nesterov, offload, *streaming)
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)

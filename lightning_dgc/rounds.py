@@ -18,15 +18,12 @@ each *fragment*, when each fragment sends its pseudo-gradient, and when the answ
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import Tensor
 
 from lightning_dgc.checks import flag, real_number, whole_number
-
-#: The streaming settings and their plain-DiLoCo values (a checkpoint written before they existed had these).
-STREAMING_DEFAULTS = {"fragments": 1, "overlap_steps": 0, "mixing": 0.5}
 
 
 @dataclass
@@ -99,6 +96,11 @@ class OuterSettings:
                 f"`mixing` must be a finite number in [0, 1) (the local weights' share in the merge), got"
                 f" {self.mixing!r}: pass e.g. mixing=0.5, or 0 to replace the local weights by the global ones."
             )
+
+
+#: The streaming settings and their plain-DiLoCo values, :class:`OuterSettings`'s defaults (a checkpoint written
+#: before they existed had these).
+STREAMING_DEFAULTS = {f.name: f.default for f in fields(OuterSettings) if f.name in ("fragments", "overlap_steps", "mixing")}
 
 
 def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
