@@ -122,6 +122,12 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
         True,
     ),
+    # the same without the warm-up: AdamW's second moment is left to settle under the target density itself
+    "dgc_density_0.01_int8_no_warmup": (
+        "configs/algo/dgc_warmup.yaml",
+        ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
+        False,
+    ),
     # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01
     "diloco": ("configs/algo/diloco.yaml", (), False),
     "diloco_dgc": ("configs/algo/diloco_dgc.yaml", (), False),
