@@ -74,8 +74,11 @@ from lightning_dgc.algorithms.base import ring_allreduce_volume
 CONFIG_DIR = common.RESULTS / "parity_configs"
 CONFIG_DEVICES = 2  # the CPU configs' ``trainer.devices``
 ALGOS = ("ddp", "dgc", "deft", "powersgd")
+#: the ``light_warmup`` schedule: the paper's warm-up without its first stage (0.25), each later stage twice as long
+LIGHT_WARMUP = (0.0625, 0.0625, 0.015625, 0.015625)
 #: name -> (algorithm YAML, extra CLI arguments, the density schedule: ``True`` the warm-up,
-#: ``"short_warmup"`` its four stages over the first 20% of the run whatever its length,
+#: ``"short_warmup"`` its four stages over the first 20% of the run whatever its length, ``"light_warmup"``
+#: ``LIGHT_WARMUP`` over that 20%,
 #: ``"regimes"`` CriticalRegimes alone, ``"regimes+warmup"`` both, ``False`` none); variants for
 #: ``--algos`` outside the default set follow the four.
 ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
@@ -122,11 +125,17 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
         True,
     ),
-    # the same without the warm-up: AdamW's second moment is left to settle under the target density itself
+    # the same without the warm-up (AdamW's second moment left to settle under the target density), and with a
+    # lighter one: the paper's stages from its second (0.0625, 0.0156), each twice as long, over the same 20%
     "dgc_density_0.01_int8_no_warmup": (
         "configs/algo/dgc_warmup.yaml",
         ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
         False,
+    ),
+    "dgc_density_0.01_int8_light_warmup": (
+        "configs/algo/dgc_warmup.yaml",
+        ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
+        "light_warmup",
     ),
     # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01
     "diloco": ("configs/algo/diloco.yaml", (), False),
@@ -290,10 +299,12 @@ def callbacks_yaml(algo: str, record_path: Path, epochs: int) -> str:
     schedule = ALGO_SPECS[algo][2]
     if schedule in ("regimes", "regimes+warmup"):
         lines.append("    - class_path: lightning_dgc.CriticalRegimes")
-    if schedule in (True, "regimes+warmup", "short_warmup"):
+    if schedule in (True, "regimes+warmup", "short_warmup", "light_warmup"):
         lines.append("    - class_path: lightning_dgc.SparsityWarmup")
-        if epochs < 8 or schedule == "short_warmup":  # each of the paper's 4 stages for 5% of the run
+        if epochs < 8 or schedule in ("short_warmup", "light_warmup"):  # 4 stages, each for 5% of the run
             lines += ["      init_args:", "        run_fraction: 0.2"]
+        if schedule == "light_warmup":
+            lines.append(f"        densities: {list(LIGHT_WARMUP)}")
     if algo != "ddp":
         lines.append("    - class_path: lightning_dgc.CompressionMonitor")
     lines += [
