@@ -157,6 +157,12 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "diloco_fragments": ("configs/algo/diloco_streaming.yaml", ("--trainer.strategy.init_args.overlap_steps", "0"), False),
     # the overlap and its mix alone: one fragment, the whole model's exchange behind one inner step
     "diloco_overlap": ("configs/algo/diloco_streaming.yaml", ("--trainer.strategy.init_args.fragments", "1"), False),
+    # the streamed recipe with another mix of the late global weights into the local ones: 0 replaces the local
+    # weights (the inner steps taken meanwhile are lost), 0.75 keeps more of them
+    "diloco_streaming_mix0": ("configs/algo/diloco_streaming.yaml", ("--trainer.strategy.init_args.mixing", "0.0"), False),
+    "diloco_streaming_mix0.75": (
+        "configs/algo/diloco_streaming.yaml", ("--trainer.strategy.init_args.mixing", "0.75"), False
+    ),
     # DGC's top-k with error feedback on the optimizer's update (each rank's own step), not the gradient
     "dgc_updates": ("configs/algo/dgc_updates.yaml", (), False),
 }
