@@ -66,7 +66,8 @@ def plot(panels: dict[str, list[dict[str, Any]]]) -> None:
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
     algos = list(dict.fromkeys(p["algo"] for pts in panels.values() for p in pts))
-    palette = plt.get_cmap("tab20").colors  # 20 colours: more algorithms and schedules than the default 10
+    # 40 colours (tab20, then tab20b): more algorithms and schedules than one map holds, none repeated
+    palette = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
     colour = {algo: palette[i % len(palette)] for i, algo in enumerate(algos)}  # one per algorithm, every panel
     for ax, (name, pts) in zip(axes[0], panels.items(), strict=True):
         relative = pts and pts[0]["task"].startswith("ptb")

@@ -106,7 +106,8 @@ ACCURACY_ROWS = [
       ["diloco", "diloco_dgc", "diloco_streaming"]]),
     ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"], []]),
     ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"], []]),
-    ("PTB transformer", "parity_seeds_xfmr2", [["dgc", "dgc_density_0.01"], [], ["powersgd"], []]),
+    ("PTB transformer", "parity_seeds_xfmr2",
+     [["dgc", "dgc_density_0.01", "dgc_density_0.01_int8_light_warmup"], [], ["powersgd"], []]),
     ("the same, 8 workers (DDP 157", "parity_seeds_xfmr8",
      [["dgc_density_0.01"], [], ["powersgd"], ["diloco", "diloco_dgc"]]),
 ]  # fmt: skip
@@ -171,7 +172,8 @@ def test_readme_accuracy_rows_quote_the_records(row: tuple[str, str, list[list[s
 # the algorithm guide's table: one column per algorithm (a study's DEFT variants are on deft.md)
 INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "dgc_regimes_warmup": 2, "dgc_regimes": 2,
                  "dgc_regimes_0.005": 2, "dgc_short_warmup": 2, "dgc_regimes_int8": 2, "dgc_regimes_fp16": 2,
-                 "dgc_density_0.01_int8": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5,
+                 "dgc_density_0.01_int8": 2, "dgc_density_0.01_int8_light_warmup": 2,
+                 "dgc_density_0.01_int8_no_warmup": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5,
                  "diloco_streaming": 5}  # fmt: skip
 
 
@@ -229,6 +231,8 @@ RECIPES_XFMR_ROWS = [
     ("`algo/dgc_warmup`, `--trainer.strategy.init_args.density 0.01`", "dgc_density_0.01"),
     ("`algo/dgc_warmup`, `--trainer.strategy.init_args.density 0.01 --trainer.strategy.init_args.value_dtype int8`",
      "dgc_density_0.01_int8"),
+    ("`algo/dgc_adamw` (density 0.01, int8 values, the lighter warm-up)", "dgc_density_0.01_int8_light_warmup"),
+    ("the same without a warm-up (1 seed)", "dgc_density_0.01_int8_no_warmup"),
     ("`algo/powersgd` (rank 2)", "powersgd"),
 ]  # fmt: skip
 
@@ -242,6 +246,18 @@ def test_the_recipes_adamw_table_quotes_its_record(row: tuple[str, str]) -> None
     assert cells[1] == _metric_text(s, False), f"recipes.md {algo}: {cells[1]!r}"
     if algo != "ddp":
         assert cells[2] == _difference_text(s, False), f"recipes.md {algo}: {cells[2]!r}"
+
+
+@pytest.mark.parametrize("page", ["docs/recipes.md", "docs/algorithms/dgc.md"])
+def test_the_adamw_recipes_text_quotes_its_record(page: str) -> None:
+    """The text that recommends ``algo/dgc_adamw`` quotes the record: its compression and difference to DDP,
+    and those of the same recipe without a warm-up."""
+    text = " ".join((ROOT / page).read_text().split())
+    summary = _study("parity_seeds_xfmr2")[0]
+    for algo in ("dgc_density_0.01_int8_light_warmup", "dgc_density_0.01_int8_no_warmup"):
+        s = summary[algo]
+        difference = _difference_text(s, False).lstrip("+-")
+        assert f"{s['compression']:.1f}x" in text and difference in text, f"{page}: {algo} {difference}"
 
 
 @pytest.mark.parametrize("path", PAGES, ids=rel)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from benchmarks import bf16_cpu, parity
 
@@ -62,6 +63,22 @@ def test_the_short_warmup_takes_a_fifth_of_any_run_and_the_paper_warmup_its_epoc
     assert "run_fraction: 0.2" in parity.callbacks_yaml("dgc_short_warmup", record, epochs=10)
     assert "run_fraction" not in parity.callbacks_yaml("dgc", record, epochs=10)  # per epoch: 4 of the 10
     assert "run_fraction: 0.2" in parity.callbacks_yaml("dgc", record, epochs=4)  # too short for 4 epochs
+
+
+def test_the_adamw_variant_runs_what_the_shipped_adamw_config_sets() -> None:
+    """``dgc_density_0.01_int8_light_warmup`` (measured on the transformer) is ``configs/algo/dgc_adamw.yaml``:
+    the same strategy settings and the same warm-up."""
+    shipped = yaml.safe_load((parity.common.REPO / "configs/algo/dgc_adamw.yaml").read_text())["trainer"]
+    variant = "dgc_density_0.01_int8_light_warmup"
+    config, args, _ = parity.ALGO_SPECS[variant]
+    base = yaml.safe_load((parity.common.REPO / config).read_text())["trainer"]
+    init_args = dict(base["strategy"]["init_args"])
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        init_args[flag.removeprefix("--trainer.strategy.init_args.")] = yaml.safe_load(value)
+    assert shipped["strategy"] == {**base["strategy"], "init_args": init_args}
+    callbacks = yaml.safe_load(parity.callbacks_yaml(variant, Path("record.json"), epochs=6))["trainer"]["callbacks"]
+    assert callbacks[:2] == shipped["callbacks"]
+    assert shipped["callbacks"][0]["init_args"]["densities"] == list(parity.LIGHT_WARMUP)
 
 
 def test_a_bf16_task_on_a_cpu_without_bf16_instructions_runs_its_matmuls_in_fp32(monkeypatch) -> None:

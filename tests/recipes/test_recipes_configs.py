@@ -27,6 +27,8 @@ DILOCO = {"diloco": (10, 0.7, 0.9, "dense", None), "diloco_dgc": (10, 0.7, 0.9, 
           "diloco_streaming": (10, 0.7, 0.9, "dense", None), "dgc_updates": (1, 1.0, 0.0, "dgc", 0.001)}  # fmt: skip
 #: Streaming DiLoCo's configs: fragments, overlap_steps, mixing (the others: one fragment, no overlap).
 STREAMING = {"diloco_streaming": (5, 1, 0.5)}
+#: The densities of the algorithm YAMLs that set one other than DGC's 0.001.
+DENSITIES = {"dgc_adamw": 0.01}
 #: The lightning_dgc classes the algorithm YAMLs may name (the package's public API).
 LIGHTNING_DGC_NAMES = {
     "CompressionStrategy",
@@ -61,7 +63,7 @@ def test_the_expected_configs_exist() -> None:
         "librispeech_deepspeech",
     } <= set(TASKS)
     assert {"cifar10_resnet20_cpu", "ptb_lstm_cpu", "librispeech_deepspeech_cpu"} <= set(TASKS)
-    assert {"ddp", "dgc", "dgc_warmup", "deft", "powersgd", *DILOCO} <= set(ALGORITHMS)
+    assert {"ddp", "dgc", "dgc_warmup", "dgc_adamw", "deft", "powersgd", *DILOCO} <= set(ALGORITHMS)
 
 
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.stem)
@@ -105,7 +107,7 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
         algorithm is not None
         and "density" in (REPO_ROOT / "configs" / "algo" / f"{algorithm}.yaml").read_text()
     ):
-        assert config["trainer"]["strategy"]["init_args"]["density"] == 0.001
+        assert config["trainer"]["strategy"]["init_args"]["density"] == DENSITIES.get(algorithm, 0.001)
     if algorithm not in (None, "ddp"):
         assert config["trainer"]["strategy"]["init_args"]["hierarchical"] == "auto"
         # the strategies' default, as in Python (DDP's own default is False)
@@ -169,5 +171,5 @@ def test_an_unknown_config_name_lists_the_builtin_names_on_the_command_line(valu
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"`--config {value}`: no such file" in proc.stderr and f"Did you mean `{closest}`?" in proc.stderr
-    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
+    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_adamw, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
     assert "Traceback" not in proc.stderr and "File does not exist" not in proc.stderr
