@@ -438,7 +438,9 @@ DILOCO_ROWS = {"DDP": "ddp", "`algo/diloco` (H = 10, dense)": "diloco", "`algo/d
                "diloco_dgc", "H = 50, dense": "diloco_h50", "H = 50, DGC at 0.01": "diloco_dgc_h50",
                "local SGD (H = 10, outer lr 1, no momentum)": "diloco_local_sgd",
                "`algo/diloco_streaming` (H = 10, 5 fragments, overlap 1)": "diloco_streaming",
-               "5 fragments, no overlap": "diloco_fragments", "1 fragment, overlap 1": "diloco_overlap"}  # fmt: skip
+               "5 fragments, no overlap": "diloco_fragments", "1 fragment, overlap 1": "diloco_overlap",
+               "`algo/diloco_streaming` with mixing 0 (the late global weights replace the local ones)":
+               "diloco_streaming_mix0", "`algo/diloco_streaming` with mixing 0.75": "diloco_streaming_mix0.75"}  # fmt: skip
 
 
 def test_diloco_page_measured_tables_quote_the_records() -> None:
@@ -461,6 +463,14 @@ def test_diloco_page_measured_tables_quote_the_records() -> None:
             if s["algo"] != "ddp":
                 assert cells[2] == _difference_text(s, percent), (name, cells)
                 assert f"({s['compression']:.1f}x fewer)" in cells[-1], (name, cells)
+
+
+def test_diloco_page_mixing_text_quotes_the_record() -> None:
+    summary = _study("parity_seeds_cifar2")[0]
+    text = _text("docs/diloco.md")
+    for algo in ("diloco_streaming_mix0", "diloco_streaming_mix0.75"):
+        lost = _difference_text(summary[algo], True).lstrip("-").removesuffix(" pp")
+        assert f"lost {lost}" in text, algo
 
 
 def test_diloco_page_streaming_wall_clock_quotes_the_record() -> None:
