@@ -126,7 +126,8 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         True,
     ),
     # the same without the warm-up (AdamW's second moment left to settle under the target density), and with a
-    # lighter one: the paper's stages from its second (0.0625, 0.0156), each twice as long, over the same 20%
+    # lighter one: the paper's stages from its second (0.0625, 0.0156), each twice as long, over the same 20%;
+    # the latter is what configs/algo/dgc_adamw.yaml ships (a test compares them)
     "dgc_density_0.01_int8_no_warmup": (
         "configs/algo/dgc_warmup.yaml",
         ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
