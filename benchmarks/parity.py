@@ -76,6 +76,8 @@ CONFIG_DEVICES = 2  # the CPU configs' ``trainer.devices``
 ALGOS = ("ddp", "dgc", "deft", "powersgd")
 #: the ``light_warmup`` schedule: the paper's warm-up without its first stage (0.25), each later stage twice as long
 LIGHT_WARMUP = (0.0625, 0.0625, 0.015625, 0.015625)
+#: DGC at density 0.01 with int8 values, the transformer's (AdamW's) variants' CLI arguments
+DENSITY_0_01_INT8 = ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8")
 #: name -> (algorithm YAML, extra CLI arguments, the density schedule: ``True`` the warm-up,
 #: ``"short_warmup"`` its four stages over the first 20% of the run whatever its length, ``"light_warmup"``
 #: ``LIGHT_WARMUP`` over that 20%,
@@ -122,7 +124,7 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     # the same with its values sent in int8 (3.125 bytes a value with its index, not 6)
     "dgc_density_0.01_int8": (
         "configs/algo/dgc_warmup.yaml",
-        ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
+        DENSITY_0_01_INT8,
         True,
     ),
     # the same without the warm-up (AdamW's second moment left to settle under the target density), and with a
@@ -130,12 +132,12 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     # the latter is what configs/algo/dgc_adamw.yaml ships (a test compares them)
     "dgc_density_0.01_int8_no_warmup": (
         "configs/algo/dgc_warmup.yaml",
-        ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
+        DENSITY_0_01_INT8,
         False,
     ),
     "dgc_density_0.01_int8_light_warmup": (
         "configs/algo/dgc_warmup.yaml",
-        ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8"),
+        DENSITY_0_01_INT8,
         "light_warmup",
     ),
     # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01

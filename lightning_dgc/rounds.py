@@ -100,7 +100,9 @@ class OuterSettings:
 
 #: The streaming settings and their plain-DiLoCo values, :class:`OuterSettings`'s defaults (a checkpoint written
 #: before they existed had these).
-STREAMING_DEFAULTS = {f.name: f.default for f in fields(OuterSettings) if f.name in ("fragments", "overlap_steps", "mixing")}
+STREAMING_DEFAULTS = {
+    f.name: f.default for f in fields(OuterSettings) if f.name in ("fragments", "overlap_steps", "mixing")
+}
 
 
 def split_fragments(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -130,7 +132,8 @@ class InFlight:
 
     ``members``: the indices of its tensors (those of fragment ``fragment``; -1: every tensor, the last outer step
     of ``fit``); ``merge_in``: optimizer steps until the merge; ``handle``: what the exchange returned (``.wait()``
-    gives the mean), ``None`` on a rank that exchanges nothing (a node's other ranks) and once the exchange is done; ``done``: the mean was received and the outer SGD stepped (or skipped);
+    gives the mean), ``None`` on a rank that exchanges nothing (a node's other ranks) and once the exchange is
+    done; ``done``: the mean was received and the outer SGD stepped (or skipped);
     ``finite``: the verdict; ``sent`` / ``link``: this rank's bytes; ``replace``: the merge replaces the local weights
     (the last outer step of ``fit``) instead of mixing them."""
 

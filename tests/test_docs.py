@@ -252,7 +252,7 @@ def test_the_recipes_adamw_table_quotes_its_record(row: tuple[str, str]) -> None
 def test_the_adamw_recipes_text_quotes_its_record(page: str) -> None:
     """The text that recommends ``algo/dgc_adamw`` quotes the record: its compression and difference to DDP,
     and those of the same recipe without a warm-up."""
-    text = " ".join((ROOT / page).read_text().split())
+    text = _text(page)
     summary = _study("parity_seeds_xfmr2")[0]
     for algo in ("dgc_density_0.01_int8_light_warmup", "dgc_density_0.01_int8_no_warmup"):
         s = summary[algo]
