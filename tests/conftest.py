@@ -1,4 +1,5 @@
-"""Shared fixtures: keep Lightning's environment variables from leaking between multi-process tests."""
+"""Shared fixtures: keep Lightning's environment variables from leaking between multi-process tests; run the slow
+tests first."""
 
 from __future__ import annotations
 
@@ -34,3 +35,10 @@ def _clean_distributed_env(monkeypatch: pytest.MonkeyPatch):
     yield
     for var in _DIST_VARS:
         os.environ.pop(var, None)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the ``slow`` tests first (a stable sort: each group keeps its order): under ``-n auto`` the workers
+    then share out the long multi-process tests at the start, and the run does not end on one worker finishing
+    a long test alone while the other waits."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
