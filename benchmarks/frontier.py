@@ -64,7 +64,9 @@ def plot(panels: dict[str, list[dict[str, Any]]]) -> None:
         return
     from matplotlib.ticker import ScalarFormatter
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6), squeeze=False)
+    # each panel's legend below it, one line per point: the figure grows with the longest legend
+    longest = max(len(pts) for pts in panels.values())
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.6 + 0.12 * longest), squeeze=False)
     algos = list(dict.fromkeys(p["algo"] for pts in panels.values() for p in pts))
     # 40 colours (tab20, then tab20b): more algorithms and schedules than one map holds, none repeated
     palette = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors
@@ -85,7 +87,7 @@ def plot(panels: dict[str, list[dict[str, Any]]]) -> None:
         ax.set_ylabel("perplexity vs DDP (%, lower is better)" if relative else "top-1 vs DDP (pp)")
         if pts:
             ax.set_title(f"{pts[0]['task']}, {pts[0]['workers']} workers ({name})", fontsize=9)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     common.save_figure(fig, "frontier.png")
 
 

@@ -140,6 +140,21 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         DENSITY_0_01_INT8,
         "light_warmup",
     ),
+    # the same without momentum factor masking: a coordinate keeps its momentum when it is sent, as under DDP
+    # (with masking, a coordinate sent every k steps moves (k - m (1 - m^k) / (1 - m)) / k of DDP's steady step:
+    # 10% at k = 1, 26% at k = 5, 91% at k = 100, for m = 0.9)
+    "dgc_density_0.01_int8_light_warmup_no_masking": (
+        "configs/algo/dgc_warmup.yaml",
+        (*DENSITY_0_01_INT8, "--trainer.strategy.init_args.momentum_masking", "false"),
+        "light_warmup",
+    ),
+    # the light warm-up with CriticalRegimes (its defaults: 10x denser in the first tenth of the run and a tenth
+    # after each drop of the learning rate)
+    "dgc_density_0.01_int8_light_warmup_regimes": (
+        "configs/algo/dgc_warmup.yaml",
+        DENSITY_0_01_INT8,
+        "regimes+light_warmup",
+    ),
     # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01
     "diloco": ("configs/algo/diloco.yaml", (), False),
     "diloco_dgc": ("configs/algo/diloco_dgc.yaml", (), False),
@@ -306,13 +321,13 @@ def callbacks_yaml(algo: str, record_path: Path, epochs: int) -> str:
     """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder), as YAML text."""
     lines = ["trainer:", "  callbacks:"]
     schedule = ALGO_SPECS[algo][2]
-    if schedule in ("regimes", "regimes+warmup"):
+    if schedule in ("regimes", "regimes+warmup", "regimes+light_warmup"):
         lines.append("    - class_path: lightning_dgc.CriticalRegimes")
-    if schedule in (True, "regimes+warmup", "short_warmup", "light_warmup"):
+    if schedule in (True, "regimes+warmup", "short_warmup", "light_warmup", "regimes+light_warmup"):
         lines.append("    - class_path: lightning_dgc.SparsityWarmup")
-        if epochs < 8 or schedule in ("short_warmup", "light_warmup"):  # 4 stages, each for 5% of the run
+        if epochs < 8 or schedule in ("short_warmup", "light_warmup", "regimes+light_warmup"):  # over 20% of the run
             lines += ["      init_args:", "        run_fraction: 0.2"]
-        if schedule == "light_warmup":
+        if schedule in ("light_warmup", "regimes+light_warmup"):
             lines.append(f"        densities: {list(LIGHT_WARMUP)}")
     if algo != "ddp":
         lines.append("    - class_path: lightning_dgc.CompressionMonitor")

@@ -99,10 +99,10 @@ def test_readme_links_point_at_files() -> None:
 #: and the algorithm of each column (DGC, DEFT, PowerSGD, DiLoCo; several where a cell quotes several).
 ACCURACY_ROWS = [
     ("CIFAR-10 subset top-1", "parity_seeds_cifar8",
-     [["dgc", "dgc_regimes_warmup", "dgc_regimes_int8", "dgc_short_warmup"], ["deft"], ["powersgd"],
+     [["dgc", "dgc_regimes_warmup", "dgc_regimes_int8", "dgc_density_0.01_int8_light_warmup"], ["deft"], ["powersgd"],
       ["diloco", "diloco_dgc", "diloco_streaming"]]),
     ("the same, 2 workers", "parity_seeds_cifar2",
-     [["dgc", "dgc_regimes_warmup", "dgc_regimes_int8", "dgc_short_warmup"], ["deft"], ["powersgd"],
+     [["dgc", "dgc_regimes_warmup", "dgc_regimes_int8", "dgc_density_0.01_int8_light_warmup"], ["deft"], ["powersgd"],
       ["diloco", "diloco_dgc", "diloco_streaming"]]),
     ("PTB LSTM, SGD", "parity_seeds_ptb2", [["dgc"], ["deft"], ["powersgd"], []]),
     ("the same, 8 workers (DDP 139", "parity_seeds_ptb8", [["dgc"], ["deft"], ["powersgd"], []]),
@@ -206,6 +206,9 @@ DGC_SCHEDULE_ROWS = [
     ("fp16 values", "dgc_regimes_fp16", None),
     ("int8 values", "dgc_regimes_int8", "dgc_regimes_int8"),
     ("`CriticalRegimes()` alone, density 0.001", "dgc_regimes", None),
+    ("`algo/dgc_adamw`", "dgc_density_0.01_int8_light_warmup", "dgc_density_0.01_int8_light_warmup"),
+    ("the same without momentum factor masking", "dgc_density_0.01_int8_light_warmup_no_masking", None),
+    ("the same with `CriticalRegimes()`", "dgc_density_0.01_int8_light_warmup_regimes", None),
 ]
 
 
