@@ -333,7 +333,8 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
     feedback, warm start, compression from step :data:`POWERSGD_START_ITER`; the same updates as
     torch's ``powerSGD_hook``, which hangs on gloo with more than one bucket). ``dgc`` / ``deft``:
     lightning_dgc at ``density`` (``deft`` as ``configs/algo/deft.yaml``; ``deft_all`` with every rank
-    selecting, ``selectors="all"``). ``dgc_dense``: ``dgc`` at density 1 (the exchange's overhead alone); ``dgc_auto``: ``density="auto"``.
+    selecting, ``selectors="all"``). ``dgc_dense``: ``dgc`` at density 1 (the exchange's overhead alone); ``dgc_auto``: ``density="auto"``;
+    ``dgc_int8``, ``dgc_0.01``, ``dgc_0.01_int8``: ``dgc`` with int8 values, at density 0.01, both.
     """
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -350,6 +351,9 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
         return DGCStrategy(density=density, **common)
     if name == "dgc_dense":
         return DGCStrategy(density=1.0, **common)
+    if name in ("dgc_0.01", "dgc_0.01_int8", "dgc_int8"):  # the density and the values of configs/algo/dgc_adamw.yaml
+        return DGCStrategy(density=0.01 if "0.01" in name else density,
+                           value_dtype="int8" if name.endswith("int8") else "fp32", **common)  # fmt: skip
     if name == "dgc_auto":
         return DGCStrategy(density="auto", **common)
     if name == "deft":  # k by size, as configs/algo/deft.yaml

@@ -37,7 +37,7 @@ from typing import Any
 TRIM_BEFORE_BYTES: float = 32 << 20
 
 #: The end of a step hands the heap's free pages back when its free bytes (glibc's ``mallinfo2``, every
-#: arena) exceed what they were right after the last time by this much (:func:`should_trim_after_step`).
+#: arena) exceed what they were when it last did by this much (:func:`should_trim_after_step`).
 #: Read at every call: ``0`` hands them back after every step (the resident size at the end of a step is
 #: then what the rank holds, at the cost of faulting the pages in again in the next step);
 #: ``float("inf")`` never at the end of a step.
@@ -56,8 +56,8 @@ _tuned = False  # whether this process decided already (tuned, or left alone)
 
 _malloc_trim: Any = None  # glibc's malloc_trim, looked up on first use; False where there is none
 _mallinfo2: Any = None  # glibc's mallinfo2 (2.33+), likewise
-#: The heap's free bytes right after the last end-of-step trim (``None``: none yet in this process).
-_free_after_trim: int | None = None
+#: The heap's free bytes when the last end-of-step trim ran, read before it (``None``: none yet in this process).
+_free_at_last_trim: int | None = None
 #: How many times this process handed the heap's free pages back at the end of a step (for benchmarks).
 trims_after_step = 0
 
@@ -99,7 +99,8 @@ def free_heap_bytes() -> int | None:
     """The C heap's free bytes, every arena (glibc's ``mallinfo2().fordblks``); ``None`` without glibc 2.33+.
 
     Pages handed back by ``malloc_trim`` stay counted (their chunks are still free, only not resident), so a
-    rise of this figure is memory the heap took from the system since.
+    rise of this figure is memory the heap took from the system since; the heap's top is the exception: a trim
+    returns it to the system and takes it off the count.
     """
     global _mallinfo2
     if _mallinfo2 is None:
@@ -118,37 +119,41 @@ def free_heap_bytes() -> int | None:
     return int(_mallinfo2().fordblks)
 
 
-def should_trim_after_step(free_bytes: int | None, free_after_last_trim: int | None, growth_bytes: float) -> bool:
+def should_trim_after_step(free_bytes: int | None, free_at_last_trim: int | None, growth_bytes: float) -> bool:
     """Whether the end of a step hands the heap's free pages back (see :func:`trim_after_step`).
 
     Args:
         free_bytes: the heap's free bytes now (:func:`free_heap_bytes`); ``None`` where they cannot be read:
             then every step hands them back.
-        free_after_last_trim: the heap's free bytes right after the last trim; ``None`` before the first.
-        growth_bytes: how far ``free_bytes`` may exceed ``free_after_last_trim`` before the pages go back
+        free_at_last_trim: the heap's free bytes when the last trim ran (read before it); ``None`` before the
+            first.
+        growth_bytes: how far ``free_bytes`` may exceed ``free_at_last_trim`` before the pages go back
             (``0``: every step; ``inf``: never).
     """
     if growth_bytes == float("inf"):
         return False
     if free_bytes is None or growth_bytes <= 0:
         return True
-    return free_bytes - (free_after_last_trim or 0) >= growth_bytes
+    return free_bytes - (free_at_last_trim or 0) >= growth_bytes
 
 
 def trim_after_step() -> bool:
     """At the end of a step whose memory is on the host: hand the heap's free pages back if they grew by
     :data:`TRIM_AFTER_STEP_GROWTH_BYTES` since the last time (:func:`should_trim_after_step`). Returns
     whether it did."""
-    global _free_after_trim, trims_after_step
+    global _free_at_last_trim, trims_after_step
     growth = TRIM_AFTER_STEP_GROWTH_BYTES
     free = free_heap_bytes() if 0 < growth < float("inf") else None
-    if not should_trim_after_step(free, _free_after_trim, growth):
+    if not should_trim_after_step(free, _free_at_last_trim, growth):
         return False
     if not return_free_host_memory():
         return False
     trims_after_step += 1
     if free is not None:
-        _free_after_trim = free_heap_bytes()
+        # the free bytes before this trim, not after: a trim that shrinks the heap's top takes those bytes off
+        # the count, and the next step, taking the same pages again and freeing them, would look like growth
+        # and be trimmed again, every step
+        _free_at_last_trim = free
     return True
 
 

@@ -104,7 +104,7 @@ def test_dgc_trims_the_heap_before_a_large_temporary_only(monkeypatch: pytest.Mo
         (10 << 20, None, 16 << 20, False),  # ... unless it is under the bound
         (120 << 20, 110 << 20, 16 << 20, False),  # the pages a step takes again every step: kept
         (126 << 20, 110 << 20, 16 << 20, True),  # grown by the bound: handed back
-        (50 << 20, 110 << 20, 16 << 20, False),  # fewer free bytes than after the last trim
+        (50 << 20, 110 << 20, 16 << 20, False),  # fewer free bytes than at the last trim
         (0, 110 << 20, 0, True),  # bound 0: every step
         (1 << 40, None, float("inf"), False),  # bound inf: never
         (None, None, 16 << 20, True),  # free bytes unknown (no mallinfo2): every step, as without a bound
@@ -137,7 +137,7 @@ def test_freed_blocks_are_handed_back_once_then_kept_while_the_free_heap_does_no
     try:
         # the heap as a trim left it, once the blocks are taken: they may have come from free bytes an earlier
         # test left, so a baseline read before them could lie above what their freeing then shows
-        monkeypatch.setattr(heap, "_free_after_trim", heap.free_heap_bytes())
+        monkeypatch.setattr(heap, "_free_at_last_trim", heap.free_heap_bytes())
         assert not heap.trim_after_step()  # nothing grew
         before = heap.free_heap_bytes()
         for block in blocks[:-1]:  # the last block stays: the freed ones are not at the heap's top
@@ -150,6 +150,41 @@ def test_freed_blocks_are_handed_back_once_then_kept_while_the_free_heap_does_no
         assert not heap.trim_after_step()  # the same free bytes: nothing to hand back
     finally:
         libc.free(blocks[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 and malloc_trim: Linux only")
+def test_a_step_that_frees_the_heaps_top_is_trimmed_once_not_at_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose temporaries sit at the top of the heap: the first trim returns the top to the system, which
+    takes it off the free bytes; the next steps take the same pages again and free them, back to the free bytes
+    the trim saw, and keep them (trimming them at every step made every step fault its memory in again)."""
+    if heap.free_heap_bytes() is None or not return_free_host_memory():
+        pytest.skip("no glibc mallinfo2 (2.33+) or malloc_trim")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+    libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD, as heap.tune_for_steps sets it: free() leaves the top alone
+    monkeypatch.setattr(heap, "TRIM_AFTER_STEP_GROWTH_BYTES", 16 << 20)
+    size, count = 100_000, 400  # 40 MB in blocks under glibc's smallest mmap threshold (128 KiB)
+
+    def step() -> None:
+        blocks = [libc.malloc(size) for _ in range(count)]
+        assert all(blocks)
+        for block in blocks:
+            ctypes.memset(block, 1, size)
+        for block in reversed(blocks):
+            libc.free(block)
+
+    return_free_host_memory()
+    monkeypatch.setattr(heap, "_free_at_last_trim", heap.free_heap_bytes())
+    step()
+    trims = heap.trims_after_step
+    assert heap.trim_after_step()  # grown by 40 MB: handed back
+    top_returned = heap.free_heap_bytes() < heap._free_at_last_trim - (16 << 20)
+    for _ in range(3):
+        step()
+        assert not heap.trim_after_step()
+    assert heap.trims_after_step == trims + 1
+    assert top_returned, "the blocks were not at the heap's top: this test did not test the case it names"
 
 
 def test_a_bucket_layout_gone_from_a_step_takes_its_plan_with_it() -> None:
