@@ -14,7 +14,8 @@ algorithm config, as :mod:`benchmarks.parity` builds it (the same global batch, 
 schedule), evaluated every ``val_every`` optimizer steps; :class:`benchmarks.common.RunRecorder` writes each
 evaluation's wall-clock since launch, evaluation time so far, step, metrics and bytes. Methods: ``ddp``,
 ``dgc`` (the recommended recipe, ``configs/algo/dgc_regimes.yaml``: the warm-up and the critical regimes),
-``dgc_int8`` (the same with int8 values), ``deft``, ``powersgd``, ``auto`` (DGC with ``density="auto"``), ``diloco``
+``dgc_adamw`` (``configs/algo/dgc_adamw.yaml``: density 0.01, int8 values, a lighter warm-up), ``deft``,
+``powersgd``, ``auto`` (DGC with ``density="auto"``), ``diloco``
 (``configs/algo/diloco.yaml``) and ``streaming`` (``configs/algo/diloco_streaming.yaml``);
 :data:`METHODS` maps each to a :data:`benchmarks.parity.ALGO_SPECS` entry (add one there and here for a new
 method). ``--append`` adds this invocation's runs to the record of the same name (a run of the same task,
@@ -48,8 +49,8 @@ from benchmarks.netns import ADDRESSES, INTERFACES, SlowLink, missing_requiremen
 from lightning_dgc.algorithms.base import ring_allreduce_volume
 
 #: method -> its entry of :data:`benchmarks.parity.ALGO_SPECS` (algorithm YAML, extra arguments, warm-up).
-METHODS: dict[str, str] = {"ddp": "ddp", "dgc": "dgc_regimes_warmup", "dgc_int8": "dgc_regimes_int8", "deft": "deft",
-                           "powersgd": "powersgd", "auto": "dgc_auto", "diloco": "diloco",
+METHODS: dict[str, str] = {"ddp": "ddp", "dgc": "dgc_regimes_warmup", "dgc_adamw": "dgc_density_0.01_int8_light_warmup",
+                           "deft": "deft", "powersgd": "powersgd", "auto": "dgc_auto", "diloco": "diloco",
                            "streaming": "diloco_streaming"}  # fmt: skip
 TASKS = ("cifar10", "ptb")
 #: task -> (epochs, train batches per epoch, evaluate every this many optimizer steps): whole batches only,
@@ -277,7 +278,7 @@ def markdown_time_split(result: dict[str, Any]) -> list[str]:
 
 
 #: method -> the performance model's name for its exchange at the final density (``None``: not modelled).
-MODELLED = {"ddp": "ddp", "dgc": "dgc", "dgc_int8": None, "auto": None, "deft": "deft", "powersgd": "powersgd",
+MODELLED = {"ddp": "ddp", "dgc": "dgc", "dgc_adamw": None, "auto": None, "deft": "deft", "powersgd": "powersgd",
             "diloco": None, "streaming": None}  # fmt: skip
 
 
@@ -378,7 +379,7 @@ def milestones(result: dict[str, Any], task_name: str, goals: Sequence[float]) -
 
 
 #: How the README names each method (its column).
-METHOD_LABELS = {"ddp": "`ddp`", "dgc": "`algo/dgc_regimes`", "dgc_int8": "`algo/dgc_regimes`, int8 values",
+METHOD_LABELS = {"ddp": "`ddp`", "dgc": "`algo/dgc_regimes`", "dgc_adamw": "`algo/dgc_adamw`",
                  "auto": '`density="auto"`', "deft": "`deft`", "powersgd": "`powersgd`", "diloco": "`algo/diloco`",
                  "streaming": "`algo/diloco_streaming`"}  # fmt: skip
 

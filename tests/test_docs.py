@@ -701,6 +701,18 @@ def test_the_time_to_accuracy_page_quotes_the_record() -> None:
     assert f"DGC's steps took {ratio:.2f}x DDP's at 1 Gbit/s" in _text("docs/migrating-from-ddp.md"), ratio
 
 
+def test_the_time_to_accuracy_page_quotes_the_adamw_recipes_bytes_and_cpu_step() -> None:
+    """``algo/dgc_adamw``'s bytes against the regime recipe's (the 2-worker CIFAR study) and its interleaved CPU
+    step against DDP's (``overhead_recipe_int8.json``)."""
+    summary = _study("parity_seeds_cifar2")[0]
+    fewer = summary["dgc_regimes_warmup"]["link_kb_per_step"] / summary["dgc_density_0.01_int8_light_warmup"][
+        "link_kb_per_step"]
+    cpu = _record("overhead_recipe_int8")["summary"]["cpu"]["ratio_to_ddp"]["dgc_0.01_int8"]["of_medians"]
+    text = _text("docs/benchmarks/time-to-accuracy.md")
+    assert f"sends {fewer:.1f}x fewer bytes than the regime recipe" in text, fewer
+    assert f"its CPU step is {cpu:.2f}x DDP's (`overhead_recipe_int8.json`)" in text, cpu
+
+
 def test_the_time_to_accuracy_page_quotes_the_slow_links_gaps_and_steps() -> None:
     """At 20 Mbit/s: the density ``auto`` chose on every seed, the bytes, the accuracy gaps and the step times."""
     record = _record("time_to_accuracy")
