@@ -711,6 +711,16 @@ def test_the_time_to_accuracy_page_quotes_the_adamw_recipes_bytes_and_cpu_step()
     text = _text("docs/benchmarks/time-to-accuracy.md")
     assert f"sends {fewer:.1f}x fewer bytes than the regime recipe" in text, fewer
     assert f"its CPU step is {cpu:.2f}x DDP's (`overhead_recipe_int8.json`)" in text, cpu
+    from benchmarks.time_to_accuracy import time_to
+
+    record = _record("time_to_accuracy")
+    target = next(r["target"] for r in record["report"] if r["method"] == "ddp")
+    runs = [r for r in record["runs"] if (r["method"], r["link"]) == ("dgc_adamw", "20mbit")]
+    times = [time_to(r["history"], "val_acc", target, True) for r in runs]
+    (reached,) = [t for t in times if t is not None]
+    best = sorted(max(h["val_acc"] for h in r["history"] if "val_acc" in h) for r, t in zip(runs, times, strict=True) if t is None)
+    assert len(runs) == 3 and f"one seed of three reached the target (in {reached:.0f} s" in text, times
+    assert f"the others' best were {100 * best[0]:.1f}% and {100 * best[1]:.1f}%" in text, best
 
 
 def test_the_time_to_accuracy_page_quotes_the_slow_links_gaps_and_steps() -> None:
