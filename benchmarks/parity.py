@@ -321,13 +321,15 @@ def callbacks_yaml(algo: str, record_path: Path, epochs: int) -> str:
     """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder), as YAML text."""
     lines = ["trainer:", "  callbacks:"]
     schedule = ALGO_SPECS[algo][2]
-    if schedule in ("regimes", "regimes+warmup", "regimes+light_warmup"):
+    # the schedule's parts: "regimes+light_warmup" -> {"regimes", "light_warmup"}, True (the paper's warm-up) -> {"True"}
+    parts = set(str(schedule).split("+")) if schedule else set()
+    if "regimes" in parts:
         lines.append("    - class_path: lightning_dgc.CriticalRegimes")
-    if schedule in (True, "regimes+warmup", "short_warmup", "light_warmup", "regimes+light_warmup"):
+    if parts - {"regimes"}:  # a warm-up: the paper's ("True", "warmup"), "short_warmup" or "light_warmup"
         lines.append("    - class_path: lightning_dgc.SparsityWarmup")
-        if epochs < 8 or schedule in ("short_warmup", "light_warmup", "regimes+light_warmup"):  # over 20% of the run
+        if epochs < 8 or parts & {"short_warmup", "light_warmup"}:  # its 4 stages over 20% of the run
             lines += ["      init_args:", "        run_fraction: 0.2"]
-        if schedule in ("light_warmup", "regimes+light_warmup"):
+        if "light_warmup" in parts:
             lines.append(f"        densities: {list(LIGHT_WARMUP)}")
     if algo != "ddp":
         lines.append("    - class_path: lightning_dgc.CompressionMonitor")

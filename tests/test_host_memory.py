@@ -183,7 +183,7 @@ print(json.dumps(steps))
 def test_a_step_that_frees_the_heaps_top_is_trimmed_once_not_at_every_step() -> None:
     """A step whose temporaries sit at the top of the heap: the first trim returns the top to the system, which
     takes it off the free bytes; the next steps take the same pages again and free them, back to the free bytes
-    the trim saw, and keep them (trimming them at every step made every step fault its memory in again)."""
+    the trim saw, and keep them (trimming them at every step would make every step fault its memory in again)."""
     if heap.free_heap_bytes() is None or not return_free_host_memory():
         pytest.skip("no glibc mallinfo2 (2.33+) or malloc_trim")
     done = subprocess.run([sys.executable, "-c", _TOP_OF_HEAP_STEPS], capture_output=True, text=True, timeout=120)
