@@ -397,8 +397,9 @@ def link_label(link: str) -> str:
 
 def markdown_table(result: dict[str, Any], task_name: str = "cifar10") -> list[str]:
     """The README's headline: one row per method, for each shaped link two columns: the time to the task's
-    :data:`MILESTONE` and to the target (means over seeds), each with how much sooner than DDP on that link, or
-    'not reached' with the best metric; a first row gives DDP unshaped (the compute-only bound)."""
+    :data:`MILESTONE` and to the target (means over seeds), each with how much sooner than DDP on that link; where
+    only some seeds reached it, how many, their mean time and the best metric of the others; where none did, 'not
+    reached' with the best metric. A first row gives DDP unshaped (the compute-only bound)."""
     task = parity.TASKS[task_name]
     runs = [r for r in result.get("runs", []) if r["task"] == task_name]
     rows = [r for r in result.get("report") or report(result) if r["task"] == task_name]
@@ -407,8 +408,8 @@ def markdown_table(result: dict[str, Any], task_name: str = "cifar10") -> list[s
     links = sorted({r["link"] for r in runs if r["link"] != "none"}, key=lambda lk: parse_rate(lk) or math.inf)
     methods = [m for m in METHOD_LABELS if any(r["method"] == m for r in runs)]
 
-    def pct(x: float) -> str:
-        return f"{100 * x:.1f}%" if task.metric == "val_acc" else f"{x:.1f}"
+    def pct(x: float, digits: int = 1) -> str:  # a best metric with the target's two digits: compared with it
+        return f"{100 * x:.{digits}f}%" if task.metric == "val_acc" else f"{x:.{digits}f}"
 
     def cell(link: str, method: str, level: float | None) -> str:
         seeds = [r for r in runs if (r["link"], r["method"]) == (link, method)]
@@ -416,9 +417,13 @@ def markdown_table(result: dict[str, Any], task_name: str = "cifar10") -> list[s
             return "not run"
         times = [time_to(r["history"], task.metric, level, task.higher_is_better) for r in seeds]
         if any(t is None for t in times):
-            values = [h[task.metric] for r in seeds for h in r["history"] if task.metric in h]
+            short = [r for r, t in zip(seeds, times, strict=True) if t is None]  # the seeds that never reached it
+            values = [h[task.metric] for r in short for h in r["history"] if task.metric in h]
             best = max(values) if task.higher_is_better else min(values)
-            return f"not reached (best {pct(best)})"
+            reached = [t for t in times if t is not None]
+            if not reached:
+                return f"not reached (best {pct(best, 2)})"
+            return f"{len(reached)}/{len(seeds)} seeds, in {statistics.mean(reached):.0f} s; the others' best {pct(best, 2)}"
         t = statistics.mean(times)  # type: ignore[type-var]
         ddp = [time_to(r["history"], task.metric, level, task.higher_is_better)
                for r in runs if (r["link"], r["method"]) == (link, "ddp")]  # fmt: skip
