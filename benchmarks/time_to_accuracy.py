@@ -23,9 +23,10 @@ method, link and seed is replaced), so that the links and methods can be measure
 
 The report, per task: the target is DDP's final metric (mean over its seeds) minus 0.5 points of accuracy
 (perplexity: plus 2%); each method's time to reach it on each link is the wall-clock since launch less the
-evaluations' time, mean over seeds ('not reached' with the best metric otherwise); DDP's scaling efficiency per
-link is the compute-only step (DDP's median step on the unshaped link) over DDP's step there. The plot draws
-the metric against the wall-clock per link, with DDP's unshaped curve as the compute-only bound.
+evaluations' time, mean over seeds (where some seeds never reached it: how many did, and the best metric of the
+others; 'not reached' with the best metric where none did); DDP's scaling efficiency per link is the compute-only
+step (DDP's median step on the unshaped link) over DDP's step there. The plot draws the metric against the
+wall-clock per link, with DDP's unshaped curve as the compute-only bound.
 """
 
 from __future__ import annotations
