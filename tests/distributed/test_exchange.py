@@ -76,6 +76,18 @@ def test_sparse_exchange_matches_independent_replay() -> None:
         assert r["stats"]["compression_ratio"] > 1.0
 
 
+@pytest.mark.parametrize("masking", [True, False])
+def test_sparse_exchange_with_sgds_momentum_and_weight_decay_matches_the_papers_algorithm(masking: bool) -> None:
+    """SGD's momentum and weight decay taken over, density 0.05: each step's update equals an independent replay
+    of DGC's momentum correction (with or without momentum factor masking) for the compressed tensors and of SGD's
+    momentum for the dense ones, over enough steps that every coordinate's momentum has been sent and masked."""
+    results = run_ranks(
+        workers.sparse_reference, steps=12, density=0.05, momentum=0.9, weight_decay=1e-3, masking=masking
+    )
+    for r in results:
+        assert r["max_err"] < 1e-6
+
+
 def test_high_compression_learns_and_ranks_agree() -> None:
     """Density 0.001 with momentum correction: the loss falls and ranks hold identical parameters every step."""
     sgd = {"lr": 0.1, "momentum": 0.9}

@@ -152,19 +152,31 @@ def train_many(rank: int, world_size: int, *, runs: list[dict[str, Any]]) -> lis
     return [train(rank, world_size, **run) for run in runs]
 
 
-def sparse_reference(rank: int, world_size: int, *, steps: int, density: float) -> dict[str, Any]:
-    """Compare the hook's decoded gradient with an independent computation of DGC (exact top-k, no momentum).
+def sparse_reference(
+    rank: int, world_size: int, *, steps: int, density: float, momentum: float = 0.0, weight_decay: float = 0.0,
+    masking: bool = True,
+) -> dict[str, Any]:
+    """Compare the hook's decoded gradient with an independent computation of DGC (exact top-k).
 
-    Every rank gathers all ranks' raw gradients, replays every rank's error feedback in plain tensor
-    code, and checks that what DDP wrote into ``.grad`` is the average of the sparse selections.
+    Every rank gathers all ranks' raw gradients and replays, in plain tensor code, each rank's DGC as Lin et
+    al. write it: weight decay added to the local gradient, momentum correction (``u <- m u + g``, ``v <- v + u``),
+    the top-k of ``v`` sent and cleared from it (and from ``u`` with momentum factor masking); small tensors
+    averaged dense, SGD's momentum and weight decay applied to the average. ``momentum`` and ``weight_decay`` are
+    taken over from SGD, as ``DGCStrategy`` does. It checks that what DDP wrote into ``.grad`` is that update.
     """
-    model = make_model()
+    model = make_model(kind="wide")
     ref_model = copy.deepcopy(model)
     ddp = DDP(model)
-    state = ExchangeState(config=DGCConfig(density=density, selection="exact"))
+    state = ExchangeState(config=DGCConfig(density=density, selection="exact", momentum_masking=masking))
     state.register_parameters(model.named_parameters())
+    if momentum or weight_decay:
+        from lightning_dgc.state import ParamSettings
+
+        for name, _ in model.named_parameters():
+            state.param_settings[name] = ParamSettings(momentum, False, weight_decay)
     ddp.register_comm_hook(state, exchange_hook)
-    residual = {n: torch.zeros(world_size, p.numel()) for n, p in model.named_parameters()}
+    u, v = ({n: torch.zeros(world_size, p.numel()) for n, p in model.named_parameters()} for _ in range(2))
+    sgd_buffer = {n: torch.zeros(p.numel()) for n, p in model.named_parameters()}
     max_err = 0.0
     for step in range(steps):
         x, y = batch(rank, step)
@@ -177,17 +189,22 @@ def sparse_reference(rank: int, world_size: int, *, steps: int, density: float) 
             local = rp.grad.reshape(-1).contiguous()
             everyone = [torch.empty_like(local) for _ in range(world_size)]
             dist.all_gather(everyone, local)
+            decay = weight_decay * rp.detach().reshape(-1)
             if p.dim() > 1 and p.numel() >= 1024:
                 k = max(1, int(torch.tensor(density * p.numel()).ceil()))
                 expected = torch.zeros_like(local)
                 for r in range(world_size):
-                    residual[name][r] += everyone[r]
-                    idx = topk_indices(residual[name][r], k)
-                    expected[idx] += residual[name][r][idx]
-                    residual[name][r][idx] = 0.0
+                    u[name][r] = momentum * u[name][r] + everyone[r] + decay
+                    v[name][r] += u[name][r]
+                    idx = topk_indices(v[name][r], k)
+                    expected[idx] += v[name][r][idx]
+                    v[name][r][idx] = 0.0
+                    if masking:
+                        u[name][r][idx] = 0.0
+                expected /= world_size
             else:
-                expected = torch.stack(everyone).sum(0)
-            expected /= world_size
+                sgd_buffer[name] = momentum * sgd_buffer[name] + torch.stack(everyone).mean(0) + decay
+                expected = sgd_buffer[name]
             max_err = max(max_err, float((p.grad.reshape(-1) - expected).abs().max()))
         with torch.no_grad():  # same update on both models keeps the replay exact
             for p, rp in zip(model.parameters(), ref_model.parameters(), strict=False):
