@@ -77,7 +77,9 @@ def test_sparse_exchange_matches_independent_replay() -> None:
 
 
 @pytest.mark.parametrize("masking", [True, False])
-def test_sparse_exchange_with_sgds_momentum_and_weight_decay_matches_the_papers_algorithm(masking: bool) -> None:
+def test_sparse_exchange_with_sgds_momentum_and_weight_decay_matches_the_papers_algorithm(
+    masking: bool,
+) -> None:
     """SGD's momentum and weight decay taken over, density 0.05: each step's update equals an independent replay
     of DGC's momentum correction (with or without momentum factor masking) for the compressed tensors and of SGD's
     momentum for the dense ones, over enough steps that every coordinate's momentum has been sent and masked."""

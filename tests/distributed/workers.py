@@ -153,7 +153,13 @@ def train_many(rank: int, world_size: int, *, runs: list[dict[str, Any]]) -> lis
 
 
 def sparse_reference(
-    rank: int, world_size: int, *, steps: int, density: float, momentum: float = 0.0, weight_decay: float = 0.0,
+    rank: int,
+    world_size: int,
+    *,
+    steps: int,
+    density: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
     masking: bool = True,
 ) -> dict[str, Any]:
     """Compare the hook's decoded gradient with an independent computation of DGC (exact top-k).
