@@ -155,6 +155,14 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         DENSITY_0_01_INT8,
         "regimes+light_warmup",
     ),
+    # DGC at the density density="auto" chose on the 20 Mbit/s link (1/16), with the paper's warm-up as its floor,
+    # and the same without momentum factor masking (whose damping of often-sent coordinates grows with the density)
+    "dgc_density_0.0625": ("configs/algo/dgc_warmup.yaml", ("--trainer.strategy.init_args.density", "0.0625"), True),
+    "dgc_density_0.0625_no_masking": (
+        "configs/algo/dgc_warmup.yaml",
+        ("--trainer.strategy.init_args.density", "0.0625", "--trainer.strategy.init_args.momentum_masking", "false"),
+        True,
+    ),
     # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01
     "diloco": ("configs/algo/diloco.yaml", (), False),
     "diloco_dgc": ("configs/algo/diloco_dgc.yaml", (), False),
