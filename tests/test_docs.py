@@ -229,6 +229,30 @@ def test_the_dgc_pages_schedules_quote_the_cifar_records(row: tuple[str, str, st
         assert cells[column].endswith("1 seed") == (len(s["seeds"]) == 1)
 
 
+def test_the_pages_that_say_density_is_not_the_lever_quote_the_cifar_record() -> None:
+    """The DGC page's and the ``density="auto"`` page's figures for density 0.0625 (with and without momentum
+    factor masking) beside density 0.01 and 0.001, from ``parity_seeds_cifar2.json``."""
+    summary = _study("parity_seeds_cifar2")[0]
+
+    def below(algo: str) -> str:  # "-1.66 ± 0.86 pp" -> "1.66 ± 0.86"
+        return _difference_text(summary[algo], True).lstrip("-").removesuffix(" pp")
+
+    def mean(algo: str) -> str:
+        return f"{100 * summary[algo]['difference']:.2f}"
+
+    dgc = _text("docs/algorithms/dgc.md")
+    assert (
+        f"ended {below('dgc_density_0.0625')} points below DDP, and {below('dgc_density_0.0625_no_masking')} without"
+        f" momentum factor masking" in dgc
+    )
+    assert f"density 0.01 ({mean('dgc_density_0.01_int8_light_warmup')}) and 0.001 ({mean('dgc')})" in dgc
+    auto = _text("docs/auto-density.md")
+    assert (
+        f"ended {below('dgc_density_0.0625')} points below DDP, and `algo/dgc_adamw` at 0.01"
+        f" {mean('dgc_density_0.01_int8_light_warmup').lstrip('-')}" in auto
+    )
+
+
 #: The recipes page's AdamW table: the text that starts a row and its algorithm in ``parity_seeds_xfmr2.json``.
 RECIPES_XFMR_ROWS = [
     ("DDP", "ddp"),
