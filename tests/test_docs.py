@@ -807,6 +807,8 @@ def test_the_time_to_accuracy_page_quotes_the_ptb_record() -> None:
     ):
         assert expected in text, expected
     assert dgc["time_to_target_s"] is None
+    sooner = ddp["time_to_target_s"] / adamw["time_to_target_s"]
+    assert f"reached DDP's perplexity {sooner:.2f}x sooner than DDP (one seed" in _text("docs/recipes.md")
 
 
 @pytest.mark.parametrize("page", ["benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"])
