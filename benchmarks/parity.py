@@ -78,6 +78,8 @@ ALGOS = ("ddp", "dgc", "deft", "powersgd")
 LIGHT_WARMUP = (0.0625, 0.0625, 0.015625, 0.015625)
 #: DGC at density 0.01 with int8 values, the transformer's (AdamW's) variants' CLI arguments
 DENSITY_0_01_INT8 = ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8")
+#: momentum factor masking off (a coordinate keeps its momentum when it is sent)
+NO_MASKING = ("--trainer.strategy.init_args.momentum_masking", "false")
 #: name -> (algorithm YAML, extra CLI arguments, the density schedule: ``True`` the warm-up,
 #: ``"short_warmup"`` its four stages over the first 20% of the run whatever its length, ``"light_warmup"``
 #: ``LIGHT_WARMUP`` over that 20%,
@@ -145,7 +147,7 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     # 10% at k = 1, 26% at k = 5, 91% at k = 100, for m = 0.9)
     "dgc_density_0.01_int8_light_warmup_no_masking": (
         "configs/algo/dgc_warmup.yaml",
-        (*DENSITY_0_01_INT8, "--trainer.strategy.init_args.momentum_masking", "false"),
+        (*DENSITY_0_01_INT8, *NO_MASKING),
         "light_warmup",
     ),
     # the light warm-up with CriticalRegimes (its defaults: 10x denser in the first tenth of the run and a tenth
@@ -160,7 +162,7 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "dgc_density_0.0625": ("configs/algo/dgc_warmup.yaml", ("--trainer.strategy.init_args.density", "0.0625"), True),
     "dgc_density_0.0625_no_masking": (
         "configs/algo/dgc_warmup.yaml",
-        ("--trainer.strategy.init_args.density", "0.0625", "--trainer.strategy.init_args.momentum_masking", "false"),
+        ("--trainer.strategy.init_args.density", "0.0625", *NO_MASKING),
         True,
     ),
     # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01

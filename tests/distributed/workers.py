@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_dgc import DGCConfig, ExchangeState, algorithms, exchange_hook
 from lightning_dgc.selection import topk_indices
+from lightning_dgc.state import ParamSettings
 
 
 class ConvNet(nn.Module):
@@ -68,6 +69,15 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
 
 
+def take_over_sgd(
+    state: ExchangeState, model: nn.Module, momentum: float, nesterov: bool, weight_decay: float
+) -> None:
+    """What ``DGCStrategy`` does with an SGD optimizer: the exchange applies its momentum and weight decay."""
+    settings = ParamSettings(momentum, nesterov, weight_decay)
+    for name, _ in model.named_parameters():
+        state.param_settings[name] = settings
+
+
 def train(
     rank: int,
     world_size: int,
@@ -104,14 +114,14 @@ def train(
     if use_hook:
         state = ExchangeState(algorithms.get(hook).config_class(**(config or {})), measure_buildup=True)
         state.register_parameters(model.named_parameters())
-        if take_over:  # what DGCStrategy does with an SGD optimizer
-            from lightning_dgc.state import ParamSettings
-
-            s = ParamSettings(
-                sgd.pop("momentum", 0.0), sgd.pop("nesterov", False), sgd.pop("weight_decay", 0.0)
+        if take_over:
+            take_over_sgd(
+                state,
+                model,
+                sgd.pop("momentum", 0.0),
+                sgd.pop("nesterov", False),
+                sgd.pop("weight_decay", 0.0),
             )
-            for name, _ in model.named_parameters():
-                state.param_settings[name] = s
         ddp.register_comm_hook(state, exchange_hook)
     opt = torch.optim.SGD(model.parameters(), **sgd)
     params, losses, stats, finite, memory, plans_agree = [], [], [], [], [], []
@@ -176,10 +186,7 @@ def sparse_reference(
     state = ExchangeState(config=DGCConfig(density=density, selection="exact", momentum_masking=masking))
     state.register_parameters(model.named_parameters())
     if momentum or weight_decay:
-        from lightning_dgc.state import ParamSettings
-
-        for name, _ in model.named_parameters():
-            state.param_settings[name] = ParamSettings(momentum, False, weight_decay)
+        take_over_sgd(state, model, momentum, False, weight_decay)
     ddp.register_comm_hook(state, exchange_hook)
     u, v = ({n: torch.zeros(world_size, p.numel()) for n, p in model.named_parameters()} for _ in range(2))
     sgd_buffer = {n: torch.zeros(p.numel()) for n, p in model.named_parameters()}
