@@ -150,6 +150,13 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
         (*DENSITY_0_01_INT8, *NO_MASKING),
         "light_warmup",
     ),
+    # the same as top-k with error feedback: no momentum correction, SGD's momentum and weight decay applied by the
+    # optimizer to the averaged sparse update (GRACE's "top-k with EF", ahead of DGC on short CIFAR schedules)
+    "dgc_density_0.01_int8_light_warmup_ef": (
+        "configs/algo/dgc_warmup.yaml",
+        (*DENSITY_0_01_INT8, "--trainer.strategy.init_args.momentum_correction", "false"),
+        "light_warmup",
+    ),
     # the light warm-up with CriticalRegimes (its defaults: 10x denser in the first tenth of the run and a tenth
     # after each drop of the learning rate)
     "dgc_density_0.01_int8_light_warmup_regimes": (

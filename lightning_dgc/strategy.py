@@ -360,6 +360,7 @@ class DGCStrategy(CompressionStrategy):
         selection: Selection = DGCConfig.selection,
         selection_backend: SelectionBackend = DGCConfig.selection_backend,
         min_compress_numel: int = DGCConfig.min_compress_numel,
+        momentum_correction: bool = DGCConfig.momentum_correction,
         momentum: float = DGCConfig.momentum,
         nesterov: bool = DGCConfig.nesterov,
         momentum_masking: bool = DGCConfig.momentum_masking,
@@ -378,7 +379,8 @@ class DGCStrategy(CompressionStrategy):
         options = {
             "density": density, "sample_ratio": sample_ratio, "selection": selection,
             "selection_backend": selection_backend,
-            "min_compress_numel": min_compress_numel, "momentum": momentum, "nesterov": nesterov,
+            "min_compress_numel": min_compress_numel, "momentum_correction": momentum_correction,
+            "momentum": momentum, "nesterov": nesterov,
             "momentum_masking": momentum_masking, "local_clip_norm": local_clip_norm, "value_dtype": value_dtype,
             "seed": seed, "min_density": min_density, "auto_every": auto_every,
         }  # fmt: skip
@@ -421,11 +423,11 @@ class DEFTStrategy(DGCStrategy):
         **kwargs: Any,
     ) -> None:
         self._deft_options = {
-            "momentum_correction": momentum_correction, "k_allocation": k_allocation, "fragmenting": fragmenting,
+            "k_allocation": k_allocation, "fragmenting": fragmenting,
             "rotation": rotation, "union_values": union_values, "selectors": selectors, "budget": budget,
             "wire": wire,
         }  # fmt: skip
-        super().__init__(density=density, **kwargs)
+        super().__init__(density=density, momentum_correction=momentum_correction, **kwargs)
 
     def _more_options(self) -> dict[str, Any]:
         return dict(self._deft_options)

@@ -209,6 +209,7 @@ DGC_SCHEDULE_ROWS = [
     ("`algo/dgc_adamw`", "dgc_density_0.01_int8_light_warmup", "dgc_density_0.01_int8_light_warmup"),
     ("the same without momentum factor masking", "dgc_density_0.01_int8_light_warmup_no_masking",
      "dgc_density_0.01_int8_light_warmup_no_masking"),
+    ("the same as top-k with error feedback", "dgc_density_0.01_int8_light_warmup_ef", None),
     ("the same with `CriticalRegimes()`", "dgc_density_0.01_int8_light_warmup_regimes", None),
     ("density 0.0625 (what", "dgc_density_0.0625", None),
     ("density 0.0625 without momentum factor masking", "dgc_density_0.0625_no_masking", None),

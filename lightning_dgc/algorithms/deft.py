@@ -94,10 +94,6 @@ class DEFT(SparseTopK[DEFTConfig, DEFTPlan, DEFTWork]):
     velocity_per_tensor = False
     config: DEFTConfig
 
-    @property
-    def takes_over_momentum(self) -> bool:
-        return self.config.momentum_correction
-
     @classmethod
     def selected_density(cls, config: DEFTConfig, world_size: int) -> float:
         if config.budget == "dgc_link":  # see DEFTConfig.budget

@@ -12,11 +12,9 @@ from lightning_dgc.checks import flag
 
 @dataclass
 class DEFTConfig(DGCConfig):
-    """DGC's hyper-parameters (:class:`~lightning_dgc.algorithms.dgc.DGCConfig`), plus:
-
-    momentum_correction: DGC's momentum correction in the exchange (SGD's momentum and weight decay
-        taken over) instead of DEFT's plain error feedback, which leaves momentum and weight decay to
-        the optimizer (any optimizer works then); ``momentum`` needs it.
+    """DGC's hyper-parameters (:class:`~lightning_dgc.algorithms.dgc.DGCConfig`), with ``momentum_correction``
+    off by default (DEFT's plain error feedback, which leaves momentum and weight decay to the optimizer: any
+    optimizer works), plus:
 
     The method's parts, each switchable for ablations (the defaults are DEFT as published):
 
@@ -81,7 +79,6 @@ class DEFTConfig(DGCConfig):
                 "DEFT sums its values in an all-reduce, which int8 levels scaled on each rank cannot take;"
                 " use value_dtype='fp16' (or 'fp32'), or DGC for int8 values."
             )
-        self.momentum_correction = flag(self.momentum_correction, "momentum_correction")
         self.fragmenting = flag(self.fragmenting, "fragmenting")
         self.rotation = flag(self.rotation, "rotation")
         if self.k_allocation not in ("norm", "size"):
@@ -104,9 +101,4 @@ class DEFTConfig(DGCConfig):
             raise ValueError(
                 f"`wire` must be 'allreduce' (int32 indices merged by an all-reduce, as published) or 'compact'"
                 f" (2-byte index codes all-gathered, fp16 values), got {self.wire!r}."
-            )
-        if self.momentum and not self.momentum_correction:
-            raise ValueError(
-                "DEFTStrategy applies no momentum in the exchange unless `momentum_correction=True`; leave"
-                " momentum to the optimizer, or pass `DEFTStrategy(momentum_correction=True, momentum=...)`."
             )

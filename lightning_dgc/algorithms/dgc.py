@@ -63,8 +63,14 @@ class DGCConfig(AlgorithmConfig):
             views (CPU only); ``"auto"`` (default): numpy for CPU float32 buckets, torch elsewhere.
         min_compress_numel: tensors with fewer values, and every 1-D tensor (biases, norms), are
             averaged dense: compressing them saves little and hurts accuracy.
-    Momentum correction (used for parameters whose optimizer momentum was not taken over):
-        momentum, nesterov: the local momentum ``m``; 0 gives plain error feedback.
+    Momentum correction:
+        momentum_correction: ``True`` (the paper's): SGD's momentum, Nesterov and weight decay are taken
+            over and applied to the local gradient before selection (``u <- m u + g``, ``v <- v + u``).
+            ``False``: plain error feedback in the exchange (``v <- v + g``), the optimizer's own momentum
+            and weight decay applied to the averaged sparse update, every step and dense (the "top-k with
+            error feedback" of the literature; any optimizer works). ``momentum`` needs ``True``.
+        momentum, nesterov: the local momentum ``m`` for parameters whose optimizer has none to take over;
+            0 gives plain error feedback.
         momentum_masking: clear sent coordinates from the momentum too (the paper's default; tensors
             sent whole are never masked, see the module docstring).
         weight_decay: added to the local gradient before momentum correction.
@@ -85,6 +91,7 @@ class DGCConfig(AlgorithmConfig):
     selection: Selection = "sampled"
     selection_backend: SelectionBackend = "auto"
     min_compress_numel: int = 1024
+    momentum_correction: bool = True
     momentum: float = 0.0
     nesterov: bool = False
     momentum_masking: bool = True
@@ -136,12 +143,18 @@ class DGCConfig(AlgorithmConfig):
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"`momentum` must lie in [0, 1), got {self.momentum!r}.")
         self.nesterov = flag(self.nesterov, "nesterov")
+        self.momentum_correction = flag(self.momentum_correction, "momentum_correction")
         self.momentum_masking = flag(self.momentum_masking, "momentum_masking")
         if self.nesterov and self.momentum == 0.0:
             raise ValueError("`nesterov=True` needs a momentum > 0.")
         self.weight_decay = real_number(self.weight_decay, "weight_decay")
         if not self.weight_decay >= 0.0:
             raise ValueError(f"`weight_decay` must be >= 0, got {self.weight_decay!r}.")
+        if self.momentum and not self.momentum_correction:
+            raise ValueError(
+                f"`momentum={self.momentum!r}` is applied in the exchange only with `momentum_correction=True`;"
+                " leave momentum to the optimizer (SGD(momentum=...)), or pass `momentum_correction=True`."
+            )
         if self.local_clip_norm is not None:
             self.local_clip_norm = real_number(self.local_clip_norm, "local_clip_norm")
             if not self.local_clip_norm > 0.0:

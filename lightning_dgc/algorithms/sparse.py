@@ -54,6 +54,7 @@ class TopKSettings(Protocol):
     selection: str
     selection_backend: str
     momentum_masking: bool
+    momentum_correction: bool
 
     @property
     def value_dtype_torch(self) -> torch.dtype: ...
@@ -187,7 +188,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
 
     @property
     def takes_over_momentum(self) -> bool:
-        return True
+        return self.config.momentum_correction
 
     def plan_key(self) -> tuple[object, ...]:
         return (self.config.density, self.config.value_dtype)

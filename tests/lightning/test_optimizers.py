@@ -62,6 +62,24 @@ def test_sgd_momentum_and_weight_decay_are_taken_over() -> None:
     assert strategy.compression_stats()["step"] == 3
 
 
+def test_without_momentum_correction_sgd_keeps_its_momentum_and_weight_decay() -> None:
+    """``momentum_correction=False``: top-k with error feedback; SGD applies its own momentum and weight decay to
+    the averaged sparse update, so nothing is taken over and the exchange holds no momentum."""
+    strategy = DGCStrategy(density=0.05, momentum_correction=False)
+    probe = _GroupProbe()
+    _fit(strategy, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-4), callbacks=[probe])
+    assert probe.groups == [(0.9, False, 1e-4)] * 3
+    assert not strategy.exchange_state.param_settings
+    assert not strategy.exchange_state.memory.state_dict().get("momentum")
+    assert strategy.compression_stats()["values_sent"] > 0
+
+
+@pytest.mark.parametrize("strategy", [DGCStrategy, DEFTStrategy])
+def test_momentum_in_the_exchange_without_momentum_correction_is_rejected_with_the_fix(strategy) -> None:
+    with pytest.raises(ValueError, match=r"momentum_correction=True.*leave momentum to the optimizer"):
+        strategy(momentum=0.9, momentum_correction=False)
+
+
 def test_momentum_in_both_places_is_rejected() -> None:
     with pytest.raises(ValueError, match="Momentum would be applied twice"):
         _fit(DGCStrategy(momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
