@@ -213,6 +213,7 @@ DGC_SCHEDULE_ROWS = [
     ("the same with `CriticalRegimes()`", "dgc_density_0.01_int8_light_warmup_regimes", None),
     ("density 0.0625 (what", "dgc_density_0.0625", None),
     ("density 0.0625 without momentum factor masking", "dgc_density_0.0625_no_masking", None),
+    ("density 0.25, no masking", "dgc_density_0.25_no_masking", None),
 ]
 
 
@@ -233,7 +234,7 @@ def test_the_dgc_pages_schedules_quote_the_cifar_records(row: tuple[str, str, st
 
 def test_the_pages_that_say_density_is_not_the_lever_quote_the_cifar_record() -> None:
     """The DGC page's and the ``density="auto"`` page's figures for density 0.0625 (with and without momentum
-    factor masking) beside density 0.01 and 0.001, from ``parity_seeds_cifar2.json``."""
+    factor masking) beside density 0.01 and 0.001, and for 0.25, from ``parity_seeds_cifar2.json``."""
     summary = _study("parity_seeds_cifar2")[0]
 
     def below(algo: str) -> str:  # "-1.66 ± 0.86 pp" -> "1.66 ± 0.86"
@@ -248,6 +249,7 @@ def test_the_pages_that_say_density_is_not_the_lever_quote_the_cifar_record() ->
         f" momentum factor masking" in dgc
     )
     assert f"density 0.01 ({mean('dgc_density_0.01_int8_light_warmup')}) and 0.001 ({mean('dgc')})" in dgc
+    assert f"it ended {below('dgc_density_0.25_no_masking')} points below, as close as the seeds can tell" in dgc
     auto = _text("docs/auto-density.md")
     assert (
         f"ended {below('dgc_density_0.0625')} points below DDP, and `algo/dgc_adamw` at 0.01"
