@@ -174,7 +174,11 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     ),
     # nearly dense (a quarter of each tensor a step, no warm-up, no masking): DGC's sparse path where its delays are
     # short, against DDP's
-    "dgc_density_0.25_no_masking": ("configs/algo/dgc.yaml", ("--trainer.strategy.init_args.density", "0.25", *NO_MASKING), False),
+    "dgc_density_0.25_no_masking": (
+        "configs/algo/dgc.yaml",
+        ("--trainer.strategy.init_args.density", "0.25", *NO_MASKING),
+        False,
+    ),
     # local steps: an outer exchange every 10 optimizer steps, dense or DGC's top-k at density 0.01
     "diloco": ("configs/algo/diloco.yaml", (), False),
     "diloco_dgc": ("configs/algo/diloco_dgc.yaml", (), False),
