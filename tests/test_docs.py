@@ -197,6 +197,23 @@ def test_algorithm_index_accuracy_rows_quote_the_records(name: str) -> None:
     assert not missing, f"{rel(page)} row of {name}.json does not quote it: (cell, expected) {missing}"
 
 
+def test_the_benchmarks_readmes_study_commands_rebuild_the_committed_records() -> None:
+    """Each ``$P --name <study> ...`` line of ``benchmarks/README.md`` (with its shell variables expanded) names the
+    algorithms, task and workers that the study's committed record was last rebuilt with."""
+    block = (ROOT / "benchmarks" / "README.md").read_text().split('P="python -m benchmarks.parity')[1].split("```")[0]
+    variables = dict(re.findall(r"\b(\w)=(\S+)", block.splitlines()[1]))
+    lines = [shlex.split(line) for line in block.splitlines() if line.startswith("$P ")]
+    assert len(lines) >= 6
+    for words in lines:
+        name, algos = words[words.index("--name") + 1], words[words.index("--algos") + 1]
+        for key, value in variables.items():
+            algos = algos.replace(f"${{{key}}}", value).replace(f"${key}", value)
+        argv = _record(name)["environment"]["argv"]
+        for option in ("--tasks", "--devices"):
+            assert words[words.index(option) + 1] == argv[argv.index(option) + 1], (name, option)
+        assert set(algos.split(",")) == set(argv[argv.index("--algos") + 1].split(",")), name
+
+
 #: The DGC page's measured schedules: the text that starts a row, and its algorithm in the 2- and 8-worker
 #: CIFAR studies (``None``: not measured there).
 DGC_SCHEDULE_ROWS = [
