@@ -493,6 +493,21 @@ DILOCO_ROWS = {"DDP": "ddp", "`algo/diloco` (H = 10, dense)": "diloco", "`algo/d
                "diloco_streaming_mix0", "`algo/diloco_streaming` with mixing 0.75": "diloco_streaming_mix0.75"}  # fmt: skip
 
 
+def test_the_diloco_pages_longer_rounds_sentence_quotes_the_transformer_record() -> None:
+    """H = 50 against H = 10 on the 8-worker transformer, dense and with DGC's top-k outer step (3 seeds each)."""
+    summary, _ = _study("parity_seeds_xfmr8")
+
+    def gap(algo: str, digits: int) -> str:
+        return _difference_text(summary[algo], False, digits)
+
+    assert len(summary["diloco_h50"]["seeds"]) == len(summary["diloco_dgc_h50"]["seeds"]) == 3
+    assert (
+        f"cost the transformer more ({gap('diloco_h50', 1)} against {gap('diloco', 1)}; with DGC's"
+        f" top-k outer step {gap('diloco_dgc_h50', 0)} against {gap('diloco_dgc', 0)})"
+        in _text("docs/diloco.md")
+    )
+
+
 def test_diloco_page_measured_tables_quote_the_records() -> None:
     """Each subsection of the DiLoCo page's *Measured* names its record; every row of its table quotes the record's
     summary: the metric (last two evaluations, seeds' mean ± std), the paired difference to DDP and the link kB
