@@ -494,7 +494,8 @@ DILOCO_ROWS = {"DDP": "ddp", "`algo/diloco` (H = 10, dense)": "diloco", "`algo/d
 
 
 def test_the_diloco_pages_longer_rounds_sentence_quotes_the_transformer_record() -> None:
-    """H = 50 against H = 10 on the 8-worker transformer, dense and with DGC's top-k outer step (3 seeds each)."""
+    """H = 50 against H = 10 on the 8-worker transformer, dense and with DGC's top-k outer step, and streaming
+    against DiLoCo there (3 seeds each)."""
     summary, _ = _study("parity_seeds_xfmr8")
 
     def gap(algo: str, digits: int) -> str:
@@ -506,6 +507,9 @@ def test_the_diloco_pages_longer_rounds_sentence_quotes_the_transformer_record()
         f" top-k outer step {gap('diloco_dgc_h50', 0)} against {gap('diloco_dgc', 0)})"
         in _text("docs/diloco.md")
     )
+    streaming, diloco = (f"{100 * summary[a]['difference']:+.0f}%" for a in ("diloco_streaming", "diloco"))
+    assert len(summary["diloco_streaming"]["seeds"]) == 3
+    assert f"on the transformer {streaming} against {diloco} (3 seeds)" in _text("docs/diloco.md")
 
 
 def test_diloco_page_measured_tables_quote_the_records() -> None:
