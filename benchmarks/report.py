@@ -32,14 +32,16 @@ _MACHINE_PATH = re.compile(r"(?<![\w.<>])/(?:work|tmp|root|home|usr|opt|mnt|data
 
 
 def headline_plots() -> list[str]:
-    """The figures benchmarks/README.md shows (its ``results/<name>.png`` image links)."""
-    readme = (common.RESULTS.parent / "README.md").read_text()
-    return list(dict.fromkeys(re.findall(r"\]\(results/([\w.-]+\.png)\)", readme)))
+    """The figures benchmarks/README.md and the docs' benchmark pages show (their ``results/<name>.png`` image
+    links)."""
+    pages = [common.RESULTS.parent / "README.md", *sorted(PAGE.parent.glob("*.md"))]
+    links = [name for page in pages for name in re.findall(r"\]\(results/([\w.-]+\.png)\)", page.read_text())]
+    return list(dict.fromkeys(links))
 
 
 def copy_headline_plots(page: Path) -> None:
     """Copy the figures of :func:`headline_plots` that exist into ``results/`` beside ``page``, so that the
-    README's relative image links work in the docs site too (it includes the README)."""
+    relative image links of the README (which the docs site includes) and of the benchmark pages work there."""
     target = page.parent / "results"
     for name in headline_plots():
         source = common.RESULTS / name

@@ -866,6 +866,51 @@ def test_the_time_to_accuracy_page_quotes_the_ptb_record() -> None:
     assert f"reached DDP's perplexity {sooner:.2f}x sooner than DDP (one seed" in _text("docs/recipes.md")
 
 
+def test_the_time_to_accuracy_page_quotes_the_ptb_record_of_deft_powersgd_and_diloco() -> None:
+    """Measured on another day with DDP again beside them: the tables, and the figures the pages draw from them."""
+    from benchmarks.time_to_accuracy import markdown_table, markdown_time_split
+
+    record = _record("time_to_accuracy_ptb_peers")
+    page = (ROOT / "docs" / "benchmarks" / "time-to-accuracy.md").read_text()
+    for table in (markdown_table(record, "ptb"), markdown_time_split(record)):
+        assert "\n".join(table) in page, table[0]
+    report = {(r["link"], r["method"]): r for r in record["report"]}
+    ratio = {r["method"]: r["compression"]["compression_ratio"] for r in record["runs"] if r["compression"]}
+    selection = {w["method"]: w["selection_s"] for w in record["time_split"]}
+    ddp, bound, deft, powersgd, diloco = (
+        report[link, m] for link, m in [("200mbit", "ddp"), ("none", "ddp"), ("200mbit", "deft"), ("200mbit", "powersgd"),
+                                        ("200mbit", "diloco")]
+    )
+    earlier = next(r for r in _record("time_to_accuracy_ptb")["report"] if (r["link"], r["method"]) == ("none", "ddp"))
+    ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
+    sooner, of_bound = ddp["time_to_target_s"] / deft["time_to_target_s"], deft["time_to_target_s"] / bound["time_to_target_s"]
+    above = 100 * (powersgd["final"] / ddp["final"] - 1)
+    expected = {
+        "docs/benchmarks/time-to-accuracy.md": [
+            f"(DDP's compute-only step {ms(bound['median_step_s'])} ms against {ms(earlier['median_step_s'])} above)",
+            f"the target is this DDP's final perplexity, {ddp['final']:.1f}, plus 2%",
+            f"reaches the target {sooner:.2f}x sooner than DDP** ({deft['time_to_target_s']:.0f} s against"
+            f" {ddp['time_to_target_s']:.0f} s) on {ratio['deft']:.1f}x fewer bytes, ending at {deft['final']:.1f} against"
+            f" DDP's {ddp['final']:.1f}: {of_bound:.2f}x the compute-only bound ({bound['time_to_target_s']:.0f} s). Of its"
+            f" {ms(deft['median_step_s'])} ms step, {ms(selection['deft'])} ms are its selection",
+            f"(rank 2; {ratio['powersgd']:.1f}x fewer bytes) steps in {ms(powersgd['median_step_s'])} ms but ends at"
+            f" {powersgd['final']:.1f}, {above:.1f}% above DDP's",
+            f"{ratio['diloco']:.1f}x fewer bytes) steps in {ms(diloco['median_step_s'])} ms and ends at {diloco['final']:.1f}"
+            f" (best {diloco['best']:.1f}): not reached",
+        ],
+        "docs/algorithms/deft.md": [f"DDP's perplexity + 2% {sooner:.2f}x sooner than DDP, at {of_bound:.2f}x the compute-only bound"],
+        "docs/algorithms/powersgd.md": [f"over a 200 Mbit/s link it ended {above:.1f}% above"],
+        "docs/diloco.md": [
+            f"stepped in {ms(diloco['median_step_s'])} ms against DDP's {ms(ddp['median_step_s'])} ms but ended at a"
+            f" perplexity of {diloco['final']:.1f} against DDP's {ddp['final']:.1f}"
+        ],
+    }
+    for page_name, quotes in expected.items():
+        missing = [q for q in quotes if q not in _text(page_name)]
+        assert not missing, (page_name, missing)
+    assert powersgd["time_to_target_s"] is None and diloco["time_to_target_s"] is None
+
+
 @pytest.mark.parametrize("page", ["benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"])
 def test_slow_link_step_times_quote_the_record(page: str) -> None:
     runs = _slow()
@@ -1128,3 +1173,15 @@ def test_gpu_profile_and_selection_figures_quote_the_records() -> None:
     assert f"take {ms['dgc_batched']:.2f} ms per step batched, against {ms['dgc']:.2f} ms tensor by tensor" in dgc
     assert f"and {ms['exact']:.2f} ms for exact `torch.topk` per tensor" in dgc
     assert f"reading the buckets once takes {ms['floor_bucket']:.2f} ms" in dgc
+
+
+def test_the_benchmark_pages_figures_are_the_records_figures() -> None:
+    """The docs site shows the figures that benchmarks/README.md and the benchmark pages link, copied by
+    ``benchmarks.report`` from ``benchmarks/results/``: every one is listed and its copy is current."""
+    from benchmarks.report import headline_plots
+
+    pages = ["benchmarks/README.md", *(rel(p) for p in sorted((ROOT / "docs" / "benchmarks").glob("*.md")))]
+    linked = {name for page in pages for name in re.findall(r"\]\(results/([\w.-]+\.png)\)", _text(page))}
+    assert "time_to_accuracy_ptb_peers.png" in linked and linked == set(headline_plots())
+    stale = [n for n in linked if (ROOT / "docs" / "benchmarks" / "results" / n).read_bytes() != (ROOT / "benchmarks" / "results" / n).read_bytes()]
+    assert not stale, f"run python -m benchmarks.report: {stale}"
