@@ -67,7 +67,7 @@ class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, DDPStrategy):
     (stock Lightning registers hooks on CUDA only and silently drops them elsewhere).
 
     Optimizer contract (momentum must not be applied twice), for algorithms that apply momentum in the
-    exchange (DGC; DEFT with ``momentum_correction=True``):
+    exchange (DGC and DEFT with ``momentum_correction=True``, DGC's default):
 
     * ``torch.optim.SGD``: the exchange **takes over** its ``momentum``, ``nesterov`` and
       ``weight_decay`` per parameter group while ``fit`` runs (they are set to 0 in the optimizer and
@@ -401,7 +401,7 @@ class DGCStrategy(CompressionStrategy):
 class DEFTStrategy(DGCStrategy):
     """Data-parallel training with DEFT's partitioned gradient selection (Yoon and Oh, ICPP 2023).
 
-    ``CompressionStrategy(DEFTConfig(...))``: DGC's arguments plus ``momentum_correction`` and the
+    ``CompressionStrategy(DEFTConfig(...))``: DGC's arguments (``momentum_correction`` off by default) plus the
     switches of the method's parts (each described in :class:`~lightning_dgc.algorithms.deft.DEFTConfig`),
     plus every ``DDPStrategy`` argument. By default momentum follows DEFT's code: error feedback only in the exchange, and the
     optimizer's own momentum and weight decay applied to the averaged update (any optimizer works).
