@@ -579,6 +579,7 @@ class RunRecorder(L.Callback):
         self._batch_start = 0.0
         self._step_times: list[float] = []
         self.auto: dict[str, Any] = {}
+        self._resumed_wall = (0.0, 0.0)  # seconds (since launch, training) before the checkpoint resumed from
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         from benchmarks import bf16_cpu
@@ -592,8 +593,10 @@ class RunRecorder(L.Callback):
             self._bf16_matmul.__exit__(None, None, None)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._t0 = time.perf_counter()
-        self._launch = float(os.environ.get(LAUNCH_ENV, time.time()))
+        # a resumed run (load_state_dict ran before this hook) goes on counting from its seconds so far
+        wall, train_wall = self._resumed_wall
+        self._t0 = time.perf_counter() - train_wall
+        self._launch = float(os.environ.get(LAUNCH_ENV, time.time())) - wall
         self._params = sum(p.numel() for p in pl_module.parameters())
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
@@ -665,6 +668,25 @@ class RunRecorder(L.Callback):
             **metrics,
         })  # fmt: skip
         self._write(trainer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a run resumed from a checkpoint needs to write the same record as an uninterrupted one: the
+        history, the byte totals and densities so far, the step times, and the seconds spent before this save
+        (so ``wall_s``, ``val_s`` and ``train_wall_s`` count every start of the run)."""
+        return {
+            "history": self.history, "train_loss_epochs": self.train_loss_epochs, "totals": dict(self.totals),
+            "densities": self.densities, "last_step": self._last_step, "val_s": self._val_s,
+            "step_times": self._step_times, "auto": self.auto,
+            "wall_s": time.time() - self._launch, "train_wall_s": time.perf_counter() - self._t0,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history, self.train_loss_epochs = list(state["history"]), list(state["train_loss_epochs"])
+        self.totals, self.densities = dict(state["totals"]), list(state["densities"])
+        last = state["last_step"]
+        self._last_step = tuple(last) if last is not None else None
+        self._val_s, self._step_times, self.auto = state["val_s"], list(state["step_times"]), dict(state["auto"])
+        self._resumed_wall = (float(state["wall_s"]), float(state["train_wall_s"]))
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         self._count(trainer)  # an exchange at the end of fit, after the last batch (DiLoCo's short last round)

@@ -58,7 +58,9 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -207,6 +209,10 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     ),
     # DGC's top-k with error feedback on the optimizer's update (each rank's own step), not the gradient
     "dgc_updates": ("configs/algo/dgc_updates.yaml", (), False),
+    # the recommended DGC as shipped: density 0.01, int8 values, the light warm-up
+    "dgc_1pct_int8": ("configs/algo/dgc_1pct_int8.yaml", (), "light_warmup"),
+    # DDP in fp32, for a bf16 task: what bf16 autocast costs DDP's accuracy
+    "ddp_fp32": ("configs/algo/ddp.yaml", ("--trainer.precision", "32-true"), False),
 }
 #: DEFT's ablations: the shipped DEFT with one part switched (see ``DEFTConfig``), for ``--algos``.
 DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
@@ -260,6 +266,13 @@ class Task:
     #: the config's learning-rate milestones as fractions of its epochs: a run of another length gets
     #: them at the same fractions (``--model.milestones``), so it ends annealed as the config's does
     milestone_fractions: tuple[float, ...] = ()
+    #: the config's own ``max_epochs`` when the task's full budget is another length (milestones are moved then)
+    config_epochs: int | None = None
+    #: a run saves a checkpoint at every epoch end and, started again, resumes from it (see :func:`run_one`)
+    resumable: bool = False
+    #: the data files the task needs under its data folder, and the fewest bytes each has (a smaller set's
+    #: files of the same names are refused by name)
+    required_files: tuple[tuple[str, int], ...] = ()
 
 
 TASKS: dict[str, Task] = {
@@ -277,6 +290,31 @@ TASKS: dict[str, Task] = {
         full=(10, None),
         overrides=("--data.download", "false"),
         milestone_fractions=(0.6, 0.8),
+    ),
+    # the long protocol: the same recipe on all of CIFAR-10 for 20 epochs (7,820 optimizer steps at the global batch
+    # of 128), the learning rate / 10 at 60% and 80% of the run as the config has it, bf16 autocast (the CPUs'
+    # avx512_bf16: 1.7x), the augmentation on each batch (one gather, seeded per batch: exact on resume), and the
+    # 10,000 test images evaluated every half epoch
+    "cifar10_full": Task(
+        name="cifar10_full",
+        what="ResNet-20, CIFAR-10 (50k train / 10k test), batch 2 x 64, 20 epochs (7,820 steps), bf16 autocast,"
+        " evaluated every half epoch",
+        config="configs/cifar10_resnet20_cpu.yaml",
+        data_subdir="cifar10-full",
+        metric="val_acc",
+        metric_label="top-1",
+        higher_is_better=True,
+        tolerance=0.005,
+        relative=False,
+        quick=(1, 60),
+        full=(20, None),
+        overrides=("--data.download", "false", "--trainer.precision", "bf16-mixed", "--trainer.val_check_interval",
+                   "0.5", "--data.augment", "batch", "--data.num_workers", "0"),  # fmt: skip
+        milestone_fractions=(0.6, 0.8),
+        config_epochs=10,
+        resumable=True,
+        required_files=(*((f"cifar-10-batches-py/data_batch_{i}", 10_000 * 3072) for i in range(1, 6)),
+                        ("cifar-10-batches-py/test_batch", 10_000 * 3072), ("cifar-10-batches-py/batches.meta", 1)),
     ),
     "ptb": Task(
         name="ptb",
@@ -341,8 +379,9 @@ TASKS: dict[str, Task] = {
 }
 
 
-def callbacks_yaml(algo: str, record_path: Path, epochs: int) -> str:
-    """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder), as YAML text."""
+def callbacks_yaml(algo: str, record_path: Path, epochs: int, checkpoints: Path | None = None) -> str:
+    """The run's ``trainer.callbacks`` (the algorithm YAML's, plus the recorder, plus with ``checkpoints`` a
+    ``ModelCheckpoint`` that keeps the last epoch end's checkpoint there), as YAML text."""
     lines = ["trainer:", "  callbacks:"]
     schedule = ALGO_SPECS[algo][2]
     # the schedule's parts: "regimes+light_warmup" -> {"regimes", "light_warmup"}, True (the paper's warm-up) -> {"True"}
@@ -355,13 +394,24 @@ def callbacks_yaml(algo: str, record_path: Path, epochs: int) -> str:
             lines += ["      init_args:", "        run_fraction: 0.2"]
         if "light_warmup" in parts:
             lines.append(f"        densities: {list(LIGHT_WARMUP)}")
-    if algo != "ddp":
+    if not algo.startswith("ddp"):  # (plain DDP has no compression statistics)
         lines.append("    - class_path: lightning_dgc.CompressionMonitor")
     lines += [
         "    - class_path: benchmarks.common.RunRecorder",
         "      init_args:",
         f"        path: {json.dumps(str(record_path))}",
     ]
+    if checkpoints is not None:
+        # at epoch ends only: there a resume replays the data exactly (the sampler's order is a function of seed and
+        # epoch), where a checkpoint after a mid-epoch evaluation would start that epoch's batches again
+        lines += [
+            "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint",
+            "      init_args:",
+            f"        dirpath: {json.dumps(str(checkpoints))}",
+            "        save_last: true",
+            "        save_top_k: 0",
+            "        save_on_train_epoch_end: true",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -372,10 +422,53 @@ def algo_config(algo: str) -> str:
 def steps_per_epoch_estimate(task: Task, batches: int | None) -> int | None:
     if batches is not None:
         return batches
-    return {"cifar10": 79, "ptb": 634, "ptb_transformer": 634, "digits": 170}.get(task.name)
+    return {"cifar10": 79, "cifar10_full": 391, "ptb": 634, "ptb_transformer": 634, "digits": 170}.get(task.name)
 
 
 RUNS_DIR = common.RESULTS / "parity_runs"
+#: where a resumable task's data is built and its runs' checkpoints are kept (outside the checkout, so that a
+#: stopped study resumes in a fresh clone on the same machine)
+CACHE = Path(os.environ.get("LIGHTNING_DGC_CACHE", Path.home() / ".cache" / "lightning-dgc"))
+
+
+def missing_files(task: Task, folder: Path) -> list[str]:
+    """The task's required data files that ``folder`` lacks or holds too small, each with why."""
+    out = []
+    for name, least in task.required_files:
+        path = folder / name
+        if not path.is_file():
+            out.append(f"{name} (missing)")
+        elif path.stat().st_size < least:
+            out.append(f"{name} ({path.stat().st_size:,} bytes; the full set's has at least {least:,})")
+    return out
+
+
+def data_folder(task: Task, data_root: Path) -> Path:
+    """The folder ``task``'s runs read: ``<data_root>/<data_subdir>``; for a task with required files that the
+    folder does not hold but whose ``build.py`` is there (``../shared/data/cifar10-full``), the set that
+    ``build.py`` writes into :data:`CACHE` (once). Anything else is an error that names what is missing."""
+    folder = data_root / task.data_subdir
+    if not missing_files(task, folder):
+        return folder
+    builder = folder / "build.py"
+    if builder.is_file():
+        built = CACHE / task.data_subdir
+        if missing_files(task, built):
+            subprocess.run([sys.executable, str(builder), str(built)], check=True)
+        folder = built
+    missing = missing_files(task, folder)
+    if missing:
+        raise SystemExit(
+            f"{task.name}: {folder} does not hold the full data set: {'; '.join(missing)}. Pass --data-root a folder"
+            f" whose {task.data_subdir}/ holds all of CIFAR-10 in its original layout (cifar-10-batches-py/), or"
+            f" the shared data's {task.data_subdir}/ with its build.py and archive."
+        )
+    return folder
+
+
+def checkpoint_dir(name: str, run_name: str) -> Path:
+    """Where a resumable run keeps its last epoch end's checkpoint."""
+    return CACHE / "parity" / name / run_name
 
 
 def per_process_batch(task: Task, devices: int) -> int:
@@ -406,27 +499,28 @@ def command(
     (CONFIG_DIR / name).mkdir(parents=True, exist_ok=True)
     generated = CONFIG_DIR / name / f"{run_name}.yaml"
     budget = f"{epochs} epoch(s) x {batches or 'all'} batches"
+    checkpoints = checkpoint_dir(name, run_name) if task.resumable else None
     generated.write_text(
         f"# Generated by benchmarks/parity.py for {task.name} / {algo} ({budget}): the callbacks of\n"
         f"# {algo_config(algo)} plus benchmarks.common.RunRecorder (run metrics to JSON).\n"
-        + callbacks_yaml(algo, record.relative_to(common.REPO), epochs)
+        + callbacks_yaml(algo, record.relative_to(common.REPO), epochs, checkpoints)
     )
     argv = [
         common.python(), "-m", "lightning_dgc_recipes", "fit",
         "--config", task.config, "--config", algo_config(algo), "--config", str(generated.relative_to(common.REPO)),
-        "--data.root", str(data_root / task.data_subdir), *task.overrides, *ALGO_SPECS[algo][1],
+        "--data.root", str(data_folder(task, data_root)), *task.overrides, *ALGO_SPECS[algo][1],
         "--trainer.max_epochs", str(epochs),
         "--trainer.devices", str(devices), "--data.batch_size", str(per_process_batch(task, devices)),
         "--trainer.num_sanity_val_steps", "0",
         "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_checkpointing", "false",
+        "--trainer.enable_checkpointing", str(task.resumable).lower(),
         "--trainer.default_root_dir", str(workdir / "root"),
         "--trainer.logger.init_args.save_dir", str(workdir / "logs"),
         "--trainer.logger.init_args.version", run_name,
     ]  # fmt: skip
     if seed is not None:
         argv += ["--seed_everything", str(seed)]
-    if task.milestone_fractions and epochs != task.full[0]:
+    if task.milestone_fractions and epochs != (task.config_epochs or task.full[0]):
         argv += ["--model.milestones", json.dumps(milestones(task, epochs))]
     if batches is not None:  # per process: at N processes each sees 1/N of the data
         argv += ["--trainer.limit_train_batches", str(batches)]
@@ -479,11 +573,15 @@ def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | 
                 "command": display_command(argv, workdir), "exit_code": None, "wall_s": None,
                 "reused": False, "pending": True}  # fmt: skip
     else:
-        record.unlink(missing_ok=True)
+        if not task.resumable:  # (a resumable run drops its record only when it starts afresh)
+            record.unlink(missing_ok=True)
         key_file.unlink(missing_ok=True)
-        code, wall = common.run_command(argv, run_env(task, threads), log, timeout_s)
-        if code == 0 and record.exists():
+        code, wall = common.run_command([*argv, *resume_arguments(task, name, record, key)], run_env(task, threads),
+                                        log, timeout_s)  # fmt: skip
+        if code == 0 and record.exists() and json.loads(record.read_text()).get("finished"):
             key_file.write_text(key)
+            if task.resumable:  # a finished run's checkpoint is not needed again
+                shutil.rmtree(checkpoint_dir(name, record.stem), ignore_errors=True)
     out: dict[str, Any] = {
         "task": task.name,
         "algo": algo,
@@ -521,6 +619,24 @@ def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | 
     if code != 0 or not record.exists():
         out["error"] = common.tail(log, 30)
     return out
+
+
+def resume_arguments(task: Task, name: str, record: Path, key: str) -> list[str]:
+    """``["--ckpt_path", <last.ckpt>]`` where a resumable run of this very command (``key``) stopped after an epoch
+    end, else ``[]``; a run that starts afresh first drops its partial record and any checkpoint of another command.
+    The run's :class:`benchmarks.common.RunRecorder` resumes its record from the checkpoint, so a resumed run's
+    record is the record of an uninterrupted one."""
+    if not task.resumable:
+        return []
+    folder = checkpoint_dir(name, record.stem)
+    last, key_file = folder / "last.ckpt", folder / "key"
+    if last.exists() and key_file.is_file() and key_file.read_text() == key:
+        return ["--ckpt_path", str(last)]
+    shutil.rmtree(folder, ignore_errors=True)
+    record.unlink(missing_ok=True)
+    folder.mkdir(parents=True)
+    key_file.write_text(key)
+    return []
 
 
 def protocol_values(task: Task, run: dict[str, Any]) -> dict[str, Any]:
