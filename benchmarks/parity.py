@@ -213,6 +213,8 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "dgc_1pct_int8": ("configs/algo/dgc_1pct_int8.yaml", (), "light_warmup"),
     # DDP in fp32, for a bf16 task: what bf16 autocast costs DDP's accuracy
     "ddp_fp32": ("configs/algo/ddp.yaml", ("--trainer.precision", "32-true"), False),
+    # DDP with 5x the recipe's weight decay (5e-4, common for short CIFAR schedules): tuning the schedule for DDP
+    "ddp_wd5e-4": ("configs/algo/ddp.yaml", ("--model.weight_decay", "0.0005"), False),
 }
 #: DEFT's ablations: the shipped DEFT with one part switched (see ``DEFTConfig``), for ``--algos``.
 DEFT_ABLATIONS: dict[str, tuple[tuple[str, ...], bool]] = {
