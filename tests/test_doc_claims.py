@@ -4,9 +4,9 @@ says of it ("less than half", "the fewest", "without a GPU")."""
 from __future__ import annotations
 
 import re
-import tomllib
 
 from tests.test_docs import ROOT, _record, _text
+from tests.test_packaging import PYPROJECT
 
 
 def _summary(record: str) -> dict[str, dict]:
@@ -63,7 +63,7 @@ def test_the_benchmarks_page_points_every_gpu_figure_to_a_record() -> None:
 
 
 def test_the_readme_says_which_torch_the_tests_run_on() -> None:
-    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    dev = PYPROJECT["project"]["optional-dependencies"]["dev"]
     assert "torch==2.11.0" in [d.split("#")[0].strip() for d in dev]  # the suite's torch: 2.11
     assert "the tests run on 2.11; the wheel trains a step on 2.13" in _text("README.md")
 
