@@ -28,7 +28,7 @@ DILOCO = {"diloco": (10, 0.7, 0.9, "dense", None), "diloco_dgc": (10, 0.7, 0.9, 
 #: Streaming DiLoCo's configs: fragments, overlap_steps, mixing (the others: one fragment, no overlap).
 STREAMING = {"diloco_streaming": (5, 1, 0.5)}
 #: The densities of the algorithm YAMLs that set one other than DGC's 0.001.
-DENSITIES = {"dgc_adamw": 0.01}
+DENSITIES = {"dgc_adamw": 0.01, "dgc_1pct_int8": 0.01}
 #: The lightning_dgc classes the algorithm YAMLs may name (the package's public API).
 LIGHTNING_DGC_NAMES = {
     "CompressionStrategy",
@@ -171,5 +171,5 @@ def test_an_unknown_config_name_lists_the_builtin_names_on_the_command_line(valu
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"`--config {value}`: no such file" in proc.stderr and f"Did you mean `{closest}`?" in proc.stderr
-    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_adamw, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
+    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_1pct_int8, algo/dgc_adamw, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
     assert "Traceback" not in proc.stderr and "File does not exist" not in proc.stderr
