@@ -20,23 +20,23 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CompressionMonitor": "lightning_dgc.callbacks",
-    "CriticalRegimes": "lightning_dgc.regimes",
-    "breakeven_density": "lightning_dgc.regimes",
-    "SparsityWarmup": "lightning_dgc.callbacks",
-    "warmup_density": "lightning_dgc.callbacks",
-    "CompressionStrategy": "lightning_dgc.strategy",
-    "DEFTStrategy": "lightning_dgc.strategy",
-    "DGCStrategy": "lightning_dgc.strategy",
-    "DiLoCoStrategy": "lightning_dgc.diloco",
-    "FabricCompressionStrategy": "lightning_dgc.fabric",
-    "FabricDiLoCoStrategy": "lightning_dgc.fabric_diloco",
+    "CompressionMonitor": "lightning_dgc.schedules.warmup",
+    "CriticalRegimes": "lightning_dgc.schedules.regimes",
+    "breakeven_density": "lightning_dgc.schedules.regimes",
+    "SparsityWarmup": "lightning_dgc.schedules.warmup",
+    "warmup_density": "lightning_dgc.schedules.warmup",
+    "CompressionStrategy": "lightning_dgc.front.strategy",
+    "DEFTStrategy": "lightning_dgc.front.strategy",
+    "DGCStrategy": "lightning_dgc.front.strategy",
+    "DiLoCoStrategy": "lightning_dgc.local_steps.strategy",
+    "FabricCompressionStrategy": "lightning_dgc.front.fabric",
+    "FabricDiLoCoStrategy": "lightning_dgc.local_steps.fabric",
     "DEFTConfig": "lightning_dgc.algorithms.deft",
     "DGCConfig": "lightning_dgc.algorithms.dgc",
     "PowerSGDConfig": "lightning_dgc.algorithms.powersgd",
-    "ExchangeState": "lightning_dgc.state",
-    "exchange_hook": "lightning_dgc.hook",
-    "ExchangeProfiler": "lightning_dgc.profiler",
+    "ExchangeState": "lightning_dgc.exchange.state",
+    "exchange_hook": "lightning_dgc.exchange.hook",
+    "ExchangeProfiler": "lightning_dgc.front.profiler",
     "Network": "lightning_dgc.perfmodel",
     "Prediction": "lightning_dgc.perfmodel",
     "Profile": "lightning_dgc.perfmodel",
@@ -52,7 +52,7 @@ _EXPORTS = {
     "TensorSpec": "lightning_dgc.algorithms",
     "WireCost": "lightning_dgc.algorithms",
     "register": "lightning_dgc.algorithms",
-    "check_algorithm": "lightning_dgc.testing",
+    "check_algorithm": "lightning_dgc.kit.check",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -71,7 +71,7 @@ def __dir__() -> list[str]:
 
 
 def _register_strategies() -> None:
-    from lightning_dgc.registration import register_strategies
+    from lightning_dgc.front.registration import register_strategies
 
     register_strategies()
 

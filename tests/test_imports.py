@@ -29,13 +29,13 @@ assert STRATEGY_REGISTRY["deft"]["init_params"] == {"algorithm": "deft", "start_
 CASES = {
     # the package's names before Lightning: this crashed with a circular import
     "names first": "from lightning_dgc import DGCStrategy" + REGISTERED,
-    "strategy module first": "import lightning_dgc.strategy" + REGISTERED,
-    "Fabric's DiLoCo module first": "import lightning_dgc.fabric_diloco" + REGISTERED,
+    "strategy module first": "import lightning_dgc.front.strategy" + REGISTERED,
+    "Fabric's DiLoCo module first": "import lightning_dgc.local_steps.fabric" + REGISTERED,
     "package, then Lightning": "import lightning_dgc\nimport lightning.pytorch" + REGISTERED,
     "Lightning, then package": "import lightning\nimport lightning_dgc" + REGISTERED,
     "pure parts": """
 import sys
-import lightning_dgc.perfmodel, lightning_dgc.algorithms, lightning_dgc.hook
+import lightning_dgc.perfmodel, lightning_dgc.algorithms, lightning_dgc.exchange.hook
 assert "lightning" not in sys.modules, "a pure module imported Lightning"
 """,
 }

@@ -1,0 +1,1 @@
+"""The exchange state in checkpoints: rank files, the manifest, saving, checking, restoring."""
