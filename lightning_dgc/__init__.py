@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "CompressionMonitor": "lightning_dgc.schedules.warmup",
     "CriticalRegimes": "lightning_dgc.schedules.regimes",
-    "breakeven_density": "lightning_dgc.schedules.regimes",
+    "breakeven_density": "lightning_dgc.perfmodel.breakeven",
     "SparsityWarmup": "lightning_dgc.schedules.warmup",
     "warmup_density": "lightning_dgc.schedules.warmup",
     "CompressionStrategy": "lightning_dgc.front.strategy",

@@ -13,7 +13,7 @@ from lightning_dgc import DGCStrategy, algorithms
 from lightning_dgc.algorithms import layout_of
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.comm import Pending
+from lightning_dgc.comm import Pending, TimedCollectives
 from lightning_dgc.perfmodel import Network
 from lightning_dgc.schedules.auto_density import (
     AUTO_MARGIN,
@@ -22,7 +22,6 @@ from lightning_dgc.schedules.auto_density import (
     ExchangeRecorder,
     LinkEstimate,
     StepSample,
-    TimedCollectives,
     candidate_densities,
     choose_density,
     estimate_link,

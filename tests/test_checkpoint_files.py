@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dgc.checkpoint.exchange import read_checkpoint, save_atomically
+from lightning_dgc.checkpoint.files import read_checkpoint, save_atomically
 
 # A process that starts saving a checkpoint with save_atomically and never finishes (its pickling blocks).
 _WRITER = """
 import sys, time
 import torch
-from lightning_dgc.checkpoint.exchange import save_atomically
+from lightning_dgc.checkpoint.files import save_atomically
 
 class Blocks:
     def __reduce__(self):

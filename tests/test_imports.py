@@ -56,39 +56,69 @@ def test_any_import_order_registers_every_strategy_name_and_pure_parts_need_no_l
     assert not failed, failed
 
 
-def module_imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package modules ``path`` imports when it loads or is type-checked (imports inside functions, which
-    run later, do not count)."""
-    found: set[str] = set()
-
-    def visit(nodes: list[ast.stmt]) -> None:
-        for node in nodes:
-            if isinstance(node, ast.ClassDef):
-                visit(node.body)
-            elif isinstance(node, ast.If):
-                visit(node.body + node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body])
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.update(
-                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
-                    for a in node.names
-                )
-
-    visit(ast.parse(path.read_text()).body)
-    return {name for name in found if name in modules}
+#: The package's rooms, top to bottom: a module imports from its own room or from a room below it, never above.
+LAYERS = (
+    "lightning_dgc",  # the public API
+    "kit",
+    "local_steps",
+    "front",
+    "schedules",
+    "perfmodel",
+    "checkpoint",
+    "exchange",
+    "algorithms",
+    "comm",
+    "tensor_ops",
+)
 
 
-def test_the_package_has_no_import_circle_type_checking_imports_included() -> None:
+def package_modules() -> dict[str, Path]:
     root = Path(lightning_dgc.__file__).parent
     modules = {}
     for path in root.rglob("*.py"):
         parts = list(path.relative_to(root.parent).with_suffix("").parts)
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {name: module_imports(path, modules) - {name} for name, path in modules.items()}
-    assert graph["lightning_dgc.algorithms.sparse"], "the scan finds imports"
+    return modules
+
+
+def module_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` (at ``path``) imports: every import statement, at module level, under
+    ``TYPE_CHECKING`` or deferred into a function alike."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # an attribute of a module: the module
+                target = target.rpartition(".")[0]
+            if target:
+                found.add(target)
+    return found - {name}
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = package_modules()
+    return {name: module_imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_package_has_no_import_circle_deferred_imports_included() -> None:
+    graph = import_graph()
+    assert "lightning_dgc.tensor_ops.memory" in graph["lightning_dgc.algorithms.context"], "the scan finds imports"
+    assert "lightning_dgc.kit.run" in graph["lightning_dgc.kit.replay"], "the scan finds imports"
 
     def circle_from(start: str) -> list[str] | None:
         stack = [(start, [start])]
@@ -105,6 +135,26 @@ def test_the_package_has_no_import_circle_type_checking_imports_included() -> No
 
     circles = [c for c in map(circle_from, sorted(graph)) if c]
     assert not circles, " -> ".join(circles[0])
+
+
+def test_no_module_imports_from_a_room_above_its_own() -> None:
+    graph = import_graph()
+    rooms = {room_of(name) for name in graph}
+    assert rooms == set(LAYERS), f"rooms without a layer: {rooms - set(LAYERS)}; layers without a room: {set(LAYERS) - rooms}"
+    floor = {room: i for i, room in enumerate(LAYERS)}
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph.items()
+        for target in targets
+        if floor[room_of(target)] < floor[room_of(name)]
+    )
+    assert not upward, upward
+
+
+def test_the_package_top_holds_at_most_a_dozen_entries() -> None:
+    root = Path(lightning_dgc.__file__).parent
+    entries = sorted(p.name for p in root.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 12, entries
 
 
 def test_no_module_of_the_package_is_over_450_lines() -> None:

@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -339,6 +338,8 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
 
 
 _REGISTRY: dict[str, type[Algorithm[Any, Any, Any]]] = {}
+#: Called with every algorithm registered from outside the package (the front doors add strategy names for it).
+_LISTENERS: list[Callable[[type], None]] = []
 
 A = TypeVar("A", bound=type)
 
@@ -356,19 +357,22 @@ def register(cls: A) -> A:
             f"an algorithm named {name!r} is already registered ({_REGISTRY[name].__qualname__})"
         )
     _REGISTRY[name] = cls  # type: ignore[assignment]
-    if "lightning.pytorch" in sys.modules and not cls.__module__.startswith("lightning_dgc."):
-        from lightning_dgc.front.registration import (
-            register_strategies,  # the package's own are registered with it
-        )
-
-        register_strategies()
+    if not cls.__module__.startswith("lightning_dgc."):  # the package's own are registered with it
+        for listener in _LISTENERS:
+            listener(cls)
     return cls
 
 
-def registered() -> dict[str, type[Algorithm[Any, Any, Any]]]:
-    """Every registered algorithm by name (the package's own are imported first)."""
-    from lightning_dgc import algorithms  # noqa: F401  (imports every algorithm module of the package)
+def on_register(listener: Callable[[type], None]) -> None:
+    """Call ``listener`` with every algorithm registered from outside the package from now on (once per
+    listener: :mod:`lightning_dgc.front.registration` adds the strategy names of each)."""
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
 
+
+def registered() -> dict[str, type[Algorithm[Any, Any, Any]]]:
+    """Every registered algorithm by name (importing this module imports :mod:`lightning_dgc.algorithms`
+    first, which imports every algorithm module of the package)."""
     return dict(_REGISTRY)
 
 

@@ -10,7 +10,7 @@ Layout of a checkpoint ``<path>`` (``trainer.save_checkpoint``, ``ModelCheckpoin
 files the previous checkpoint at ``path`` names: the rank files are written first, then the manifest, with
 each file's SHA-256 and size, in rank 0's file; rank 0 then deletes the files of earlier saves. A reader checks
 every file it reads against the manifest. Files go through Lightning's ``CheckpointIO`` (remote storage), or
-straight to disk through :func:`~lightning_dgc.checkpoint.exchange.save_atomically` for a local path.
+straight to disk through :func:`~lightning_dgc.checkpoint.files.save_atomically` for a local path.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import posixpath
 from typing import Any
 
 import torch
+
+from lightning_dgc.checkpoint.files import is_local, read_checkpoint, save_atomically
+from lightning_dgc.exchange.entry import CHECKPOINT_KEY
 
 #: The folder of a checkpoint's rank files is the checkpoint's path with this suffix.
 FOLDER_SUFFIX = ".exchange"
@@ -58,15 +61,11 @@ class FileIO:
     def direct(self, path: Any) -> bool:
         from lightning.fabric.plugins import TorchCheckpointIO
 
-        from lightning_dgc.checkpoint.exchange import is_local
-
         io = self.checkpoint_io
         return (io is None or type(io) is TorchCheckpointIO) and self.storage_options is None and is_local(path)
 
     def save(self, obj: dict[str, Any], path: Any, record: bool = True) -> dict[str, Any] | None:
         """Write ``obj`` to ``path``; its manifest record ``{"name", "sha256", "bytes"}`` (``record=False``: none)."""
-        from lightning_dgc.checkpoint.exchange import save_atomically
-
         if self.direct(path):
             save_atomically(obj, path)
         else:
@@ -77,8 +76,6 @@ class FileIO:
         return {"name": posixpath.basename(str(path).replace(os.sep, "/")), "sha256": sha256, "bytes": size}
 
     def load(self, path: str) -> dict[str, Any]:
-        from lightning_dgc.checkpoint.exchange import read_checkpoint
-
         if self.direct(path):
             return read_checkpoint(lambda: torch.load(path, map_location="cpu", weights_only=True), path)
         return read_checkpoint(lambda: self.checkpoint_io.load_checkpoint(path, map_location="cpu"), path)
@@ -137,8 +134,6 @@ def check_file(path: str, record: dict[str, Any]) -> str | None:
 
 def check_manifest(entry: dict[str, Any]) -> None:
     """Raise a ``ValueError`` naming the part of a manifest (a ``"lightning_dgc"`` entry of format 3) that is malformed."""
-    from lightning_dgc.exchange.entry import CHECKPOINT_KEY
-
     key = f"checkpoint[{CHECKPOINT_KEY!r}]"
     fix = f" Resume from an unmodified checkpoint, or delete {key} to start the exchange with empty buffers."
     for field, kind in (("algorithm", str), ("world_size", int), ("step", int), ("folder", str)):

@@ -22,7 +22,6 @@ from torch import Tensor
 from lightning_dgc import comm
 from lightning_dgc.algorithms import BucketWork, Message, WireCost
 from lightning_dgc.comm import Collectives
-from lightning_dgc.schedules.auto_density import TimedCollectives
 from lightning_dgc.tensor_ops.memory import bucket_order_flat
 
 if TYPE_CHECKING:
@@ -54,8 +53,7 @@ def enter_passthrough(state: ExchangeState, collectives: Collectives | None = No
     if not can_pass_through(state) or state.density != 1.0:
         return False
     if collectives is None:
-        collectives = state.collectives
-        collectives = collectives.inner if isinstance(collectives, TimedCollectives) else collectives
+        collectives = state.collectives.unwrapped
     committed = state.memory.committed
     names = sorted(n for n in committed.get("momentum", {}) if not state.is_dense(n))  # dense ones are one already
     momenta = [committed["momentum"][n] for n in names]

@@ -19,14 +19,11 @@ import torch
 from typing_extensions import override
 
 from lightning_dgc import algorithms, comm
-from lightning_dgc.algorithms import AlgorithmConfig
+from lightning_dgc.algorithms import AlgorithmConfig, checks
 from lightning_dgc.algorithms.base import algorithm_for
-from lightning_dgc.algorithms.checks import (
-    check_density,
-    drop_foreign_hook_arguments,
-    sparse_gradient_message,
-)
-from lightning_dgc.checkpoint.exchange import FileIO, read_checkpoint, remove_rank_files
+from lightning_dgc.checkpoint.exchange import remove_rank_files
+from lightning_dgc.checkpoint.files import read_checkpoint
+from lightning_dgc.checkpoint.rank_files import FileIO
 from lightning_dgc.exchange import agreement
 from lightning_dgc.exchange.hook import exchange_hook
 from lightning_dgc.exchange.passthrough import enter_passthrough
@@ -200,7 +197,7 @@ class ExchangeAccess(ProcessGroupAtExit):
         self.max_consecutive_skips = check_max_consecutive_skips(max_consecutive_skips)
         self.check_ranks_every = agreement.check_ranks_every_value(check_ranks_every)
         ddp = "Fabric's `DDPStrategy`" if base.__module__.startswith("lightning.fabric") else "`DDPStrategy`"
-        drop_foreign_hook_arguments(kwargs, type(self).__name__, ddp)
+        checks.drop_foreign_hook_arguments(kwargs, type(self).__name__, ddp)
         self._config = config_from_arguments(type(self).__name__, algorithm, options, kwargs, base)
         self._state = None
         self.hook_calls = 0  # incremented by the registered hook: proof that it runs
@@ -249,7 +246,7 @@ class ExchangeAccess(ProcessGroupAtExit):
         elif self._state is not None:
             self._state.density = value
         else:
-            self._config.density = check_density(value)
+            self._config.density = checks.check_density(value)
 
     @property
     def auto_density(self) -> AutoDensity | None:
@@ -340,7 +337,7 @@ class ExchangeAccess(ProcessGroupAtExit):
         """The error, at setup, for a model with parameters whose gradients are sparse tensors."""
         sparse = sparse_gradient_parameters(module)
         if sparse:
-            raise ValueError(f"{type(self).__name__}: {sparse_gradient_message(sparse)}")
+            raise ValueError(f"{type(self).__name__}: {checks.sparse_gradient_message(sparse)}")
 
     def _set_up_rank_checks(self) -> None:
         """The process group of the rank checks (on the host: they never wait for the device); every rank."""

@@ -38,14 +38,14 @@ from typing_extensions import override
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.checkpoint.exchange import (
     CHECKPOINT_KEY,
-    FileIO,
     check_entry,
     finish_save,
     mean_momentum,
-    read_checkpoint,
     restore_exchange_state,
     save_exchange_state,
 )
+from lightning_dgc.checkpoint.files import read_checkpoint
+from lightning_dgc.checkpoint.rank_files import FileIO
 from lightning_dgc.exchange.agreement import DEFAULT_CHECK_RANKS_EVERY
 from lightning_dgc.exchange.state import ExchangeState
 from lightning_dgc.exchange.takeover import (
@@ -257,7 +257,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         The exchange memory is restored when ``state`` is a dictionary of objects to restore
         (``fabric.load(path, {"model": model, "optimizer": optimizer, ...})``); with no ``state`` the
         checkpoint is returned in full, its exchange entry under ``"lightning_dgc"`` included. A truncated file
-        is an error naming it and the fix (:func:`~lightning_dgc.checkpoint.exchange.read_checkpoint`).
+        is an error naming it and the fix (:func:`~lightning_dgc.checkpoint.files.read_checkpoint`).
         """
         load = super().load_checkpoint
         if self._state is None or not isinstance(state, dict) or not state:

@@ -48,6 +48,7 @@ from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.algorithms.sparse import values_per_step
 from lightning_dgc.front.core import ExchangeAccess
 from lightning_dgc.perfmodel import BucketProfile, Profile
+from lightning_dgc.tensor_ops.selection import sampled_topk, topk_indices
 
 __all__ = ["ExchangeProfiler", "bucket_layout", "bucket_profiles", "time_selection"]
 
@@ -99,8 +100,6 @@ def bucket_profiles(layout: list[list[tuple[str, Tensor]]]) -> list[BucketProfil
 
 def time_selection(numels: Sequence[int], config: DGCConfig, device: torch.device, repeats: int = 3) -> float:
     """Seconds DGC's selection (sampled threshold or exact top-k) takes on tensors of these sizes."""
-    from lightning_dgc.tensor_ops.selection import sampled_topk, topk_indices
-
     generator = torch.Generator(device=device).manual_seed(0) if device.type != "cpu" else torch.Generator()
     tensors = [torch.randn(n, device=device) for n in numels]
     times = []

@@ -19,6 +19,9 @@ import importlib
 import sys
 from typing import Any
 
+from lightning_dgc import algorithms
+from lightning_dgc.algorithms.base import on_register
+
 #: Every front door: (its module, its class, whose registry: ``"trainer"`` or ``"fabric"``, and its names:
 #: ``"algorithms"``, every registered algorithm's, or ``"diloco"``).
 FRONT_DOORS = (
@@ -37,8 +40,6 @@ def register_strategies(finished: str | None = None) -> None:
     the front-door module that calls this on its last line (complete, though its import has not returned)."""
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_dgc import algorithms
 
     registries = {"trainer": StrategyRegistry, "fabric": STRATEGY_REGISTRY}
     for module_name, class_name, kind, names in FRONT_DOORS:
@@ -62,3 +63,13 @@ def register_strategies(finished: str | None = None) -> None:
 def _register(registry: Any, name: str, strategy: type, description: str, init_params: dict[str, Any]) -> None:
     if name not in registry:
         registry.register(name, strategy, description=description, **init_params)
+
+
+def _register_outside_algorithm(cls: type) -> None:
+    """An algorithm registered from outside the package gets its strategy names at once if Lightning is loaded
+    (else they come with :func:`register_strategies` when it is)."""
+    if "lightning.pytorch" in sys.modules:
+        register_strategies()
+
+
+on_register(_register_outside_algorithm)

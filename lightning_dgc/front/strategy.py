@@ -32,13 +32,13 @@ from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend,
 from lightning_dgc.checkpoint.exchange import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
-    FileIO,
     check_entry,
     finish_save,
     mean_momentum,
     restore_exchange_state,
     save_exchange_state,
 )
+from lightning_dgc.checkpoint.rank_files import FileIO
 from lightning_dgc.exchange.agreement import DEFAULT_CHECK_RANKS_EVERY
 from lightning_dgc.exchange.state import ExchangeState
 from lightning_dgc.exchange.takeover import (

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_dgc.algorithms import AlgorithmConfig
+from lightning_dgc.algorithms.base import algorithm_for
+from lightning_dgc.kit.run import _run
 
 
 def _send(stream: IO[bytes], obj: object) -> None:
@@ -36,8 +38,6 @@ def _serve() -> None:
     """The replay process: runs :func:`_run` for every request on stdin, answers on stdout (prints go to stderr)."""
     import importlib
     import traceback
-
-    from lightning_dgc.kit.check import _run
 
     requests, answers = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
@@ -90,8 +90,6 @@ _REPLAY = _ReplayProcess()
 
 def _replay_elsewhere(config: AlgorithmConfig, args: tuple[Any, ...]) -> list[list[dict[str, Tensor]]]:
     """The updates of ``_run(*args)`` computed in another process (another ``PYTHONHASHSEED``)."""
-    from lightning_dgc.algorithms.base import algorithm_for
-
     fix = (
         " Define the configuration and the algorithm at the top level of an importable module, or pass"
         " separate_process=False (the ranks are then only compared within this process)."

@@ -16,7 +16,10 @@ import torch
 
 from lightning_dgc import comm
 from lightning_dgc.algorithms import AlgorithmConfig
-from lightning_dgc.checkpoint.exchange import FileIO, rank_files, rank_zero_warn, read_rank_states
+from lightning_dgc.checkpoint import rank_files
+from lightning_dgc.checkpoint.exchange import read_rank_states
+from lightning_dgc.checkpoint.files import rank_zero_warn
+from lightning_dgc.checkpoint.rank_files import FileIO
 from lightning_dgc.exchange.takeover import check_max_consecutive_skips
 from lightning_dgc.front.core import ProcessGroupAtExit, config_from_arguments, node_topology
 from lightning_dgc.local_steps.outer import DENSE, OuterSettings, OuterStep, check_same_everywhere

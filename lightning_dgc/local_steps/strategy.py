@@ -23,7 +23,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dgc.algorithms import AlgorithmConfig
-from lightning_dgc.checkpoint.exchange import FileIO, finish_save
+from lightning_dgc.checkpoint.exchange import finish_save
+from lightning_dgc.checkpoint.rank_files import FileIO
 from lightning_dgc.exchange.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lightning_dgc.front.core import RankFileCheckpoints
 from lightning_dgc.front.registration import register_strategies

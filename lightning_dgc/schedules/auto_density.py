@@ -45,7 +45,7 @@ from lightning_dgc import comm
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, TensorSpec
 from lightning_dgc.algorithms.base import allgather_volume, ring_allreduce_volume
 from lightning_dgc.algorithms.checks import check_density
-from lightning_dgc.comm import Collectives, Pending
+from lightning_dgc.comm import Pending, TimedCollectives
 from lightning_dgc.perfmodel.network import Network
 
 __all__ = [
@@ -253,28 +253,6 @@ class ExchangeRecorder:
                 busy += stop - max(start, end)
                 end = stop
         return StepSample(sum(c[0] for c in calls), int(sum(c[1] for c in calls)), busy, window_s, probe_s)
-
-
-class TimedCollectives(Collectives):
-    """``inner``'s collectives, each one's issue and completion noted by a :class:`ExchangeRecorder`."""
-
-    def __init__(self, inner: Collectives, recorder: ExchangeRecorder) -> None:
-        self.inner, self.recorder = inner, recorder
-        self.world_size, self.rank = inner.world_size, inner.rank
-
-    @property
-    def global_rank(self) -> int:
-        return self.inner.global_rank
-
-    def all_reduce(self, tensor: torch.Tensor, what: str) -> Pending:
-        pending = self.inner.all_reduce(tensor, what)
-        self.recorder.issued("all_reduce", tensor.numel() * tensor.element_size(), pending)
-        return pending
-
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, what: str) -> Pending:
-        pending = self.inner.all_gather(tensor, out, what)
-        self.recorder.issued("all_gather", tensor.numel() * tensor.element_size(), pending)
-        return pending
 
 
 # -- the run's controller ----------------------------------------------------------------------------------

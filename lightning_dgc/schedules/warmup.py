@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dgc.algorithms.checks import check_density, check_schedulable, flag, real_number
+from lightning_dgc.perfmodel.breakeven import breakeven_density
 
 Interval = Literal["epoch", "step"]
 
@@ -132,7 +133,7 @@ class SparsityWarmup(L.Callback):
             or more warns and suggests it.
         byte_cap: never send more than DDP would (default ``True``): a stage denser than the density at
             which the algorithm's exchange carries as many link bytes as DDP's ring all-reduce at this
-            world size (:func:`lightning_dgc.schedules.regimes.breakeven_density`: about 1.3/N for DGC, whose values
+            world size (:func:`lightning_dgc.perfmodel.breakeven.breakeven_density`: about 1.3/N for DGC, whose values
             and indices take about 6 bytes against the all-reduce's 2 x 4 (N-1)/N: 0.167 at 8 processes)
             runs at that density instead. Stages of density 1 (dense) are DDP's all-reduce.
 
@@ -224,8 +225,6 @@ class SparsityWarmup(L.Callback):
             )
             self._strategy = strategy
         if self.byte_cap:
-            from lightning_dgc.schedules.regimes import breakeven_density
-
             self.cap = breakeven_density(strategy.algorithm_class, strategy.config, trainer.world_size)
         epochs = getattr(trainer, "max_epochs", None)
         if self.run_fraction is None and self.interval == "epoch" and epochs is not None and epochs > 0:
