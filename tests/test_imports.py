@@ -6,12 +6,16 @@ Each case runs in a fresh interpreter (import order is process state); the inter
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import lightning_dgc
+import lightning_dgc.checkpoint
 
 REGISTERED = """
 from lightning.pytorch.strategies import StrategyRegistry
@@ -161,3 +165,18 @@ def test_no_module_of_the_package_is_over_450_lines() -> None:
     root = Path(lightning_dgc.__file__).parent
     long = {str(p.relative_to(root)): n for p in root.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450}
     assert not long, f"split these by concern (see CONTRIBUTING.md, Layout): {long}"
+
+
+@pytest.mark.parametrize("old", sorted(lightning_dgc._MOVED))
+def test_an_old_module_path_is_the_module_that_holds_it_now_with_a_deprecation_warning(old: str) -> None:
+    sys.modules.pop(f"lightning_dgc.{old}", None)
+    with pytest.warns(DeprecationWarning, match=f"`lightning_dgc.{old}` moved to"):
+        module = importlib.import_module(f"lightning_dgc.{old}")
+    assert module is importlib.import_module(f"lightning_dgc.{lightning_dgc._MOVED[old]}")
+
+
+def test_the_old_checkpoint_module_names_resolve_with_a_deprecation_warning() -> None:
+    from lightning_dgc.checkpoint.exchange import inline_exchange_state
+
+    with pytest.warns(DeprecationWarning, match="checkpoint.exchange.inline_exchange_state"):
+        assert lightning_dgc.checkpoint.inline_exchange_state is inline_exchange_state
