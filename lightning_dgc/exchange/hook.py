@@ -65,16 +65,14 @@ def exchange(
     What :func:`exchange_hook` runs for a DDP bucket; callable without DDP, e.g. on simulated ranks
     (:func:`lightning_dgc.comm.simulate`). Returns the future of the averaged gradients.
     """
-    if state.topology is not None:
-        return exchange_two_level(state, params, buffer)
-    if state.passthrough:
-        if not state.continuing and buffer.dtype == torch.float32:
-            return exchange_passthrough(state, params, buffer)
-        state.passthrough = False  # the algorithm's step below moves each rank's momentum on its own
-    algorithm = state.algorithm
-
-    # Step 0: the plan of this bucket layout.
+    # Step 0: the plan of this bucket layout, with the state's decisions: two levels, DDP's own step, deferral.
     plan = state.plan(params, buffer)
+    deferred_decode = state.finish_writes_grads
+    if isinstance(plan, TwoLevelPlan):
+        return exchange_two_level(state, plan, buffer)
+    if state.passthrough:
+        return exchange_passthrough(state, plan, params, buffer)
+    algorithm = state.algorithm
 
     # Step 1: the local gradient, fp32 (an fp32 bucket is used in place: DDP hands it over).
     flat = buffer if buffer.dtype == torch.float32 else buffer.float()  # a copy is kept alive below
@@ -82,14 +80,14 @@ def exchange(
         flat.mul_(1.0 / state.grad_scale)
 
     # Steps 2-4: compensate, select, exchange.
-    work, pending = compensate_select_exchange(state, plan, flat)
+    work, pending, selection_s = compensate_select_exchange(state, plan, flat)
     if flat is not buffer:  # made on this stream, read and written by the decode on another (CUDA)
         work.keep.append(flat)
 
     # Step 5: decode, once the collectives are done; or, when the state writes the gradients itself, only
     # check finiteness and hand DDP the bucket as it is (the decode waits for step 6).
     scale = state.grad_scale
-    deferred = DeferredDecode(state, plan, work, params, buffer) if state.finish_writes_grads else None
+    deferred = DeferredDecode(state, plan, work, params, buffer) if deferred_decode else None
 
     def decode() -> Tensor:
         if deferred is not None and deferred.hold():
@@ -98,25 +96,20 @@ def exchange(
         state.memory.note_finite(torch.isfinite(update.sum()))
         return _in_bucket_units(update, buffer, scale)
 
-    future = comm.when_all(pending, decode, buffer.device, keep=work.keep)
-
-    # Step 6: the memory staged or replayed in steps 2-5 commits with the step (state.finish_step()); a
-    # deferred decode then writes the averaged update into the gradients.
-    state.memory.note_bucket(future)
-    if deferred is not None:
-        state.memory.note_delivery(deferred.deliver)
-    return future
+    # Step 6: the statistics, and the future; the memory staged or replayed in steps 2-5 commits with the step
+    # (state.finish_step()), and a deferred decode then writes the averaged update into the gradients.
+    return state.record(algorithm.cost(plan), work, selection_s, pending, decode, buffer.device, keep=work.keep,
+                        deliver=deferred.deliver if deferred is not None else None)  # fmt: skip
 
 
 def compensate_select_exchange(
-    state: ExchangeState, plan: BucketPlan, flat: Tensor, node_link_bytes: float = 0.0
-) -> tuple[BucketWork, list[comm.Pending]]:
+    state: ExchangeState, plan: BucketPlan, flat: Tensor
+) -> tuple[BucketWork, list[comm.Pending], float]:
     """Steps 2-4 on ``flat``, the local gradient of ``plan``'s tensors in fp32 without the loss scale (a flat
-    bucket, or this rank's shard of the node's mean gradient): the algorithm's work and its collectives.
+    bucket, or this rank's shard of the node's mean gradient): the algorithm's work, its collectives and the
+    selection's time (what the step's statistics record).
 
-    The *poison* (0, or NaN when this rank's gradient is not finite) goes with what the algorithm sends. The
-    step's statistics record the wire cost and the selection time (``node_link_bytes``: what a two-level
-    exchange moves inside the node besides).
+    The *poison* (0, or NaN when this rank's gradient is not finite) goes with what the algorithm sends.
     """
     algorithm = state.algorithm
     # inf/NaN anywhere makes the sum non-finite (finite gradients summing past 3e38 do not occur)
@@ -134,9 +127,7 @@ def compensate_select_exchange(
 
     # Step 4: exchange.
     pending = algorithm.exchange(plan, work, state.collectives)
-    selection_s = work.selection_s if work.selection_s is not None else selected_s
-    state.record(algorithm.cost(plan), work, selection_s, node_link_bytes)
-    return work, pending
+    return work, pending, work.selection_s if work.selection_s is not None else selected_s
 
 
 class DeferredDecode:
@@ -187,13 +178,13 @@ def _in_bucket_units(update: Tensor, buffer: Tensor, scale: float) -> Tensor:
     return update if buffer.dtype == torch.float32 else update.to(buffer.dtype)
 
 
-def exchange_two_level(
-    state: ExchangeState, params: list[Tensor], buffer: Tensor
-) -> torch.futures.Future[torch.Tensor]:
-    """The hook's steps in two levels (``state.topology``): the same steps, on this rank's shard.
+def exchange_two_level(state: ExchangeState, two: TwoLevelPlan, buffer: Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The hook's steps in two levels (``state.topology``; ``two``: the bucket's plan): the same steps, on this
+    rank's shard.
 
     0. **plan**: the bucket cut into the node's shards (:mod:`lightning_dgc.exchange.shards`) and the algorithm's
-       plan of this rank's shard, whose pieces are tensors of their own (:class:`~lightning_dgc.exchange.two_level.TwoLevelPlan`).
+       plan of this rank's shard, whose pieces are tensors of their own
+       (:class:`~lightning_dgc.exchange.two_level.TwoLevelPlan`).
     1. **local gradient**, into the node layout; a dense **reduce-scatter inside the node** sums it, and
        this rank's shard divided by the ranks per node is the node's mean gradient, whose poison the
        algorithm carries.
@@ -209,11 +200,9 @@ def exchange_two_level(
     """
     algorithm, topology, scale = state.algorithm, state.topology, state.grad_scale
     assert topology is not None
-
-    # Step 0: the plan of this bucket layout.
-    two: TwoLevelPlan = state.plan(params, buffer)
     shard, plan = two.shard, two.inner
     keep: list[Tensor] = [two.node]
+    cost, work, selection_s = None, None, 0.0  # a rank that owns no piece of the bucket exchanges nothing across
     try:
         # Step 1: the local gradient, fp32, in the node layout, the loss scale divided out.
         two.node.index_copy_(0, shard.dest, buffer if buffer.dtype == torch.float32 else buffer.float())
@@ -223,7 +212,8 @@ def exchange_two_level(
         if plan is not None:  # else this rank owns no piece of the bucket: nothing to exchange across the nodes
             # Steps 2-4: on the node's mean gradient of this rank's shard, across the nodes.
             flat = summed[: shard.numel].div_(topology.per_node)
-            work, pending = compensate_select_exchange(state, plan, flat, two.node_link_bytes())
+            work, pending, selection_s = compensate_select_exchange(state, plan, flat)
+            cost = algorithm.cost(plan)
             keep += work.keep
 
             # Step 5: decode the shard.
@@ -243,8 +233,6 @@ def exchange_two_level(
         state.memory.note_finite(torch.isfinite(update.sum()))
         return _in_bucket_units(update, buffer, scale)
 
-    future = comm.when_all([gathered], finish, buffer.device, keep=keep)
-
-    # Step 6: the memory staged in steps 2-5 commits with the step (state.finish_step()).
-    state.memory.note_bucket(future)
-    return future
+    # Step 6: the statistics, and the future; the memory staged in steps 2-5 commits with the step.
+    return state.record(cost, work, selection_s, [gathered], finish, buffer.device, keep=keep,
+                        node_link_bytes=two.node_link_bytes)  # fmt: skip

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_dgc import comm
 from lightning_dgc.algorithms import BucketWork, Message, WireCost
 from lightning_dgc.comm import Collectives
 from lightning_dgc.tensor_ops.memory import bucket_order_flat
@@ -71,26 +70,27 @@ def enter_passthrough(state: ExchangeState, collectives: Collectives | None = No
     return True
 
 
-def exchange_passthrough(state: ExchangeState, params: list[Tensor], buffer: Tensor) -> torch.futures.Future[Tensor]:
-    """DDP's own step for a bucket of ``params`` (in ``state.passthrough``): the bucket divided by the world size
-    and all-reduced in place, as DDP's default hook does; once the backward pass is over, SGD's weight decay and
-    momentum (the optimizer's, taken over) on the average (:func:`momentum_on_average`), in ``finish_step()``.
-    The step is skipped on every rank if the average is not finite, as any other exchange's."""
-    plan = state.plan(params, buffer)  # the layout; and the step is pending until finish_step()
+def exchange_passthrough(
+    state: ExchangeState, plan: SparsePlan, params: list[Tensor], buffer: Tensor
+) -> torch.futures.Future[Tensor]:
+    """DDP's own step for a bucket of ``params`` (in ``state.passthrough``; ``plan``: the bucket's, from
+    ``state.plan``): the bucket divided by the world size and all-reduced in place, as DDP's default hook does;
+    once the backward pass is over, SGD's weight decay and momentum (the optimizer's, taken over) on the average
+    (:func:`momentum_on_average`), in ``finish_step()``. The step is skipped on every rank if the average is not
+    finite, as any other exchange's."""
     nbytes = plan.dense_bytes
     cost = WireCost((Message("all_reduce", nbytes, "dense"),), nbytes, sum(s.numel for s in plan.layout))
-    state.stats.record(cost, _NOTHING_MEASURED, 0.0, state.world_size, 1.0, state.measures_buildup)
     pending = state.collectives.all_reduce(buffer.div_(state.world_size), "all-reduce of the bucket (dense)")
 
     def done() -> Tensor:
         state.memory.note_finite(torch.isfinite(buffer.sum()))
         return buffer
 
-    future = comm.when_all([pending], done, buffer.device)
-    state.memory.note_bucket(future)
     scale = state.grad_scale
-    state.memory.note_delivery(lambda finite: momentum_on_average(state, plan, params, scale) if finite else None)
-    return future
+    return state.record(
+        cost, _NOTHING_MEASURED, 0.0, [pending], done, buffer.device,
+        deliver=lambda finite: momentum_on_average(state, plan, params, scale) if finite else None,
+    )  # fmt: skip
 
 
 def momentum_on_average(state: ExchangeState, plan: SparsePlan, params: list[Tensor], scale: float) -> None:

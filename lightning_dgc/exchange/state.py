@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -16,6 +16,7 @@ from lightning_dgc.algorithms.base import algorithm_for
 from lightning_dgc.algorithms.checks import check_density, sparse_gradient_message
 from lightning_dgc.comm import Collectives, Topology, TorchCollectives
 from lightning_dgc.exchange import shards
+from lightning_dgc.exchange.draws import RandomDraws
 from lightning_dgc.exchange.entry import (
     check_checkpoint_entry,
     restore_error,
@@ -27,7 +28,7 @@ from lightning_dgc.exchange.two_level import TwoLevelPlan
 from lightning_dgc.tensor_ops.memory import ResidualMemory, bucket_order_flat
 
 
-class ExchangeState:
+class ExchangeState(RandomDraws):
     """One object per run: the algorithm, the memory keyed by parameter name, the step counter, statistics.
 
     Its algorithm sees it through :class:`~lightning_dgc.algorithms.context.ExchangeContext`, the members an
@@ -109,39 +110,6 @@ class ExchangeState:
             )
         return name
 
-    def draw_generator(self, device: torch.device) -> torch.Generator:
-        """A generator on ``device`` for this step's random draws, the same on every rank.
-
-        Seeded from the configuration's seed and the step counter at the first draw of every step, and
-        then drawn from bucket after bucket: it needs no state in checkpoints, but what a bucket draws
-        depends on the buckets before it in the step. DDP's first step after a (re)start runs its
-        initial bucket order, not the rebuilt one the straight run had reached, so a resumed run's first
-        step can draw differently (every rank alike). For draws that resume exactly use
-        :meth:`tensor_generator`.
-        """
-        generator, step = self._draw_generators.get(device, (None, -1))
-        if generator is None:
-            generator = torch.Generator(device=device)
-        if step != self.step:
-            generator.manual_seed(int(self.config.seed) * 1_000_003 + self.step)
-            self._draw_generators[device] = (generator, self.step)
-        return generator
-
-    def tensor_generator(self, name: str, device: torch.device) -> torch.Generator:
-        """A generator on ``device`` for parameter ``name``'s random draws in this step, the same on every rank.
-
-        Seeded from the configuration's seed, the step counter and the parameter's name only: what a
-        tensor draws does not depend on the bucket order, so a resumed run draws exactly what the straight
-        run would, whatever order DDP's buckets are in. One generator per device is re-seeded at every
-        call: draw from it before asking for the next tensor's.
-        """
-        generator = self._tensor_generators.get(device)
-        if generator is None:
-            generator = self._tensor_generators[device] = torch.Generator(device=device)
-        key = zlib.crc32(name.encode()) * 1_000_003 + self.step * 7_919 + int(self.config.seed) * 104_729
-        generator.manual_seed(key % (1 << 63))
-        return generator
-
     def param(self, name: str) -> Tensor:
         """The parameter ``name``; for a piece ``"<param>[a:b]"`` of a two-level shard, its values ``a:b``
         (bucket order) shaped as the piece."""
@@ -216,7 +184,11 @@ class ExchangeState:
 
     # -- the bucket's plan -----------------------------------------------------------------------------
     def plan(self, params: list[Tensor], buffer: Tensor) -> Any:
-        """The algorithm's plan for a bucket of ``params`` (made once per layout and :meth:`Algorithm.plan_key`)."""
+        """The plan for a bucket of ``params`` (made once per layout and :meth:`Algorithm.plan_key`), with every
+        decision the hook takes from the state: a :class:`~lightning_dgc.exchange.two_level.TwoLevelPlan` in a
+        two-level exchange, else the algorithm's; and whether DDP's own step goes on (:attr:`passthrough`)."""
+        if self.passthrough and (bool(self.continuing) or buffer.dtype != torch.float32):
+            self.passthrough = False  # the algorithm's step moves each rank's momentum on its own
         key = (tuple(id(p) for p in params), self.algorithm.plan_key())
         if key in self._planned_this_step:  # the previous step was never finished: finish it now
             warnings.warn(
@@ -290,11 +262,23 @@ class ExchangeState:
         """Whether this step counts the union of all ranks' selections (see :meth:`request_buildup`)."""
         return self.stats.measures_buildup(self.step)
 
-    def record(self, cost: WireCost, work: BucketWork, selection_s: float, node_link_bytes: float = 0.0) -> None:
-        """Add one bucket's wire cost and measured figures to this step's statistics (``node_link_bytes``: what
-        a two-level exchange moves inside the node besides)."""
-        self.stats.record(cost, work, selection_s, self.world_size, self.density, self.measures_buildup,
-                          node_link_bytes)  # fmt: skip
+    def record(
+        self, cost: WireCost | None, work: BucketWork | None, selection_s: float, pending: list[comm.Pending],
+        finish: Callable[[], Tensor], device: torch.device, keep: Sequence[Tensor] = (),
+        deliver: Callable[[bool], None] | None = None, node_link_bytes: float = 0.0,
+    ) -> torch.futures.Future[Tensor]:  # fmt: skip
+        """The end of one bucket's exchange: its wire cost and measured figures into this step's statistics (none
+        for ``cost=None``; ``node_link_bytes``: what a two-level exchange moves inside the node besides), its
+        future (``finish()`` once ``pending`` are done, :func:`lightning_dgc.comm.when_all`, keeping ``keep``)
+        noted for :meth:`finish_step`, and ``deliver``, which ``finish_step()`` runs after the memory's commit."""
+        if cost is not None and work is not None:
+            self.stats.record(cost, work, selection_s, self.world_size, self.density, self.measures_buildup,
+                              node_link_bytes)  # fmt: skip
+        future = comm.when_all(pending, finish, device, keep=keep)
+        self.memory.note_bucket(future)
+        if deliver is not None:
+            self.memory.note_delivery(deliver)
+        return future
 
     def add_union_values(self, count: int) -> None:
         """Add to this step's union size (called from decode callbacks, which may run concurrently)."""

@@ -38,6 +38,9 @@ class TwoLevelPlan:
         self.decoded = torch.zeros(shard.shard_numel, dtype=torch.float32, device=node.device)  # this rank's
         self.layout: list[TensorSpec] = inner.layout if inner is not None else []
         self.dense_bytes: int = inner.dense_bytes if inner is not None else 0
+        #: Bytes this rank's link inside the node carries per step: the reduce-scatter and the all-gather (a ring
+        #: reduce-scatter moves what an all-gather does).
+        self.node_link_bytes = allgather_volume(4 * shard.shard_numel, shard.parts) * 2
 
     @classmethod
     def make(cls, state: ShardPlanner, layout: list[TensorSpec], buffer: Tensor) -> TwoLevelPlan:
@@ -49,8 +52,3 @@ class TwoLevelPlan:
         # node's collectives: its group across the nodes owns nothing either
         inner = state.algorithm_plan(shard.pieces, node[: shard.numel]) if shard.pieces else None
         return cls(shard, inner, node, torch.empty_like(node))
-
-    def node_link_bytes(self) -> float:
-        """Bytes this rank's link inside the node carries per step: the reduce-scatter and the all-gather."""
-        g, block = self.shard.parts, 4 * self.shard.shard_numel
-        return allgather_volume(block, g) * 2  # a ring reduce-scatter moves what an all-gather does
