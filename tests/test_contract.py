@@ -21,7 +21,7 @@ from lightning_dgc.algorithms.powersgd import PowerSGDConfig
 from lightning_dgc.comm import collectives as comm_collectives
 from lightning_dgc.exchange import hook
 from lightning_dgc.exchange.state import ExchangeState
-from lightning_dgc.kit.check import check_algorithm
+from lightning_dgc.kit import check_algorithm
 from tests.extending.randomk import RandomKConfig
 
 PACKAGE = Path(lightning_dgc.__file__).parent

@@ -20,7 +20,7 @@ from lightning_dgc.algorithms.dgc import DGC, DGCConfig
 from lightning_dgc.comm import LocalCollectives
 from lightning_dgc.exchange import hook
 from lightning_dgc.exchange.state import ExchangeState
-from lightning_dgc.kit.check import CountingCollectives, check_algorithm
+from lightning_dgc.kit import CountingCollectives, check_algorithm
 from lightning_dgc.tensor_ops import codec
 
 

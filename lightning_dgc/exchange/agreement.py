@@ -109,7 +109,7 @@ def check_parameters_agree(params: Iterable[torch.Tensor], owner: str, step: int
         f"{owner}: the ranks' parameters differ after optimizer step {step}: ranks {differ} differ from rank 0"
         f" ({lines}). Data-parallel ranks must hold identical parameters. Likely causes: an algorithm whose"
         " decisions depend on the process (Python's hash() of a str, id(), set order; test it with"
-        " lightning_dgc.kit.check.check_algorithm), a setting or a parameter changed on some ranks only (e.g. in"
+        " lightning_dgc.kit.check_algorithm), a setting or a parameter changed on some ranks only (e.g. in"
         " code under `rank_zero_only`), or kernels that compute differently on different machines."
         " `check_ranks_every=None` turns this check off."
     )

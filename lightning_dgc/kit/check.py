@@ -4,7 +4,7 @@ Run it in your own tests, on the CPU (the ranks are simulated by :func:`lightnin
 thread each; the replay in another process starts one Python interpreter on the first call, about 2 s, and
 reuses it; a call takes well under a second after that)::
 
-    from lightning_dgc.kit.check import check_algorithm
+    from lightning_dgc.kit import check_algorithm
 
     def test_randomk() -> None:
         check_algorithm(RandomKConfig(density=0.1), lossless=RandomKConfig(density=1.0))
