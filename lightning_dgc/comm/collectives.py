@@ -257,10 +257,6 @@ class TimedCollectives(Collectives):
     def global_rank(self) -> int:
         return self.inner.global_rank
 
-    @property
-    def unwrapped(self) -> Collectives:
-        return self.inner.unwrapped
-
     def all_reduce(self, tensor: Tensor, what: str) -> Pending:
         pending = self.inner.all_reduce(tensor, what)
         self.recorder.issued("all_reduce", tensor.numel() * tensor.element_size(), pending)
@@ -270,3 +266,7 @@ class TimedCollectives(Collectives):
         pending = self.inner.all_gather(tensor, out, what)
         self.recorder.issued("all_gather", tensor.numel() * tensor.element_size(), pending)
         return pending
+
+    @property
+    def unwrapped(self) -> Collectives:
+        return self.inner.unwrapped
