@@ -16,10 +16,20 @@ from lightning_dgc import comm
 from lightning_dgc.algorithms.checks import whole_number
 from lightning_dgc.exchange.state import ExchangeState
 
-#: Optimizer steps between two comparisons of the ranks' parameters (a checksum each, see
-#: :func:`check_parameters_agree`): one check reads the parameters once, 2.3 ms for ResNet-20 on one CPU thread,
-#: 0.3% of its 836 ms step (batch 128); every 100 steps, 0.003% of the run.
+#: Optimizer steps between two comparisons of the ranks' parameters once the run is past its first steps (a checksum
+#: each, see :func:`check_parameters_agree` and :func:`rank_check_due`): one check reads the parameters once, 2.3 ms
+#: for ResNet-20 on one CPU thread, 0.3% of its 836 ms step (batch 128); every 100 steps, 0.003% of the run.
 DEFAULT_CHECK_RANKS_EVERY = 100
+
+
+def rank_check_due(step: int, every: int) -> bool:
+    """Whether the ranks' parameters are compared after optimizer step ``step`` (counted from this process's start,
+    so a resumed run is checked early too): at the powers of two below ``every`` (1, 2, 4, ..., 64 for 100), where a
+    divergence shows within steps of its cause and costs the least training, then every ``every`` steps; never when
+    ``every`` is 0. Seven checks more than ``every`` alone over a run, each one small gather."""
+    if not every or step < 1:
+        return False
+    return step % every == 0 or (step < every and step & (step - 1) == 0)
 
 
 def check_ranks_every_value(value: int | None) -> int:
@@ -86,28 +96,44 @@ def parameter_checksum(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.stack([sums, norms]).cpu()
 
 
-def check_parameters_agree(params: Iterable[torch.Tensor], owner: str, step: int, group: Any = None) -> None:
-    """Raise on every rank if the ranks' parameters differ (every rank calls it at the same step).
-
-    The checksum of each rank (:func:`parameter_checksum`) is gathered (16 bytes per rank); two ranks differ
-    when their sums differ by more than 1e-12 of the absolute sum (float64 rounding in another summation order
-    is far below it; a float32 parameter off by one unit in its last place in a model of a million parameters of
-    size 1 is about 1e-13 of it, what a divergence of any cause grows past within steps).
-    """
-    everyone = [t.tolist() for t in comm.all_gather_host(parameter_checksum(params), group, "all-gather of the parameter checksums")]
+def _differing(everyone: Sequence[Sequence[float]]) -> list[int]:
+    """The ranks whose checksum pair ``[sum, absolute sum]`` differs from rank 0's by more than 1e-12 of the
+    largest absolute sum (float64 rounding in another summation order is far below it; a float32 parameter off by
+    one unit in its last place in a model of a million parameters of size 1 is about 1e-13 of it, what a
+    divergence of any cause grows past within steps)."""
     scale = max(v[1] for v in everyone)
-    differ = [r for r, v in enumerate(everyone) if abs(v[0] - everyone[0][0]) > 1e-12 * scale
-              or abs(v[1] - everyone[0][1]) > 1e-12 * scale]  # fmt: skip
+    return [r for r, v in enumerate(everyone) if abs(v[0] - everyone[0][0]) > 1e-12 * scale
+            or abs(v[1] - everyone[0][1]) > 1e-12 * scale]  # fmt: skip
+
+
+def check_parameters_agree(
+    named_params: Iterable[tuple[str, torch.Tensor]], owner: str, step: int, group: Any = None
+) -> None:
+    """Raise on every rank if the ranks' parameters differ (every rank calls it at the same step), naming the
+    parameters that differ.
+
+    The checksum of each rank (:func:`parameter_checksum`) is gathered (16 bytes per rank), and compared as
+    :func:`_differing` says; only when ranks differ, a second gather of one checksum per parameter names them.
+    """
+    named = list(named_params)
+    params = [p for _, p in named]
+    label = "all-gather of the parameter checksums"
+    everyone = [t.tolist() for t in comm.all_gather_host(parameter_checksum(params), group, label)]
+    differ = _differing(everyone)
     if not differ:
         return
+    per_parameter = comm.all_gather_host(torch.stack([parameter_checksum([p]) for p in params]), group, label)
+    names = [n for i, (n, _) in enumerate(named) if _differing([t[i].tolist() for t in per_parameter])]
+    shown = ", ".join(f"`{n}`" for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
     lines = "; ".join(
         f"rank {r}: sum {v[0]:.17g} ({v[0] - everyone[0][0]:+.3g} from rank 0's), absolute sum {v[1]:.17g}"
         f" ({v[1] - everyone[0][1]:+.3g})"
         for r, v in enumerate(everyone)
     )
     raise RuntimeError(
-        f"{owner}: the ranks' parameters differ after optimizer step {step}: ranks {differ} differ from rank 0"
-        f" ({lines}). Data-parallel ranks must hold identical parameters. Likely causes: an algorithm whose"
+        f"{owner}: the ranks' parameters differ after optimizer step {step}: ranks {differ} differ from rank 0 in"
+        f" {len(names)} of {len(named)} parameters ({shown}; {lines}). Data-parallel ranks must hold identical"
+        " parameters. Likely causes: an algorithm whose"
         " decisions depend on the process (Python's hash() of a str, id(), set order; test it with"
         " lightning_dgc.kit.check_algorithm), a setting or a parameter changed on some ranks only (e.g. in"
         " code under `rank_zero_only`), or kernels that compute differently on different machines."

@@ -345,14 +345,14 @@ class ExchangeAccess(ProcessGroupAtExit):
             self._host_group = comm.host_group()
             self._rank_checks_set_up = True
 
-    def _after_optimizer_step(self, params: Iterable[torch.Tensor]) -> None:
-        """Every ``check_ranks_every`` optimizer steps: raise on every rank if their parameters differ."""
+    def _after_optimizer_step(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Early in the run and then every ``check_ranks_every`` optimizer steps (:func:`rank_check_due`): raise on
+        every rank if their parameters differ, naming them."""
         self._optimizer_steps += 1
         if self._auto is not None and self._state is not None:
             self._auto.step_done(self._state, self._host_group)
-        every = self.check_ranks_every
-        if every and self._optimizer_steps % every == 0:
-            agreement.check_parameters_agree(params, type(self).__name__, self._optimizer_steps, self._host_group)
+        if agreement.rank_check_due(self._optimizer_steps, self.check_ranks_every):
+            agreement.check_parameters_agree(named_params, type(self).__name__, self._optimizer_steps, self._host_group)
 
     def _hook(self) -> Callable[..., torch.futures.Future[torch.Tensor]]:
         # DDP's reducer holds the hook in C++, where the garbage collector cannot see it: a strong

@@ -78,8 +78,8 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
             arguments instead, as to the Trainer's strategies
             (``FabricCompressionStrategy("dgc", density=0.01)``).
         max_consecutive_skips: the stall detector, as the Trainer strategy's.
-        check_ranks_every: compare a checksum of the ranks' parameters every this many optimizer steps, as the
-            Trainer strategy's (:class:`~lightning_dgc.CompressionStrategy`); ``None`` or 0 turns it off.
+        check_ranks_every: compare a checksum of the ranks' parameters early (steps 1, 2, 4, ...), then every this
+            many optimizer steps, as the Trainer strategy's (:class:`~lightning_dgc.CompressionStrategy`); ``None`` or 0 turns it off.
         save_exchange_state: write every rank's exchange memory beside each checkpoint, as the Trainer strategy's;
             ``False``: model and optimizer only (a resume starts the residuals from zero, with a warning).
         gradient_as_bucket_view: DDP's argument, ``True`` here (the parameters' ``.grad`` are views into
@@ -195,7 +195,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
             kwargs["closure"] = closure_then_finish
         result = super().optimizer_step(optimizer, **kwargs)
         if self._module is not None:
-            self._after_optimizer_step(self._module.parameters())
+            self._after_optimizer_step(self._module.module.named_parameters())
         return result
 
     # -- checkpoints -----------------------------------------------------------------------------

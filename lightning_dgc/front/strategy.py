@@ -99,9 +99,10 @@ class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, DDPStrategy):
             rank's shard, an all-gather inside the node (:func:`lightning_dgc.exchange.hook.exchange_two_level`).
             ``"auto"`` runs it when there is more than one node (``Trainer(num_nodes=...)``) and more than
             one device per node; ``True`` on one node is an error.
-        check_ranks_every: compare a checksum of the ranks' parameters every this many optimizer steps and raise
-            on every rank if they differ (ranks that diverged, from any cause); ``None`` or 0 turns it off. Each
-            check gathers 16 bytes per rank and reads the parameters once. The settings (``density``) are compared
+        check_ranks_every: compare a checksum of the ranks' parameters after optimizer steps 1, 2, 4, ... (the
+            powers of two below this), then every this many steps, and raise on every rank, naming the parameters
+            that differ, if they do (ranks that diverged, from any cause); ``None`` or 0 turns it off. Each check
+            gathers 16 bytes per rank and reads the parameters once. The settings (``density``) are compared
             before every step's exchange in any case (16 bytes per rank), so a setting changed on one rank only
             raises on every rank instead of blocking the exchange.
         save_exchange_state: write every rank's exchange memory (momentum, residuals) beside each checkpoint, in
@@ -271,7 +272,7 @@ class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, DDPStrategy):
             return result
 
         result = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
-        self._after_optimizer_step(self.model.parameters() if self.model is not None else ())
+        self._after_optimizer_step(self.lightning_module.named_parameters() if self.model is not None else ())
         return result
 
     # -- checkpoints -------------------------------------------------------------------------------

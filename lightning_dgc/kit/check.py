@@ -32,13 +32,20 @@ buckets and a few steps, with different gradients on every rank, and checks:
 5. **non-finite step**: a NaN in one rank's gradient makes every rank skip the step
    (``finish_step()`` is ``False``) with the memory exactly as it was, and the next step is fine;
 6. **wire cost**: the bytes the algorithm's :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` says
-   (``compression_stats()["bytes_sent"]``) are the bytes it handed to the collectives.
+   (``compression_stats()["bytes_sent"]``) are the bytes it handed to the collectives;
+7. **liveness**: under a steady gradient (the same on every step, of one sign on every rank, nowhere zero),
+   every value is sent within a bounded number of steps: an algorithm that never sends some value starves it
+   (its residual grows without bound and the model never learns it), which conservation allows and the
+   lossless setting need not show. The bound is the steps in which a fair draw of the fraction ``f`` of the
+   values that the algorithm sends a step misses one of ``n`` values with odds below ``e**-12``:
+   ``(ln n + 12) / f`` (top-k with error feedback sends each value every ``1/f`` steps or so).
 
 A failed check raises an ``AssertionError`` that names it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Literal
@@ -49,9 +56,48 @@ from torch import Tensor
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.base import algorithm_for
 from lightning_dgc.kit.replay import _replay_elsewhere
-from lightning_dgc.kit.run import DEFAULT_SHAPES, CountingCollectives, _gradients, _run
+from lightning_dgc.kit.run import DEFAULT_SHAPES, CountingCollectives, _gradients, _run, _steady_gradients
 
 __all__ = ["DEFAULT_SHAPES", "CountingCollectives", "check_algorithm"]
+
+def _check_liveness(
+    config: AlgorithmConfig, world_size: int, shapes: dict[str, tuple[int, ...]], buckets: Sequence[Sequence[str]],
+    seed: int, liveness_steps: int | Literal["auto"],
+) -> None:  # fmt: skip
+    """Check 7 (see the module docstring): every value's update is non-zero within the bound under a steady
+    gradient; ``"auto"`` measures the fraction sent over 8 steps and sets the bound (at most 2,000 steps)."""
+    n = sum(math.prod(shape) for shape in shapes.values())
+    if liveness_steps == "auto":
+        probe, _, _ = _run(config, world_size, shapes, buckets, range(8), seed, steady=True)
+        sent = sum(int((u != 0).sum()) for step in probe[0] for u in step.updates.values()) / (8 * n)
+        horizon = math.ceil((math.log(n) + 12) / max(sent, 1e-9))
+        if horizon > 2000:
+            raise ValueError(
+                f"check_algorithm({type(config).__name__}): it sends {sent:.3g} of the values a step, so the liveness"
+                f" check needs {horizon} steps to tell a value starved from one not drawn yet. Pass"
+                f" liveness_steps={horizon} (a few ms a step), check a denser setting, or liveness_steps=None to"
+                " skip the check."
+            )
+    else:
+        horizon = liveness_steps
+    run, memories, _ = _run(config, world_size, shapes, buckets, range(horizon), seed, steady=True)
+    kind = algorithm_for(config).residual_kind
+    for name in shapes:  # the updates are the same on every rank (check 1)
+        ever = torch.stack([step.updates[name] != 0 for step in run[0]]).any(0)
+        if bool(ever.all()):
+            continue
+        first = int((~ever).nonzero()[0])
+        residual = memories[0][-1].get(kind or "", {}).get(name, torch.zeros(ever.shape)).reshape(-1)[first]
+        steps = float(residual / _steady_gradients(shapes, seed, 0)[name].reshape(-1)[first])
+        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shapes[name]))
+        raise _fail(
+            config, "liveness",
+            f"{name}: {int((~ever).sum())} of {ever.numel()} values were never sent in {horizon} steps of a steady"
+            f" gradient (first: value {first}, at {at}" + (f"; rank 0 holds {steps:.0f} steps of its gradient back"
+            if kind else "") + "). Every value must be sent within a bounded number of steps, or its error feedback"
+            " grows without bound and the model never learns it.",
+        )  # fmt: skip
+
 
 def _fail(config: AlgorithmConfig, check: str, detail: str) -> AssertionError:
     return AssertionError(f"check_algorithm({type(config).__name__}): {check}: {detail}")
@@ -75,6 +121,7 @@ def check_algorithm(
     reorder_buckets_on_resume: bool = False,
     seed: int = 0,
     separate_process: bool = True,
+    liveness_steps: int | Literal["auto"] | None = "auto",
 ) -> None:
     """Check an algorithm's contract on ``world_size`` simulated ranks (see the module docstring).
 
@@ -97,6 +144,10 @@ def check_algorithm(
         seed: of the parameters and gradients.
         separate_process: also replay the run in another Python process, with another ``PYTHONHASHSEED``,
             and require the same updates (the configuration's class must be importable there).
+        liveness_steps: the steps of the liveness check (``"auto"``: the bound of the module docstring, from the
+            fraction of values the algorithm sends a step, at most 2,000 steps, else a ``ValueError`` that gives
+            the steps needed; ``None``: not checked).
+
 
     Raises:
         AssertionError: naming the first check that failed.
@@ -259,3 +310,7 @@ def check_algorithm(
                 "non-finite step",
                 f"after the skipped step rank {rank} decoded other updates for {differ}",
             )
+
+    # 7: every value is sent within a bounded number of steps.
+    if liveness_steps is not None:
+        _check_liveness(config, world_size, shapes, buckets, seed, liveness_steps)

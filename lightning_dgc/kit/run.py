@@ -98,6 +98,13 @@ def _gradients(shapes: dict[str, tuple[int, ...]], seed: int, rank: int, step: i
     return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
 
 
+def _steady_gradients(shapes: dict[str, tuple[int, ...]], seed: int, rank: int) -> dict[str, Tensor]:
+    """A gradient nowhere near zero: one sign per value on every rank, a magnitude in [0.5, 1) per rank."""
+    signs = _gradients(shapes, seed, 0, -1)
+    sizes = _gradients(shapes, seed, rank + 1, -1)
+    return {n: signs[n].sign() * (0.5 + 0.5 * torch.special.ndtr(sizes[n])) for n in shapes}
+
+
 def _run(
     config: AlgorithmConfig,
     world_size: int,
@@ -108,9 +115,11 @@ def _run(
     saved: list[bytes] | None = None,
     save_after: int | None = None,
     poison: tuple[int, int] | None = None,
+    steady: bool = False,
 ) -> tuple[list[list[_Step]], list[dict[str, dict[str, Tensor]]], list[bytes]]:
     """Run ``steps`` on simulated ranks (from ``saved`` states if given); per rank: the steps, the
-    committed memory after each step, and the states saved after step ``save_after``."""
+    committed memory after each step, and the states saved after step ``save_after``. ``steady``: every step's
+    gradient is :func:`_steady_gradients`'."""
 
     def rank_fn(collectives: Collectives) -> tuple[list[_Step], list[dict[str, dict[str, Tensor]]], bytes]:
         assert isinstance(collectives, LocalCollectives)
@@ -122,7 +131,7 @@ def _run(
             state.load_state_dict(torch.load(io.BytesIO(saved[rank]), weights_only=True))
         results, memories, blob = [], [], b""
         for step in steps:
-            grads = _gradients(shapes, seed, rank, step)
+            grads = _steady_gradients(shapes, seed, rank) if steady else _gradients(shapes, seed, rank, step)
             if poison is not None and (step, rank) == poison:
                 grads[next(iter(grads))].view(-1)[0] = float("nan")
             results.append(member.step(state, counting, grads, buckets))

@@ -45,9 +45,11 @@ def test_check_algorithm_rejects_a_value_held_back_forever() -> None:
     from tests.extending import holdback
 
     config = holdback.HoldBackConfig(density=0.1)
-    check_algorithm(config, lossless=None)  # conservation alone holds
+    check_algorithm(config, lossless=None, liveness_steps=None)  # conservation alone holds
     with pytest.raises(AssertionError, match=r"lossless: step 0: encoder.weight's update .*first: \[0\]"):
         check_algorithm(config)
+    with pytest.raises(AssertionError, match=r"liveness: encoder.weight: 1 of 3072 values were never sent"):
+        check_algorithm(config, lossless=None)  # and a steady gradient shows it without the lossless setting
 
 
 def test_check_algorithm_names_a_value_the_memory_holds_at_the_lossless_setting() -> None:
@@ -94,3 +96,24 @@ def test_trainer_fits_with_an_outside_algorithm(tmp_path) -> None:
         assert 0 < summary["stats"][-1]["values_sent"] < summary["stats"][-1]["numel"]
         assert summary["residual_norm"] > 0  # what was not sent is held back
     assert torch.equal(params(out, 0), params(out, 1))
+
+
+@pytest.mark.parametrize("steps", [4, 10])
+def test_check_algorithm_names_a_value_that_starves(steps: int) -> None:
+    """Never drawing one value at densities below 1: exact at density 1, and the gradient is conserved (held back
+    forever); only a steady gradient over enough steps shows that the value is never sent."""
+    from tests.extending import starving
+
+    config = starving.StarvingConfig(density=0.1)
+    check_algorithm(config, steps=steps, liveness_steps=None)  # every other check passes
+    with pytest.raises(
+        AssertionError,
+        match=r"liveness: encoder.weight: 1 of 3072 values were never sent in \d+ steps of a steady gradient \(first:"
+        r" value 0, at \(0, 0\); rank 0 holds \d+ steps of its gradient back\)",
+    ):
+        check_algorithm(config, steps=steps)
+
+
+def test_the_liveness_check_asks_for_its_steps_where_the_algorithm_sends_little() -> None:
+    with pytest.raises(ValueError, match=r"sends 0\.00\d+ of the values a step, .* Pass liveness_steps=\d+"):
+        check_algorithm(RandomKConfig(density=0.001), lossless=None, separate_process=False)

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_dgc.exchange.agreement import check_ranks_every_value, check_same_on_every_rank
+from lightning_dgc.exchange.agreement import check_ranks_every_value, check_same_on_every_rank, rank_check_due
 from tests.lightning.run import params, results, run_script
 
 
@@ -27,20 +27,36 @@ def test_check_ranks_every_is_validated() -> None:
         check_ranks_every_value(-1)
 
 
+def test_the_ranks_are_checked_early_then_every_check_ranks_every_steps() -> None:
+    due = [step for step in range(1, 401) if rank_check_due(step, 100)]
+    assert due == [1, 2, 4, 8, 16, 32, 64, 100, 200, 300, 400]
+    assert [step for step in range(1, 13) if rank_check_due(step, 5)] == [1, 2, 4, 5, 10]
+    assert [step for step in range(1, 5) if rank_check_due(step, 1)] == [1, 2, 3, 4]
+    assert not any(rank_check_due(step, 0) for step in range(1, 200))  # None or 0: off
+
+
 @pytest.mark.slow
-def test_ranks_that_diverge_stop_on_every_rank_and_a_normal_run_passes(tmp_path, monkeypatch) -> None:
-    """Draws seeded with hash(name): each process has its own hash salt, so the ranks' parameters drift apart."""
+def test_ranks_that_diverge_stop_on_every_rank_by_step_2_naming_the_parameters(tmp_path, monkeypatch) -> None:
+    """Draws seeded with hash(name): each process has its own hash salt, so the ranks' parameters drift apart; with
+    the default ``check_ranks_every`` the run stops within its first two steps, not at step 100."""
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # every rank draws its own salt
     out = tmp_path / "hash"
     proc = run_script(  # fresh interpreters: ranks forked from one process would share its salt
-        "ranks_script.py", out, "--strategy", "hashseeded_randomk", "--density", "0.1", "--check-ranks-every", "2",
-        check=False, launcher="external",
+        "ranks_script.py", out, "--strategy", "hashseeded_randomk", "--density", "0.1", check=False,
+        launcher="external",
     )  # fmt: skip
     assert proc.returncode != 0
     for rank in (0, 1):
-        errors = [line for line in (out.parent / f"hash.rank{rank}.stderr").read_text().splitlines()
-                  if "parameters differ after optimizer step 2: ranks [1] differ from rank 0" in line]  # fmt: skip
-        assert errors and "hash()" in errors[-1], f"rank {rank} did not name the divergence"
+        stderr = (out.parent / f"hash.rank{rank}.stderr").read_text()
+        errors = [line for line in stderr.splitlines() if "parameters differ after optimizer step" in line]
+        assert errors, f"rank {rank} did not name the divergence: {stderr[-2000:]}"
+        step = int(errors[-1].split("after optimizer step ")[1].split(":")[0])
+        assert step <= 2 and "ranks [1] differ from rank 0" in errors[-1] and "hash()" in errors[-1]
+        assert "`net.0.weight`" in errors[-1], errors[-1]  # the first layer's weight is drawn differently
+
+
+@pytest.mark.slow
+def test_a_normal_run_passes_every_rank_check(tmp_path) -> None:
     out = tmp_path / "ok"
     run_script("ranks_script.py", out, "--check-ranks-every", "2")
     assert [r["global_step"] for r in results(out)] == [8, 8]
