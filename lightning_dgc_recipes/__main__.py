@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,10 @@ def builtin_configs() -> list[str]:
     return sorted(path.relative_to(root).with_suffix("").as_posix() for path in root.rglob("*.yaml"))
 
 
+#: Built-in configs under a previous name, kept for one release: the old name -> the new one.
+RENAMED_CONFIGS = {"algo/dgc_adamw": "algo/dgc_1pct_int8"}
+
+
 def resolve_config(value: str) -> str:
     """The file a ``--config`` value names: an existing file as given, else a built-in config's path.
 
@@ -72,6 +77,13 @@ def resolve_config(value: str) -> str:
     if Path(value).exists() or "\n" in value or ":" in value or value.lstrip().startswith(("{", "[")):
         return value
     name = value.removeprefix("configs/").removesuffix(".yaml").removesuffix(".yml")
+    if name in RENAMED_CONFIGS:
+        warnings.warn(
+            f"`{name}` is the previous name of `{RENAMED_CONFIGS[name]}` (the same settings); it is removed in the"
+            f" next release: pass `--config {RENAMED_CONFIGS[name]}`.",
+            FutureWarning,
+            stacklevel=2,
+        )
     candidate = _configs_dir() / f"{name}.yaml"
     if candidate.is_file():
         return str(candidate)

@@ -111,6 +111,7 @@ def _worker(algo: str, root: str, steps: int, density: float, out: str) -> None:
 
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.selection_ms: list[float] = []  # the compressor's own work in each step, as the exchange timed it
             self.losses: list[float] = []
             self.stats: dict[str, Any] = {}
             self._start = 0.0
@@ -123,6 +124,7 @@ def _worker(algo: str, root: str, steps: int, density: float, out: str) -> None:
             self.losses.append(float(outputs["loss"]) if isinstance(outputs, dict) else float(outputs))
             if isinstance(trainer.strategy, lightning_dgc.CompressionStrategy):
                 self.stats = trainer.strategy.compression_stats()
+                self.selection_ms.append(float(self.stats.get("selection_ms", 0.0)))
 
     L.seed_everything(0, verbose=False)
     warmup = warmup_densities(steps, density)
@@ -166,6 +168,7 @@ def _worker(algo: str, root: str, steps: int, density: float, out: str) -> None:
             "val_acc": metrics["val_acc"],
             "val_loss": metrics["val_loss"],
             "step_ms": statistics.median(measured) * 1e3,
+            "selection_ms": statistics.median(recorder.selection_ms[len(warmup) :] or [0.0]),
             "bytes_sent": recorder.stats.get("bytes_sent", dense_bytes),
             "compression_ratio": recorder.stats.get("compression_ratio", 1.0),
             "density": recorder.stats.get("density", 1.0),
@@ -232,13 +235,16 @@ def table(results: list[dict[str, Any]], density: float) -> Any:
             f"density: after a warm-up of {warmup} steps (0.25, 0.0625, 0.015625, 0.004). sent/step: bytes"
             " each rank sent in the last step; ratio: dense bytes / sent. step (here): measured on this machine,"
             " both processes over loopback, where communication is nearly free, so compression shows only"
-            " its extra work. *: the step PREDICTED for 2 workers on that link by lightning_dgc.perfmodel"
+            f" its extra work, of which selection: the exchange's own timing. At {DEMO_BATCH} images per process"
+            " a step computes a quarter of the CIFAR recipe's 64, while the compressor's work per step is the"
+            " same: its share of the step is about four times the recipe's (benchmarks/results/"
+            "overhead_recipe.json). *: the step PREDICTED for 2 workers on that link by lightning_dgc.perfmodel"
             " from each run's measured compute and exact bytes, the exchange after the backward pass (DDP's"
             " first bucket holds nearly all of ResNet-20): a model, not a measurement."
         ),
     )
     base = next((r["val_acc"] for r in results if r["algo"] == "ddp"), None)
-    columns = ["algorithm", "density", "val acc", "vs ddp", "sent/step", "ratio", "step (here)",
+    columns = ["algorithm", "density", "val acc", "vs ddp", "sent/step", "ratio", "step (here)", "selection",
                *[f"{link}*" for link in LINKS]]  # fmt: skip
     for column in columns:
         out.add_column(column, justify="right")
@@ -251,6 +257,7 @@ def table(results: list[dict[str, Any]], density: float) -> Any:
             f"{r['bytes_sent'] / 1e3:,.1f} kB",
             f"{r['compression_ratio']:.0f}x",
             f"{r['step_ms']:.0f} ms",
+            f"{r.get('selection_ms', 0.0):.1f} ms" if r["algo"] != "ddp" else "",
             *[f"{r['predicted_ms'][link]:.0f} ms" for link in LINKS],
         )
     return out

@@ -645,6 +645,11 @@ def _ratio(row: dict) -> str:
     return f"{row['dense_bytes'] / row['bytes_sent']:.0f}x"
 
 
+def _buffers(row: dict) -> str:
+    """The ratio counting the buffers DDP broadcasts in every step under every method."""
+    return f"{row['ratio_with_buffers']:.0f}x with DDP's buffers"
+
+
 TRAFFIC_PAGES = ["README.md", "benchmarks/README.md", "docs/algorithms/index.md", "docs/algorithms/powersgd.md"]
 
 
@@ -657,18 +662,18 @@ def test_traffic_figures_quote_the_record(page: str) -> None:
     ranks = [t[f"powersgd_{r}"] for r in (1, 2, 4)]
     expected = {
         "README.md": [
-            f"| {_kb(dgc['bytes_sent'])} ({_ratio(dgc)} less) | {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |",
+            f"| {_kb(dgc['bytes_sent'])} ({_ratio(dgc)} less; {_buffers(dgc)}) | {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |",
             f"{_kb(ranks[0]['bytes_sent'])[:-3]}-{_kb(ranks[2]['bytes_sent'])} (rank 1-4)",
         ],
         "benchmarks/README.md": [
             f"ResNet-50 sends {dgc['dense_bytes'] / 1e6:.1f} MB under DDP, {_kb(dgc['bytes_sent'])} under DGC"
-            f" ({_ratio(dgc)} less; {_kb(fp16['bytes_sent'])} with fp16 values, {_kb(int8['bytes_sent'])} with int8),"
+            f" ({_ratio(dgc)} less, {_buffers(dgc)}; {_kb(fp16['bytes_sent'])} with fp16 values, {_kb(int8['bytes_sent'])} with int8),"
             f" {_kb(deft['bytes_sent'])} under DEFT,"
             f" {_kb(ranks[0]['bytes_sent'])} to {_kb(ranks[2]['bytes_sent'])} under PowerSGD",
             f"{dgc['dense_exchange_bytes'] / dgc['bytes_sent']:.0%} of DGC's bytes are the 1-D tensors",
         ],
         "docs/algorithms/index.md": [
-            f"| {dgc['dense_bytes'] / 1e6:.1f} MB | {_kb(dgc['bytes_sent'])} ({_ratio(dgc)} less);"
+            f"| {dgc['dense_bytes'] / 1e6:.1f} MB | {_kb(dgc['bytes_sent'])} ({_ratio(dgc)} less; {_buffers(dgc)});"
             f" {_kb(fp16['bytes_sent'])} with fp16 values, {_kb(int8['bytes_sent'])} with int8 ({_ratio(int8)}) |"
             f" {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |"
             f" rank 1: {_kb(ranks[0]['bytes_sent'])} ({_ratio(ranks[0])}); rank 2: {_kb(ranks[1]['bytes_sent'])};"
@@ -677,12 +682,15 @@ def test_traffic_figures_quote_the_record(page: str) -> None:
         "docs/algorithms/powersgd.md": [
             f"| rank 1: {_kb(ranks[0]['bytes_sent'])} ({_ratio(ranks[0])} less than DDP);"
             f" rank 2: {_kb(ranks[1]['bytes_sent'])} ({_ratio(ranks[1])}); rank 4: {_kb(ranks[2]['bytes_sent'])}"
-            f" ({_ratio(ranks[2])}) | {_kb(dgc['bytes_sent'])} ({_ratio(dgc)}), {_kb(fp16['bytes_sent'])} with fp16"
+            f" ({_ratio(ranks[2])}) | {_kb(dgc['bytes_sent'])} ({_ratio(dgc)}; {_buffers(dgc)}), {_kb(fp16['bytes_sent'])} with fp16"
             f" values ({_ratio(fp16)}) | {_kb(deft['bytes_sent'])} ({_ratio(deft)}) |",
         ],
     }[page]
     missing = [e for e in expected if e not in text]
     assert not missing, f"{page} does not quote traffic.json: {missing}"
+    # the ratios count the gradients only: each page says so where it quotes them
+    buffers = f"{dgc['buffer_broadcast_bytes'] / 1e3:.0f} kB"
+    assert "gradient bytes" in text and (page.endswith("README.md") or buffers in text), page
 
 
 def _slow(name: str = "slow_links") -> dict[tuple[str, int, str], dict]:

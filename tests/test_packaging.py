@@ -69,8 +69,8 @@ def test_metadata_is_complete() -> None:
 def test_torchaudio_comes_with_the_torch_release_it_is_built_for(extra: str) -> None:
     """torchaudio does not pin its torch, so an extra that installs it pins torch to the same releases:
     pip would otherwise pair torchaudio 2.11 with a newer torch, whose library it cannot load."""
-    pins = {d.split(">")[0].split("<")[0]: d[len(d.split(">")[0].split("<")[0]):]
-            for d in PYPROJECT["project"]["optional-dependencies"][extra]}  # fmt: skip
+    names = {d: re.split(r"[<>=!~]", d, maxsplit=1)[0] for d in PYPROJECT["project"]["optional-dependencies"][extra]}
+    pins = {name: d[len(name):] for d, name in names.items()}
     assert "torchaudio" in pins and "torch" in pins
     assert pins["torch"] == pins["torchaudio"]
 
@@ -123,3 +123,12 @@ def test_powersgd_config_is_exported() -> None:
     from lightning_dgc.algorithms.powersgd import PowerSGDConfig
 
     assert lightning_dgc.PowerSGDConfig is PowerSGDConfig and "PowerSGDConfig" in lightning_dgc.__all__
+
+
+def test_a_renamed_config_still_resolves_with_a_warning_that_names_the_new_one() -> None:
+    with pytest.warns(FutureWarning, match=r"`algo/dgc_adamw` is the previous name of `algo/dgc_1pct_int8`"):
+        old = resolve_config("algo/dgc_adamw")
+    new = resolve_config("algo/dgc_1pct_int8")
+    import yaml
+
+    assert yaml.safe_load(Path(old).read_text()) == yaml.safe_load(Path(new).read_text())  # the same settings

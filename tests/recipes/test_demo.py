@@ -39,3 +39,6 @@ def test_demo_trains_both_runs_and_shows_bytes_ratio_and_predicted_links(
     text = console.export_text()
     assert "PREDICTED" in text and "100 Mbit/s*" in text and "1 Gbit/s*" in text
     assert f"{dgc['compression_ratio']:.0f}x" in text
+    # the compressor's own work per step, as the exchange timed it, and why the demo's step differs from the recipe's
+    assert 0 < dgc["selection_ms"] < dgc["step_ms"] and f"{dgc['selection_ms']:.1f} ms" in text
+    assert "overhead_recipe.json" in text and "a quarter of the CIFAR recipe's 64" in text

@@ -1,0 +1,137 @@
+"""The long CIFAR-10 study's runner: which runs it holds, how a stopped run resumes, what data it accepts, and the
+record a resumed run writes. (The study itself runs for hours and is not part of the suite.)"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from benchmarks import common, long_study, parity
+from lightning_dgc_recipes.vision import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule, augment_batch
+
+TASK = parity.TASKS["cifar10_full"]
+
+
+def test_every_run_of_the_study_is_ordered_once() -> None:
+    planned = {(s.name, seed, algo) for s in long_study.STUDIES for seed, algo in s.runs}
+    assert sorted(planned) == sorted(long_study.ORDER) and len(set(long_study.ORDER)) == len(long_study.ORDER)
+    assert long_study.ORDER[:2] == (("parity_full_cifar2", 42, "ddp"), ("parity_full_cifar2", 42, "dgc_1pct_int8"))
+    for s in long_study.STUDIES:
+        args = s.arguments(s.seeds, s.algos)
+        assert args[args.index("--tasks") + 1] == "cifar10_full" and "--reuse" in args
+        assert all(algo in parity.ALGO_SPECS for algo in s.algos)
+
+
+def test_the_long_protocol_is_the_recipe_at_20_epochs_with_its_drops_at_60_and_80_percent(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(parity, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(parity, "data_folder", lambda task, root: root / task.data_subdir)
+    argv, record = parity.command(TASK, "ddp", tmp_path, 20, None, tmp_path, name="t", seed=42)
+    text = " ".join(argv)
+    assert "--trainer.max_epochs 20" in text and "--model.milestones [12, 16]" in text
+    assert "--trainer.val_check_interval 0.5" in text and "--trainer.enable_checkpointing true" in text
+    assert parity.schedule_steps(TASK, *TASK.full) == 7820  # 391 steps an epoch at the global batch of 128
+    assert record.name == "cifar10_full_ddp_s42.json"
+    generated = (parity.CONFIG_DIR / "t" / "cifar10_full_ddp_s42.yaml").read_text()
+    assert "ModelCheckpoint" in generated and "save_on_train_epoch_end: true" in generated
+    assert str(parity.checkpoint_dir("t", "cifar10_full_ddp_s42")) in generated
+
+
+def test_a_stopped_run_resumes_from_its_checkpoint_and_another_command_starts_afresh(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(parity, "CACHE", tmp_path)
+    record = tmp_path / "runs" / "cifar10_full_ddp_s42.json"
+    record.parent.mkdir()
+    record.write_text(json.dumps({"finished": False, "history": [{"step": 195}]}))
+    folder = parity.checkpoint_dir("study", record.stem)
+    assert parity.resume_arguments(TASK, "study", record, "key-1") == []  # nothing to resume: a fresh start
+    assert not record.exists() and (folder / "key").read_text() == "key-1"
+    record.write_text("{}")  # the run writes its record and its epoch-end checkpoint, then stops
+    (folder / "last.ckpt").write_bytes(b"checkpoint")
+    assert parity.resume_arguments(TASK, "study", record, "key-1") == ["--ckpt_path", str(folder / "last.ckpt")]
+    assert record.exists()  # a resumed run keeps its partial record (the recorder resumes it)
+    assert parity.resume_arguments(TASK, "study", record, "key-2") == []  # another command: afresh
+    assert not (folder / "last.ckpt").exists() and not record.exists()
+    assert parity.resume_arguments(parity.TASKS["cifar10"], "study", record, "key-1") == []  # not resumable
+
+
+def test_a_data_root_without_the_full_set_is_an_error_that_names_what_is_missing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(parity, "CACHE", tmp_path / "cache")
+    small = replace(TASK, required_files=(("cifar-10-batches-py/data_batch_1", 100), ("cifar-10-batches-py/test_batch", 100)))
+    folder = tmp_path / "data" / "cifar10-full" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    (folder / "data_batch_1").write_bytes(b"x" * 10)  # a subset's file of the same name
+    with pytest.raises(SystemExit, match=r"data_batch_1 \(10 bytes; the full set's has at least 100\); .*test_batch \(missing\)"):
+        parity.data_folder(small, tmp_path / "data")
+    (folder / "data_batch_1").write_bytes(b"x" * 100)
+    (folder / "test_batch").write_bytes(b"x" * 100)
+    assert parity.data_folder(small, tmp_path / "data") == folder.parent
+
+
+def test_the_shared_builder_writes_the_set_into_the_cache_once(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(parity, "CACHE", tmp_path / "cache")
+    small = replace(TASK, required_files=(("cifar-10-batches-py/test_batch", 4),))
+    shared = tmp_path / "shared" / "cifar10-full"
+    shared.mkdir(parents=True)
+    (shared / "build.py").write_text(
+        "import sys, pathlib\nout = pathlib.Path(sys.argv[1]) / 'cifar-10-batches-py'\nout.mkdir(parents=True)\n"
+        "(out / 'test_batch').write_bytes(b'full')\nwith open(out.parent / 'builds', 'a') as f:\n    f.write('x')\n"
+    )
+    assert parity.data_folder(small, tmp_path / "shared") == tmp_path / "cache" / "cifar10-full"
+    assert parity.data_folder(small, tmp_path / "shared") == tmp_path / "cache" / "cifar10-full"
+    assert (tmp_path / "cache" / "cifar10-full" / "builds").read_text() == "x"  # built once, then kept
+
+
+def test_a_resumed_recorder_writes_the_record_of_an_uninterrupted_run(tmp_path) -> None:
+    first = common.RunRecorder(str(tmp_path / "a.json"))
+    first.history = [{"step": 391, "val_acc": 0.5}]
+    first.train_loss_epochs = [{"epoch": 0, "train_loss": 1.5}]
+    first.totals.update(steps=391, bytes_sent=1000, dense_bytes=59000)
+    first.densities, first._last_step, first._step_times = [0.0625, 0.01], (391, None), [0.1, 0.2]
+    state = torch.load(_saved(first.state_dict(), tmp_path), weights_only=True)  # through a checkpoint
+    second = common.RunRecorder(str(tmp_path / "b.json"))
+    second.load_state_dict(state)
+    for field in ("history", "train_loss_epochs", "totals", "densities", "_last_step", "_step_times"):
+        assert getattr(second, field) == getattr(first, field), field
+    assert second._resumed_wall[0] >= 0 and second._resumed_wall[1] >= 0
+
+
+def _saved(state: dict, tmp_path: Path) -> Path:
+    path = tmp_path / "state.pt"
+    torch.save(state, path)
+    return path
+
+
+def test_batch_augmentation_draws_by_the_batch_s_place_in_the_run(monkeypatch) -> None:
+    """``augment="batch"``: the same seed, position and rank draw the same crops and flips (so a resumed run
+    draws what the uninterrupted one did); another position or rank draws others; evaluation is not augmented."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "42")
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    labels = torch.arange(8)
+
+    def run(position: int, rank: int, training: bool = True) -> torch.Tensor:
+        data = CIFAR10DataModule(augment="batch")
+        progress = SimpleNamespace(total=SimpleNamespace(ready=position))
+        data.trainer = SimpleNamespace(training=training, global_rank=rank,
+                                       fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))  # type: ignore[assignment]  # fmt: skip
+        out, same_labels = data.on_after_batch_transfer((images, labels), 0)
+        assert torch.equal(same_labels, labels) and out.dtype == torch.float32
+        return out
+
+    assert torch.equal(run(5, 0), run(5, 0))
+    assert not torch.equal(run(5, 0), run(6, 0)) and not torch.equal(run(5, 0), run(5, 1))
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (CIFAR10_MEAN, CIFAR10_STD))
+    assert torch.allclose(run(5, 0, training=False), (images.float() / 255 - mean) / std)  # normalised only
+    # one crop and flip per image: the same as cropping a padded image by hand
+    g = torch.Generator().manual_seed(7)
+    out = augment_batch(images.float(), g)
+    g = torch.Generator().manual_seed(7)
+    offsets, flips = torch.randint(0, 9, (8, 2), generator=g), torch.rand(8, generator=g) < 0.5
+    padded = torch.nn.functional.pad(images.float(), (4, 4, 4, 4))
+    for i, ((top, left), flip) in enumerate(zip(offsets.tolist(), flips.tolist(), strict=True)):
+        crop = padded[i, :, top : top + 32, left : left + 32]
+        assert torch.equal(out[i], crop.flip(-1) if flip else crop)
+
