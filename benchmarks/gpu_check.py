@@ -12,7 +12,8 @@ part that fails, raises or runs out of time is recorded as such and the next one
 * ``fits``: a real Lightning ``fit`` of a small convolutional network, 2 processes sharing the GPU over
   gloo, under ``16-mixed`` and ``bf16-true`` for ``dgc``, ``deft`` and ``powersgd`` (all six at once):
   that it ran every step, the losses and parameters stayed finite, both ranks ended with the same
-  parameters, and the exchange's ``compression_stats()``. Beside them (all eight at once) ``ddp`` and
+  parameters, the exchange's ``compression_stats()``, and the parameters' device and dtype on the first
+  training batch. Beside them (all eight at once) ``ddp`` and
   ``dgc_dense`` (DGC at density 1) in fp32: DGC must take DDP's own step and end with its parameters, bit
   for bit.
 * ``selection``: :mod:`benchmarks.selection` with ``--device cuda`` on ResNet-50 (5 rounds, DEFT at 8
@@ -155,6 +156,31 @@ def run_tests(out: Path, budget_s: float, device: str = "cuda", per_test_timeout
 
 
 # -- part: fits ------------------------------------------------------------------------------------------
+def fit_recorder() -> Any:
+    """A Lightning callback that records, for :func:`fit_rank`, each step's loss and ``compression_stats()``, and
+    the parameters' device and dtype as training sees them on the first batch (``param_device``,
+    ``param_dtype``): after ``fit`` Lightning has moved the module back to the CPU."""
+    import lightning as L
+
+    class FitRecorder(L.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.stats: list[dict[str, Any]] = []
+            self.param_device: str | None = None
+            self.param_dtype: str | None = None
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if self.param_device is None:
+                param = next(module.parameters())
+                self.param_device, self.param_dtype = str(param.device), str(param.dtype)
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.losses.append(float(outputs["loss"]))
+            self.stats.append(dict(getattr(trainer.strategy, "compression_stats", dict)()))  # DDP: none
+
+    return FitRecorder()
+
+
 def fit_rank(out: Path, algorithm: str, precision: str, device: str = "cuda", steps: int = 8) -> dict[str, Any]:
     """One rank of a 2-process fit (Lightning's environment variables set by :func:`run_fits`)."""
     import hashlib
@@ -185,16 +211,7 @@ def fit_rank(out: Path, algorithm: str, precision: str, device: str = "cuda", st
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
-    class Recorder(L.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-            self.stats: list[dict[str, Any]] = []
-
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.losses.append(float(outputs["loss"]))
-            self.stats.append(dict(getattr(trainer.strategy, "compression_stats", dict)()))  # DDP: none
-
-    recorder, module = Recorder(), Net()
+    recorder, module = fit_recorder(), Net()
     trainer = L.Trainer(
         accelerator=device, devices=1, num_nodes=2, strategy=common.make_strategy(algorithm, density=0.01),
         precision=precision, max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -215,8 +232,8 @@ def fit_rank(out: Path, algorithm: str, precision: str, device: str = "cuda", st
         "global_step": trainer.global_step,
         "precision": str(trainer.precision),
         "precision_plugin": type(trainer.precision_plugin).__name__,
-        "param_dtype": str(params[0].dtype),
-        "param_device": str(params[0].device),
+        "param_dtype": recorder.param_dtype,
+        "param_device": recorder.param_device,
         "hook_calls": getattr(trainer.strategy, "hook_calls", 0),
         "losses": recorder.losses,
         "params_finite": all(bool(torch.isfinite(p).all()) for p in params),

@@ -32,10 +32,12 @@ _MACHINE_PATH = re.compile(r"(?<![\w.<>])/(?:work|tmp|root|home|usr|opt|mnt|data
 
 
 def headline_plots() -> list[str]:
-    """The figures benchmarks/README.md and the docs' benchmark pages show (their ``results/<name>.png`` image
-    links)."""
-    pages = [common.RESULTS.parent / "README.md", *sorted(PAGE.parent.glob("*.md"))]
-    links = [name for page in pages for name in re.findall(r"\]\(results/([\w.-]+\.png)\)", page.read_text())]
+    """The figures benchmarks/README.md and the docs pages show or link: ``results/<name>.png`` on the benchmark
+    pages, ``benchmarks/results/<name>.png`` (after any ``../``) on the others, which resolve to the same copies."""
+    docs = PAGE.parent.parent
+    pages = [common.RESULTS.parent / "README.md", *sorted(docs.rglob("*.md"))]
+    link = re.compile(r"\]\((?:\.\./)*(?:benchmarks/)?results/([\w.-]+\.png)\)")
+    links = [name for page in pages for name in link.findall(page.read_text())]
     return list(dict.fromkeys(links))
 
 

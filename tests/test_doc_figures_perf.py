@@ -28,11 +28,12 @@ PAGE_ROWS = {
     "PowerSGD, flat": ("powersgd_1g", "powersgd_10g"),
     "PowerSGD, two-level (`powersgd_node`)": ("powersgd_node_1g", "powersgd_node_10g"),
 }
-#: The README's rows: "flat / two-level" cells.
-README_ROWS = {
+#: The Across-nodes table of the README and of docs/multi-node.md: every method of the record, "flat / two-level".
+ACROSS_NODES_ROWS = {
     "DDP": (("ddp_1g",), ("ddp_10g",)),
     "DGC, flat / two-level": (("dgc_1g", "dgc_node_1g"), ("dgc_10g", "dgc_node_10g")),
     "DEFT, flat / two-level": (("deft_1g", "deft_node_1g"), ("deft_10g", "deft_node_10g")),
+    "PowerSGD, flat / two-level": (("powersgd_1g", "powersgd_node_1g"), ("powersgd_10g", "powersgd_node_10g")),
 }
 
 
@@ -79,17 +80,20 @@ def test_the_page_table_quotes_the_record() -> None:
         assert rows[label] == expected, f"{PERF_PAGE.name}, row {label!r}: {rows[label]} against the record's {expected}"
 
 
-def test_the_readme_table_quotes_the_record() -> None:
+@pytest.mark.parametrize("path", [README, MULTI_NODE], ids=lambda p: p.name)
+def test_the_across_nodes_tables_quote_the_record(path: Path) -> None:
     h = _record()["highlights"]
-    text = README.read_text()
-    rows = _table(text[text.index("Predicted speedup over one node") :], "| method |")
-    assert set(rows) == set(README_ROWS), sorted(rows)
-    for label, cells in README_ROWS.items():
+    assert (h["nodes"], h["gpus_per_node"]) == (64, 8)
+    text = path.read_text()
+    assert "64 nodes of 8 GPUs" in " ".join(text.split())
+    rows = _table(text, "| method | 1 Gbit/s | 10 Gbit/s |")
+    assert set(rows) == set(ACROSS_NODES_ROWS), sorted(rows)
+    for label, cells in ACROSS_NODES_ROWS.items():
         expected = [" / ".join(_x(h[k]) for k in keys) for keys in cells]
-        assert rows[label] == expected, f"README, row {label!r}: {rows[label]} against the record's {expected}"
+        assert rows[label] == expected, f"{path.name}, row {label!r}: {rows[label]} against the record's {expected}"
 
 
-@pytest.mark.parametrize("path", [README, PERF_PAGE], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [README, PERF_PAGE, MULTI_NODE], ids=lambda p: p.name)
 def test_the_labels_state_the_times_the_record_was_made_with(path: Path) -> None:
     """The compute and selection times were set on the command line: the label says so and gives them."""
     p = _record()["profile"]
@@ -126,10 +130,108 @@ def test_the_one_card_per_gpu_figure_quotes_its_record() -> None:
 
 def test_the_multi_node_page_quotes_the_record() -> None:
     h = _record()["highlights"]
-    said = re.search(r"([\d.]+x) the speed of one node for two-level DGC on 1 Gbit/s,\s+against ([\d.]+x) for flat"
-                     r" DGC and ([\d.]+x) for dense DDP on 10 Gbit/s", MULTI_NODE.read_text())  # fmt: skip
+    said = re.search(r"([\d.]+x) against ([\d.]+x) flat on 1 Gbit/s, above dense DDP on 10 Gbit/s \(([\d.]+x)\)",
+                     " ".join(MULTI_NODE.read_text().split()))  # fmt: skip
     assert said, "docs/multi-node.md: the sentence quoting the performance model is not found"
     assert list(said.groups()) == [_x(h["dgc_node_1g"]), _x(h["dgc_1g"]), _x(h["ddp_10g"])]
+    assert h["dgc_node_1g"] > h["ddp_10g"]
+    # "Flat PowerSGD and flat DEFT are predicted faster than two-level DGC on 1 Gbit/s"
+    assert min(h["powersgd_1g"], h["deft_1g"]) > h["dgc_node_1g"]
+    # "... and both lost more accuracy than DGC on the CIFAR-10 subset"
+    from tests.test_docs import _study
+
+    summary, _ = _study("parity_seeds_cifar8")
+    assert max(summary["powersgd"]["difference"], summary["deft"]["difference"]) < summary["dgc"]["difference"]
+
+
+def test_where_the_inputs_come_from() -> None:
+    """The bytes come from the committed CPU profile; the compute and selection times were set on the command
+    line and no committed profile holds them; the one GPU profile is named with its machine and figures."""
+    profile = _record()["profile"]
+    shipped = _record(ROOT / "benchmarks" / "results" / "profile_resnet50.json")
+    assert shipped["device"] == "cpu" and profile["buckets"] == shipped["buckets"]
+    compute, selection = profile["compute_s"], profile["selection_s"]
+    for path in sorted((ROOT / "benchmarks" / "results").glob("profile_*.json")):
+        other = _record(path)
+        held = abs(other["compute_s"] - compute) < 5e-5 and abs(other["selection_s"] - selection) < 5e-5
+        assert not held, f"{path.name} holds the command's times: point the pages at it"
+    section = _section(PERF_PAGE.read_text(), "ResNet-50 on 64 nodes of 8 GPUs")
+    inputs = " ".join(section[section.index("### Where the inputs come from") :].split())
+    assert f"**{compute * 1e3:g} ms of compute and {selection * 1e3:g} ms of DGC's selection per step at batch" \
+        f" {profile['batch_size']}**" in inputs
+    assert "`benchmarks/results/profile_resnet50.json`" in inputs and "on a CPU" in inputs
+    h100 = _record(ROOT / "benchmarks" / "results" / "profile_resnet50_h100.json")
+    assert f"on an {h100['device']}, measured {h100['compute_s'] * 1e3:.1f} ms of compute and" \
+        f" {h100['selection_s'] * 1e3:.1f} ms of DGC's selection per step at batch {h100['batch_size']} in" \
+        f" {h100['value_dtype']}, one process" in inputs
+    assert h100["world_size"] == 1
+
+
+# -- the algorithm guide's answer for 2 nodes x 8 GPUs: the record's rows at 16 workers
+GUIDE = ROOT / "docs" / "algorithms" / "index.md"
+#: The guide's columns -> the record's methods in each cell ("flat / two-level").
+GUIDE_COLUMNS = [("ddp",), ("dgc", "dgc_node"), ("deft", "deft_node"), ("powersgd", "powersgd_node")]
+
+
+def _at_16(method: str, bandwidth: float) -> dict[str, Any]:
+    (row,) = [r for r in _record()["rows"] if (r["method"], r["workers"], r["bandwidth_bps"], r["overlap"])
+              == (method, 16, bandwidth, True)]  # fmt: skip
+    return row
+
+
+def _speed(method: str, bandwidth: float) -> str:
+    row = _at_16(method, bandwidth)
+    return f"{_x(row['speedup'])}, {row['step_s'] * 1e3:.0f} ms"
+
+
+def test_the_guide_s_two_by_eight_rows_quote_the_record() -> None:
+    assert _record()["network"]["gpus_per_node"] == 8 and _record()["network"]["nic"] == "node"
+    rows = _table(_section(GUIDE.read_text(), "2 nodes x 8 GPUs"), "| 2 nodes x 8 GPUs |")
+    for label, bandwidth in (("**1 Gbit/s**, predicted", 1e9), ("**10 Gbit/s**, predicted", 10e9)):
+        expected = [" / ".join(_speed(m, bandwidth) for m in methods) for methods in GUIDE_COLUMNS]
+        assert rows[label] == expected, f"{label}: {rows[label]} against the record's {expected}"
+
+
+def test_the_guide_s_two_by_eight_accuracy_rows_quote_the_records() -> None:
+    from tests.test_docs import _difference_text, _metric_text, _study
+
+    rows = _table(_section(GUIDE.read_text(), "2 nodes x 8 GPUs"), "| 2 nodes x 8 GPUs |")
+    for start, name in (("CIFAR-10 subset top-1, ResNet-20, 8 workers", "parity_seeds_cifar8"),
+                        ("PTB LSTM perplexity, 8 workers", "parity_seeds_ptb8")):  # fmt: skip
+        (label,) = [label for label in rows if label.startswith(start)]
+        assert f"(../benchmarks/results/{name}.png)" in label
+        summary, percent = _study(name)
+        cells = rows[label]
+        assert cells[0] == _metric_text(summary["ddp"], percent)
+        for cell, algo in zip(cells[1:], ("dgc", "deft", "powersgd"), strict=True):
+            assert cell.startswith(_difference_text(summary[algo], percent)), (name, algo, cell)
+        assert all(len(summary[a]["seeds"]) == 3 for a in ("ddp", "dgc", "deft", "powersgd"))
+
+
+def _best(name: str) -> str:
+    """The compressed method (DGC, DEFT, PowerSGD) closest to DDP's accuracy, or below its perplexity."""
+    from tests.test_docs import _study
+
+    summary, percent = _study(name)
+    score = {a: summary[a]["difference"] * (1 if percent else -1) for a in ("dgc", "deft", "powersgd")}
+    return max(score, key=score.__getitem__)
+
+
+def test_the_guide_s_answer_quotes_the_record() -> None:
+    """The answer's figures are the record's, and its choice is the best measured accuracy on each task, at 8
+    workers as at 2."""
+    text = " ".join(_section(GUIDE.read_text(), "2 nodes x 8 GPUs").split())
+    said = re.search(r"the performance model predicts ([\d.]+x) and ([\d.]+x) one GPU's throughput on 1 Gbit/s links"
+                     r" \(DDP ([\d.]+x)\)", text)  # fmt: skip
+    assert said, "the guide's answer for 2 x 8 GPUs is not found"
+    speed = {m: _x(_at_16(m, 1e9)["speedup"]) for m in ("dgc_node", "deft", "ddp")}
+    assert list(said.groups()) == [speed["dgc_node"], speed["deft"], speed["ddp"]]
+    assert text.index("**DGC**") < text.index("for a convolutional network") < text.index("**DEFT**")
+    assert _best("parity_seeds_cifar8") == _best("parity_seeds_cifar2") == "dgc"
+    assert _best("parity_seeds_ptb8") == _best("parity_seeds_ptb2") == "deft"
+    # DEFT flat, as the answer says (hierarchical=False): faster than its two-level exchange on both links
+    assert all(_at_16("deft", b)["speedup"] > _at_16("deft_node", b)["speedup"] for b in (1e9, 10e9))
+    assert all(_at_16("dgc_node", b)["speedup"] >= _at_16("dgc", b)["speedup"] for b in (1e9, 10e9))
 
 
 def test_the_printed_commands_rebuild_the_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

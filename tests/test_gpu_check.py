@@ -147,6 +147,39 @@ def test_the_record_says_ok_only_when_every_part_finished_ok() -> None:
     ] and rest == []  # fmt: skip
 
 
+def test_a_fit_records_the_device_and_dtype_it_trained_with() -> None:
+    """``param_device`` and ``param_dtype`` are what training saw, not where ``fit`` leaves the module (Lightning
+    moves it back to the CPU at teardown; here a callback turns it to float64 once training has ended)."""
+    import lightning as L
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class ToFloat64AfterTraining(L.Callback):
+        def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            module.double()
+
+    recorder, module = gpu_check.fit_recorder(), Net()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=3, callbacks=[recorder, ToFloat64AfterTraining()], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(TensorDataset(torch.randn(12, 4), torch.randn(12, 1)), batch_size=4))
+    assert next(module.parameters()).dtype == torch.float64  # where fit left it
+    assert (recorder.param_device, recorder.param_dtype) == ("cpu", "torch.float32")
+    assert len(recorder.losses) == 3 and recorder.stats == [{}, {}, {}]  # no compression strategy: no stats
+
+
 # -- running the parts (on the CPU) -------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_command_finds_every_cuda_test_and_writes_its_record(tmp_path: Path) -> None:
@@ -194,6 +227,7 @@ def test_a_fit_runs_on_two_ranks_and_checks_them(tmp_path: Path) -> None:
     ranks = fit["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["world_size"] == 2 for r in ranks)
     assert all(r["precision"] == "bf16-mixed" and r["param_dtype"] == "torch.float32" for r in ranks)
+    assert all(r["param_device"] == "cpu" for r in ranks)  # as seen during training (on a GPU: cuda:0)
     assert all(len(r["losses"]) == 3 and r["compression_stats"]["algorithm"] == "deft" for r in ranks)
     dense = record["result"]["fits"]["dgc_dense/32-true"]
     assert dense["checks"]["equals_ddp"] and dense["checks"]["ddp_step"], dense["checks"]

@@ -1,0 +1,165 @@
+"""docs/gpus.md, "On GPUs": every figure of the page is its record's (``gpu_check.json``, ``selection_cuda.json``,
+``profile_resnet50_h100.json``), and what the page says never ran is what the records show."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.test_docs import ROOT, _cells, _cuda_peaks, _record, _signed, _text
+
+PAGE = "docs/gpus.md"
+
+
+def _rows(start: str) -> list[list[str]]:
+    """The page's table rows whose first cell starts with ``start``."""
+    lines = (ROOT / PAGE).read_text().splitlines()
+    return [_cells(line) for line in lines if line.startswith(f"| {start}")]
+
+
+def _row(start: str) -> list[str]:
+    (row,) = _rows(start)
+    return row
+
+
+def _selection(record: dict) -> dict:
+    return record["models"]["resnet50"]
+
+
+def test_the_page_is_in_the_site_and_the_readme_points_at_it() -> None:
+    assert "On GPUs: gpus.md" in (ROOT / "mkdocs.yml").read_text()
+    readme = _text("README.md")
+    assert "[On GPUs](docs/gpus.md)" in readme and "never over NCCL" in readme
+    assert "GPUs (NCCL)" not in readme
+
+
+def test_the_machine_is_the_record_s() -> None:
+    record = _record("gpu_check")
+    text = _text(PAGE)
+    device, versions = record["device"], record["versions"]
+    assert device["count"] == 1 and device["type"] == "cuda"
+    assert f"**one** GPU, an {device['name']} (torch {versions['torch']}, CUDA {versions['cuda']}, Lightning" \
+        f" {versions['lightning']})" in text
+    profile = _record("profile_resnet50_h100")
+    assert profile["device"] == device["name"]
+
+
+def test_the_tests_and_fits_rows_quote_the_record() -> None:
+    parts = _record("gpu_check")["parts"]
+    counts = parts["tests"]["result"]["counts"]
+    assert _row("every CUDA test")[2] == f"{counts['passed']} passed, {counts['failed']} failed"
+    fits = parts["fits"]["result"]
+    what, record, result = _row("a Lightning `fit`")
+    assert record == "`gpu_check.json`, part `fits`" and f"{fits['steps']} steps" in what
+    assert {name.split("/")[1] for name in fits["fits"]} == {"16-mixed", "bf16-true", "32-true"}
+    assert all(f"`{name}`" in what for name in ("dgc", "deft", "powersgd", "16-mixed", "bf16-true"))
+    assert result.startswith(f"all {len(fits['fits'])} fits ran every step") and fits["ok"]
+    assert all(fit["ok"] and all(fit["checks"].values()) for fit in fits["fits"].values())
+    dense = fits["fits"]["dgc_dense/32-true"]
+    assert dense["checks"]["equals_ddp"] and dense["max_abs_diff_from_ddp"] == 0.0
+    assert all(r["world_size"] == 2 for fit in fits["fits"].values() for r in fit["ranks"])
+
+
+def test_the_param_device_note_matches_the_record() -> None:
+    """The page explains ``param_device: cpu`` exactly while the committed record reads it."""
+    devices = {r["param_device"] for fit in _record("gpu_check")["parts"]["fits"]["result"]["fits"].values()
+               for r in fit["ranks"]}  # fmt: skip
+    said = "The fits' `param_device` in the committed `gpu_check.json` reads `cpu`" in _text(PAGE)
+    assert said == (devices == {"cpu"}), devices
+
+
+@pytest.mark.parametrize("name", ["gpu_check", "selection_cuda"])
+def test_the_selection_rows_quote_the_records(name: str) -> None:
+    record = _record(name)
+    if name == "gpu_check":
+        record = record["parts"]["selection"]["result"]
+    m = _selection(record)
+    ms = m["median_ms"]
+    (row,) = [r for r in _rows("selection, ResNet-50") + _rows("the same, ") if r[1].startswith(f"`{name}.json`")]
+    what, result = " ".join([row[0], *_rows("selection, ResNet-50")[0][:1]]), row[2]
+    assert f"{m['compressed_tensors']} compressed tensors in {m['buckets']} buckets, density" \
+        f" {record['config']['density']:g}" in what
+    assert f"{record['config']['reps']} rounds" in row[0]
+    assert f"DGC {ms['dgc_batched']:.2f} ms" in result and f"{ms['dgc']:.2f} ms tensor by tensor" in result
+    assert f"exact `torch.topk` {ms['exact']:.2f} ms" in result
+    assert f"one pass over the gradient {ms['floor']:.2f} ms" in result or f"one pass {ms['floor']:.2f} ms" in result
+    if name == "gpu_check":
+        deft = m["deft"]["8"]
+        assert f"DEFT at 8 simulated workers, slowest rank: {deft['batched_max_ms']:.2f} ms batched," \
+            f" {deft['max_ms']:.2f} ms tensor by tensor" in result
+    assert record["config"]["device"] == "cuda"
+
+
+def test_the_selection_record_without_a_gpu_name_is_the_same_build_and_day() -> None:
+    selection, check = _record("selection_cuda")["config"], _record("gpu_check")
+    assert "name" not in selection and "gpu" not in selection
+    assert selection["torch"] == check["versions"]["torch"]
+    assert selection["time"][:10] == check["environment"]["date"][:10]
+    assert "`selection_cuda.json` names no GPU model" in _text(PAGE)
+
+
+def test_the_memory_row_quotes_the_record() -> None:
+    part = _record("gpu_check")["parts"]["checkpoint_memory"]["result"]
+    peaks, ddp = _cuda_peaks(), part["cuda_columns"][0]
+    assert ddp["strategy"] == "ddp"
+    what, record, result = _row("CUDA peak memory during `fit`")
+    assert f"an MLP of {part['params'] / 1e6:.1f}M parameters" in what
+    expected = (f"over DDP's {ddp['cuda peak']:.2f} model sizes: DGC {_signed(peaks['dgc', 0], 2)}, DEFT"
+                f" {_signed(peaks['deft', 0], 2)}, PowerSGD {_signed(peaks['powersgd', 0], 2)}, DiLoCo"
+                f" {_signed(peaks['diloco', 0], 2)} ({_signed(peaks['diloco_offload', 0], 2)} with `offload=True`)")  # fmt: skip
+    assert result.startswith(expected), (result, expected)
+
+
+def test_the_profile_row_quotes_the_record() -> None:
+    profile = _record("profile_resnet50_h100")
+    what, record, result = _row("ResNet-50 profile")
+    assert f"batch {profile['batch_size']}, {profile['value_dtype']}" in what and profile["world_size"] == 1
+    assert result.startswith(f"{profile['compute_s'] * 1e3:.1f} ms of compute and {profile['selection_s'] * 1e3:.1f}"
+                             " ms of DGC's selection per step")  # fmt: skip
+
+
+def test_the_targets_table_quotes_the_record_and_none_is_met() -> None:
+    check = _record("gpu_check")["parts"]
+    m = _selection(check["selection"]["result"])
+    ms, deft, peaks = m["median_ms"], m["deft"]["8"], _cuda_peaks()
+    rows = {r[0]: r[1] for r in _rows("DGC's selection") + _rows("DEFT's slowest") + _rows("CUDA peak memory over")}
+    expected = {
+        "DGC's selection for ResNet-50 ≤ 1.0 ms per step": (
+            f"{ms['dgc_batched']:.2f} ms batched, where one pass over the gradient takes {ms['floor']:.2f} ms and"
+            f" exact `torch.topk` {ms['exact']:.2f} ms", ms["dgc_batched"], 1.0),
+        "DEFT's slowest rank (8 workers, ResNet-50) ≤ 1.0 ms": (
+            f"{deft['batched_max_ms']:.2f} ms batched, {deft['max_ms']:.2f} ms tensor by tensor",
+            min(deft["batched_max_ms"], deft["max_ms"]), 1.0),
+        "CUDA peak memory over DDP, DGC ≤ +1.5 model sizes": (_signed(peaks["dgc", 0], 2), peaks["dgc", 0], 1.5),
+        "CUDA peak memory over DDP, DEFT ≤ +1.0 model sizes": (_signed(peaks["deft", 0], 2), peaks["deft", 0], 1.0),
+    }  # fmt: skip
+    assert set(rows) == set(expected), sorted(rows)
+    for label, (text, value, limit) in expected.items():
+        assert rows[label] == text, (label, rows[label], text)
+        assert value > limit, f"{label}: met by the record ({value}); the page says none is met"
+    assert "none is met" in _text(PAGE)
+    # "the batched selection is no faster than exact top-k"
+    assert ms["exact"] <= ms["dgc_batched"] and "no faster than exact top-k" in _text(PAGE)
+
+
+def test_what_never_ran_is_what_the_records_show() -> None:
+    """Every record of a GPU run holds one device; the page lists NCCL, multi-GPU speed and accuracy as never run."""
+    check = _record("gpu_check")
+    assert check["device"]["count"] == 1
+    tests = check["parts"]["tests"]["result"]["tests"]
+    assert not [t for t in tests if "nccl" in t.lower()]
+    text = _text(PAGE)
+    section = text[text.index("## What has never run") : text.index("## Targets on a GPU")]
+    for said in ("**NCCL**", "**Speed on several GPUs**", "**Accuracy on a GPU**"):
+        assert said in section
+    assert re.search(r"NCCL refuses two ranks on one\s+device", text)
+
+
+def test_the_rebuild_commands_name_the_records() -> None:
+    text = (ROOT / PAGE).read_text()
+    block = text[text.rindex("```bash") :]
+    assert "python -m benchmarks.gpu_check\n" in block
+    assert _record("selection_cuda")["config"]["reps"] == 7 and "--reps 7 --out benchmarks/results/selection_cuda.json" in block
+    assert "--profile-out benchmarks/results/profile_resnet50_h100.json" in block
+    assert _record("profile_resnet50_h100")["command"].endswith("--profile-out benchmarks/results/profile_resnet50_h100.json")
