@@ -45,8 +45,9 @@ def measure(
     algo: str, world: int, density: float, steps: int, data: tuple[torch.Tensor, torch.Tensor]
 ) -> float:
     """The mean ``buildup_factor`` of ``steps`` exchanges of ResNet-20 gradients on ``world`` ranks."""
-    from lightning_dgc import algorithms, comm, hook
-    from lightning_dgc.state import ExchangeState
+    from lightning_dgc import algorithms, comm
+    from lightning_dgc.exchange import hook
+    from lightning_dgc.exchange.state import ExchangeState
     from lightning_dgc_recipes.vision import ImageClassifier
 
     x_all, y_all = data

@@ -7,7 +7,7 @@ Two processes on loopback (``MASTER_ADDR=127.0.0.1``, gloo on ``lo``, one comput
 train the synthetic workloads of :data:`benchmarks.common.WORKLOADS`. Within one process pair the
 strategies alternate, round after round: ``ddp`` (stock DDP), ``dgc_dense`` (``DGCStrategy(density=1)``:
 DDP's own step through the compression hook, SGD's momentum applied after the all-reduce
-(:mod:`lightning_dgc.passthrough`), so the difference to DDP is the hook's own cost) and ``dgc`` at density
+(:mod:`lightning_dgc.exchange.passthrough`), so the difference to DDP is the hook's own cost) and ``dgc`` at density
 0.001. Step time = the
 median over every timed step of every round (each step from batch start to batch end); the
 overhead ratio is ``dgc_dense`` / ``ddp`` (target: at most 1.1), also given as the median of the
@@ -23,7 +23,7 @@ first convolution and the classifier, which are too small to compress).
 processes on loopback, one compute thread each, run ``ddp``, ``dgc`` (density 0.001), ``dgc_monitor``
 (``dgc`` with :class:`~lightning_dgc.CompressionMonitor` logging every 10 steps), ``deft``, ``powersgd``
 and ``dgc_trim_every_step`` (``dgc`` handing the heap's free pages back after every step,
-``lightning_dgc.heap.TRIM_AFTER_STEP_GROWTH_BYTES = 0``), one after the other, repeat after repeat (the
+``lightning_dgc.tensor_ops.heap.TRIM_AFTER_STEP_GROWTH_BYTES = 0``), one after the other, repeat after repeat (the
 order rotating), every run with a TensorBoard logger and the Trainer logging every 10 steps. A step is the
 time from one batch's start to the next's (forward, backward, exchange, optimizer, callbacks and
 logging), on the wall clock and on the process's CPU clock (every thread; far less disturbed by other
@@ -273,7 +273,8 @@ def recipe_run(config: str, warmup: int, steps: int, logdir: Path) -> dict[str, 
     import torch
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_dgc import CompressionMonitor, heap
+    from lightning_dgc import CompressionMonitor
+    from lightning_dgc.tensor_ops import heap
 
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)

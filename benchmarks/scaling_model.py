@@ -7,7 +7,7 @@
     python -m benchmarks.scaling_model --model resnet50 --add-shapes profile.json   # see add_shapes
 
 Without ``--profile`` the model is profiled here: a few steps on generated data in one process
-(``strategy=DGCStrategy``, ``devices=1``) with :class:`lightning_dgc.profiler.ExchangeProfiler`,
+(``strategy=DGCStrategy``, ``devices=1``) with :class:`lightning_dgc.front.profiler.ExchangeProfiler`,
 which also writes ``<out>/profile_<model>.json``. Models: the paper's ``resnet50``, ``alexnet``
 (the original two-GPU network), ``lstm_paper`` (PTB, 2 x 1500, tied) and ``deepspeech`` (7 x 1200
 GRU), built from the recipes, and the synthetic workloads of :mod:`benchmarks.slow_links`
@@ -28,7 +28,7 @@ backward, and this script
 A CPU profile has a CPU's compute time, which is far longer than a GPU's and hides the network:
 ``--compute-ms`` / ``--selection-ms`` replace the measured times by yours (the byte counts stay exact).
 The installed package answers the same question without this checkout: ``lightning-dgc-predict``
-(:mod:`lightning_dgc.predict_cli`), on the profiles ``benchmarks/results/profile_*.json`` that ship with it.
+(:mod:`lightning_dgc.perfmodel.cli`), on the profiles ``benchmarks/results/profile_*.json`` that ship with it.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from lightning_dgc.perfmodel import (
     step_time,
     validate,
 )
-from lightning_dgc.predict_cli import speedup_over_node, with_times
+from lightning_dgc.perfmodel.cli import speedup_over_node, with_times
 
 RESULTS = Path(__file__).parent / "results"
 METHOD_LABELS = {
@@ -228,7 +228,7 @@ def profile_model(
     from torch.utils.data import DataLoader
 
     from lightning_dgc import DGCStrategy
-    from lightning_dgc.profiler import ExchangeProfiler
+    from lightning_dgc.front.profiler import ExchangeProfiler
 
     workloads = _slow_links_workloads()
     extra: dict[str, Any] = {}

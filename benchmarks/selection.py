@@ -19,7 +19,7 @@ Columns of the first table (times in ms for all compressed tensors of the model)
 * ``exact``: ``topk_indices`` (``torch.topk`` on the magnitudes) per tensor.
 * ``DGC``: ``sampled_topk`` per tensor (``--sample-ratio``, default 0.01) with one
   ``SelectionWorkspace`` passed explicitly and reused across tensors and rounds.
-* ``DGC hook call``: the same call as ``lightning_dgc.hook`` makes it today, with no workspace
+* ``DGC hook call``: the same call as ``lightning_dgc.exchange.hook`` makes it today, with no workspace
   argument (the CPU path then reuses the calling thread's default workspace).
 * ``xfloor`` columns: the time over the floor; ``exact/DGC``: how much faster DGC is than exact.
 
@@ -27,7 +27,7 @@ Columns of the batched table (what the hook runs on a GPU, ``selection_backend="
 bucket, its compressed tensors as one flat buffer (the hook keeps their memory contiguous):
 
 * ``floor/bucket``: one ``torch.abs`` pass per bucket buffer: the floor of a batched selection;
-* ``DGC batched``: :func:`~lightning_dgc.selection.batched.batched_topk` per bucket, sample positions
+* ``DGC batched``: :func:`~lightning_dgc.tensor_ops.selection.batched.batched_topk` per bucket, sample positions
   drawn on the device (a fixed number of kernels per bucket, one host synchronisation);
 * ``norms batched``: DEFT's fragment norms as one segmented reduction per bucket
   (``fragment_norms(..., backend="torch")``);
@@ -84,10 +84,10 @@ from lightning_dgc.algorithms.deft_partition import (
     selection_cost,
 )
 from lightning_dgc.algorithms.sparse import values_per_step
-from lightning_dgc.selection import topk_indices
-from lightning_dgc.selection.batched import batched_topk, segment_layout, topk_in_ranges
-from lightning_dgc.selection.partitioned import deft_select, fragment_norms
-from lightning_dgc.selection.sampled import SelectionWorkspace, sampled_topk
+from lightning_dgc.tensor_ops.selection import topk_indices
+from lightning_dgc.tensor_ops.selection.batched import batched_topk, segment_layout, topk_in_ranges
+from lightning_dgc.tensor_ops.selection.partitioned import deft_select, fragment_norms
+from lightning_dgc.tensor_ops.selection.sampled import SelectionWorkspace, sampled_topk
 
 RESULTS = Path(__file__).resolve().parent / "results" / "selection.json"
 RESULTS_CUDA = RESULTS.with_name("selection_cuda.json")  # ``--device cuda`` writes here by default

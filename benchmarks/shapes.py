@@ -90,7 +90,7 @@ def param_shapes(model: str) -> list[ParamShape]:
 
 
 def is_compressed(shape: ParamShape, min_compress_numel: int = 1024) -> bool:
-    """Whether the hook compresses this tensor (see ``lightning_dgc.hook.tensor_kind``): more than one
+    """Whether the hook compresses this tensor (see ``lightning_dgc.exchange.hook.tensor_kind``): more than one
     dimension and at least ``min_compress_numel`` values. (At the densities benchmarked here, 0.01 and
     0.001, the hook's third kind, ``full``, never occurs.)"""
     return shape.ndim > 1 and shape.numel >= min_compress_numel

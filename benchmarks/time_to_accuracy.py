@@ -328,8 +328,8 @@ def _profile(task_name: str, compute_s: float) -> Any:
     """The performance model's profile of the task's model (its buckets as DDP makes them), or ``None``."""
     if task_name != "cifar10":
         return None
+    from lightning_dgc.front.profiler import bucket_layout, bucket_profiles
     from lightning_dgc.perfmodel import Profile
-    from lightning_dgc.profiler import bucket_layout, bucket_profiles
     from lightning_dgc_recipes.vision import ImageClassifier
 
     net = ImageClassifier(arch="resnet20", num_classes=10)

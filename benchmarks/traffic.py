@@ -61,11 +61,12 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.shapes import MODELS, build_model
-from lightning_dgc import ExchangeState, algorithms, codec, exchange_hook
+from lightning_dgc import ExchangeState, algorithms, exchange_hook
 from lightning_dgc.algorithms.deft import DEFT
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.algorithms.powersgd import PowerSGDConfig
 from lightning_dgc.algorithms.sparse import tensor_kind, values_per_step
+from lightning_dgc.tensor_ops import codec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "traffic.json"
 DENSITIES = (0.01, 0.001)

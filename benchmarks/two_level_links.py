@@ -210,8 +210,8 @@ def predict_steps(args: argparse.Namespace, bandwidth: float, shared: dict[str, 
     import torch
 
     from lightning_dgc.algorithms.dgc import DGCConfig
+    from lightning_dgc.front.profiler import bucket_layout, bucket_profiles, time_selection
     from lightning_dgc.perfmodel import Network, Profile, step_time
-    from lightning_dgc.profiler import bucket_layout, bucket_profiles, time_selection
 
     torch.set_num_threads(1)
     net = _mlp_module()().net

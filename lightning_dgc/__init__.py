@@ -14,29 +14,30 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 from types import ModuleType
 from typing import Any
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CompressionMonitor": "lightning_dgc.callbacks",
-    "CriticalRegimes": "lightning_dgc.regimes",
-    "breakeven_density": "lightning_dgc.regimes",
-    "SparsityWarmup": "lightning_dgc.callbacks",
-    "warmup_density": "lightning_dgc.callbacks",
-    "CompressionStrategy": "lightning_dgc.strategy",
-    "DEFTStrategy": "lightning_dgc.strategy",
-    "DGCStrategy": "lightning_dgc.strategy",
-    "DiLoCoStrategy": "lightning_dgc.diloco",
-    "FabricCompressionStrategy": "lightning_dgc.fabric",
-    "FabricDiLoCoStrategy": "lightning_dgc.fabric_diloco",
+    "CompressionMonitor": "lightning_dgc.schedules.warmup",
+    "CriticalRegimes": "lightning_dgc.schedules.regimes",
+    "breakeven_density": "lightning_dgc.perfmodel.breakeven",
+    "SparsityWarmup": "lightning_dgc.schedules.warmup",
+    "warmup_density": "lightning_dgc.schedules.warmup",
+    "CompressionStrategy": "lightning_dgc.front.strategy",
+    "DEFTStrategy": "lightning_dgc.front.strategy",
+    "DGCStrategy": "lightning_dgc.front.strategy",
+    "DiLoCoStrategy": "lightning_dgc.local_steps.strategy",
+    "FabricCompressionStrategy": "lightning_dgc.front.fabric",
+    "FabricDiLoCoStrategy": "lightning_dgc.local_steps.fabric",
     "DEFTConfig": "lightning_dgc.algorithms.deft",
     "DGCConfig": "lightning_dgc.algorithms.dgc",
     "PowerSGDConfig": "lightning_dgc.algorithms.powersgd",
-    "ExchangeState": "lightning_dgc.state",
-    "exchange_hook": "lightning_dgc.hook",
-    "ExchangeProfiler": "lightning_dgc.profiler",
+    "ExchangeState": "lightning_dgc.exchange.state",
+    "exchange_hook": "lightning_dgc.exchange.hook",
+    "ExchangeProfiler": "lightning_dgc.front.profiler",
     "Network": "lightning_dgc.perfmodel",
     "Prediction": "lightning_dgc.perfmodel",
     "Profile": "lightning_dgc.perfmodel",
@@ -52,7 +53,7 @@ _EXPORTS = {
     "TensorSpec": "lightning_dgc.algorithms",
     "WireCost": "lightning_dgc.algorithms",
     "register": "lightning_dgc.algorithms",
-    "check_algorithm": "lightning_dgc.testing",
+    "check_algorithm": "lightning_dgc.kit",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -71,7 +72,7 @@ def __dir__() -> list[str]:
 
 
 def _register_strategies() -> None:
-    from lightning_dgc.registration import register_strategies
+    from lightning_dgc.front.registration import register_strategies
 
     register_strategies()
 
@@ -97,7 +98,77 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+#: Module paths of the previous release, kept for one more release: each imports the module that holds its code
+#: now (the same module object), with a ``DeprecationWarning`` naming the new path.
+_MOVED = {
+    "agreement": "exchange.agreement",
+    "auto_density": "schedules.auto_density",
+    "callbacks": "schedules.warmup",
+    "checks": "algorithms.checks",
+    "codec": "tensor_ops.codec",
+    "diloco": "local_steps.strategy",
+    "diloco_front": "local_steps.core",
+    "entry": "exchange.entry",
+    "fabric": "front.fabric",
+    "fabric_diloco": "local_steps.fabric",
+    "heap": "tensor_ops.heap",
+    "hook": "exchange.hook",
+    "memory": "tensor_ops.memory",
+    "momentum": "tensor_ops.momentum",
+    "outer": "local_steps.outer",
+    "passthrough": "exchange.passthrough",
+    "predict_cli": "perfmodel.cli",
+    "profiler": "front.profiler",
+    "rank_files": "checkpoint.rank_files",
+    "regimes": "schedules.regimes",
+    "registration": "front.registration",
+    "replay": "kit.replay",
+    "rounds": "local_steps.rounds",
+    "selection": "tensor_ops.selection",
+    "shards": "exchange.shards",
+    "state": "exchange.state",
+    "stats": "exchange.stats",
+    "strategy": "front.strategy",
+    "takeover": "exchange.takeover",
+    "testing": "kit",
+    "two_level": "exchange.two_level",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module path of :data:`_MOVED` (or a module under it) as the module that now holds it."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, Any] = {}
+
+    def find_spec(self, fullname: str, path: Any = None, target: ModuleType | None = None) -> Any:
+        top, _, rest = fullname.partition(".")
+        return importlib.util.spec_from_loader(fullname, self) if top == __name__ and _new_path(rest) else None
+
+    def create_module(self, spec: Any) -> ModuleType:
+        new = f"{__name__}.{_new_path(spec.name.partition('.')[2])}"
+        warnings.warn(
+            f"`{spec.name}` moved to `{new}`; the old path is deprecated and goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,  # the import statement (the import system's frames are skipped)
+        )
+        module = importlib.import_module(new)
+        self._specs[spec.name] = module.__spec__  # the import system sets the old path's spec on it
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__spec__ = self._specs.pop(module.__spec__.name, module.__spec__)  # type: ignore[union-attr]
+
+
+def _new_path(old: str) -> str | None:
+    first, _, rest = old.partition(".")
+    return None if first not in _MOVED else f"{_MOVED[first]}.{rest}" if rest else _MOVED[first]
+
+
+
 if "lightning.pytorch" in sys.modules:
     _register_strategies()
 elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
     sys.meta_path.insert(0, _RegisterAfterImport())
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModules())  # before the path finder, which would load a second copy

@@ -48,7 +48,7 @@ LINKS = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9}
 def warmup_densities(steps: int, final: float) -> list[float]:
     """The paper's warm-up stages (0.25, 0.0625, 0.015625, 0.004) over the first 20% of ``steps``, as
     ``SparsityWarmup(run_fraction=0.2)`` spreads them, as a per-step list."""
-    from lightning_dgc.callbacks import spread_warmup
+    from lightning_dgc.schedules.warmup import spread_warmup
 
     return spread_warmup(steps, 0.2, final)
 
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     from rich.console import Console
 
-    from lightning_dgc.checks import check_density
+    from lightning_dgc.algorithms.checks import check_density
 
     check_density(args.density, "--density")
     console = Console() if sys.stdout.isatty() else Console(width=150)  # (a pipe: the whole table)

@@ -13,7 +13,7 @@ import torch
 from lightning_dgc import algorithms
 from lightning_dgc.algorithms import ExchangeContext
 from lightning_dgc.comm import simulate
-from lightning_dgc.state import ExchangeState
+from lightning_dgc.exchange.state import ExchangeState
 
 REPO = Path(__file__).resolve().parents[1]
 MEMBERS = set(ExchangeContext.__annotations__) | {name for name in vars(ExchangeContext) if not name.startswith("_")}

@@ -13,12 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dgc import algorithms, comm, hook
+from lightning_dgc import algorithms, comm
 from lightning_dgc.algorithms.base import WireCost, layout_of
 from lightning_dgc.algorithms.dgc import DGC, DGCConfig
 from lightning_dgc.comm import CollectiveError
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
 from lightning_dgc.perfmodel import BucketProfile, Profile
-from lightning_dgc.state import ExchangeState
 
 CONFIGS = {
     "dgc": {"density": 0.05},

@@ -13,22 +13,21 @@ from lightning_dgc import DGCStrategy, algorithms
 from lightning_dgc.algorithms import layout_of
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.auto_density import (
+from lightning_dgc.comm import Pending, TimedCollectives
+from lightning_dgc.perfmodel import Network
+from lightning_dgc.schedules.auto_density import (
     AUTO_MARGIN,
     MEASURE_STEPS,
     AutoDensity,
     ExchangeRecorder,
     LinkEstimate,
     StepSample,
-    TimedCollectives,
     candidate_densities,
     choose_density,
     estimate_link,
     exchange_time,
     link_from_ranks,
 )
-from lightning_dgc.comm import Pending
-from lightning_dgc.perfmodel import Network
 
 # A ResNet-20-like model in two buckets: conv weights, a classifier, biases and norms.
 SHAPES = [[16, 3, 3, 3]] + [[16, 16, 3, 3]] * 6 + [[32, 16, 3, 3]] + [[32, 32, 3, 3]] * 5 + [[64, 32, 3, 3]]
@@ -191,8 +190,8 @@ def test_the_settings_are_checked() -> None:
 def test_the_link_is_measured_first_and_again_every_auto_every_steps() -> None:
     """One process (nothing to exchange, so dense throughout): the run's first step and five measured ones,
     a choice, and a new measuring phase every `auto_every` optimizer steps."""
-    from lightning_dgc.hook import exchange
-    from lightning_dgc.state import ExchangeState
+    from lightning_dgc.exchange.hook import exchange
+    from lightning_dgc.exchange.state import ExchangeState
 
     config = DGCConfig(density="auto", auto_every=10)
     state = ExchangeState(config)
@@ -218,8 +217,8 @@ def test_the_link_is_measured_first_and_again_every_auto_every_steps() -> None:
 def test_a_compressed_choice_that_steps_no_faster_than_dense_goes_back_to_dense() -> None:
     """The model prices bytes only: the steps after a compressed choice are timed against the dense steps
     measured, and the exchange goes back to dense when they were no faster (one process, real clocks)."""
-    from lightning_dgc.hook import exchange
-    from lightning_dgc.state import ExchangeState
+    from lightning_dgc.exchange.hook import exchange
+    from lightning_dgc.exchange.state import ExchangeState
 
     config = DGCConfig(density="auto", auto_every=0)
     state = ExchangeState(config)

@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_dgc import hook
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.selection import batched
-from lightning_dgc.selection.batched import (
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
+from lightning_dgc.tensor_ops.selection import batched
+from lightning_dgc.tensor_ops.selection.batched import (
     batched_topk,
     concatenated_ranges,
     segment_layout,
     topk_in_ranges,
 )
-from lightning_dgc.state import ExchangeState
 from tests.test_selection import _values
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_dgc.checkpoint import read_checkpoint, save_atomically
+from lightning_dgc.checkpoint.files import read_checkpoint, save_atomically
 
 # A process that starts saving a checkpoint with save_atomically and never finishes (its pickling blocks).
 _WRITER = """
 import sys, time
 import torch
-from lightning_dgc.checkpoint import save_atomically
+from lightning_dgc.checkpoint.files import save_atomically
 
 class Blocks:
     def __reduce__(self):
@@ -73,7 +73,7 @@ def _truncated(tmp_path: Path) -> Path:
 
 def test_a_truncated_checkpoint_is_an_error_naming_the_file_and_the_fix_in_both_strategies(tmp_path) -> None:
     from lightning_dgc import DGCStrategy
-    from lightning_dgc.fabric import FabricCompressionStrategy
+    from lightning_dgc.front.fabric import FabricCompressionStrategy
 
     cut = _truncated(tmp_path)
     for strategy in (DGCStrategy(), FabricCompressionStrategy("dgc")):

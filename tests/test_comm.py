@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from lightning_dgc import algorithms, codec, comm
+from lightning_dgc import algorithms, comm
 from lightning_dgc.algorithms.dgc import DGC, DGCConfig
-from lightning_dgc.codec import (
+from lightning_dgc.tensor_ops import codec
+from lightning_dgc.tensor_ops.codec import (
     CODE_BYTES,
     FILLER_SPAN,
     pack_into,

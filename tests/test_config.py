@@ -55,7 +55,7 @@ def test_selection_backend_is_a_strategy_argument(strategy: type) -> None:
 
 def test_the_numpy_backend_on_a_gpu_bucket_says_what_to_use_instead() -> None:
     """(Decided per bucket from its device: checked without a GPU by asking for a CUDA device.)"""
-    from lightning_dgc.state import ExchangeState
+    from lightning_dgc.exchange.state import ExchangeState
 
     algorithm = ExchangeState(DGCConfig(selection_backend="numpy")).algorithm
     assert not algorithm.batched(torch.device("cpu"))

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dgc import algorithms, comm, hook
-from lightning_dgc.momentum import continuation_factors
-from lightning_dgc.state import ExchangeState
+from lightning_dgc import algorithms, comm
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
+from lightning_dgc.tensor_ops.momentum import continuation_factors
 
 
 def _model() -> nn.Module:
@@ -61,7 +62,7 @@ def test_a_continuing_pass_applies_momentum_once_per_optimizer_step(
 ) -> None:
     if backend == "numpy_chunks":  # the CPU's selection from chunks of v', never made whole
         from lightning_dgc.algorithms import dgc as dgc_algorithm
-        from lightning_dgc.selection import sampled as dgc_selection
+        from lightning_dgc.tensor_ops.selection import sampled as dgc_selection
 
         monkeypatch.setattr(dgc_algorithm, "DIRECT_NUMEL", 1_000)
         monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 1_000)

@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 import lightning_dgc
-from lightning_dgc import comm, hook
+from lightning_dgc import comm
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.algorithms.powersgd import PowerSGDConfig
 from lightning_dgc.comm import collectives as comm_collectives
-from lightning_dgc.state import ExchangeState
-from lightning_dgc.testing import check_algorithm
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
+from lightning_dgc.kit import check_algorithm
 from tests.extending.randomk import RandomKConfig
 
 PACKAGE = Path(lightning_dgc.__file__).parent

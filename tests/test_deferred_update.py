@@ -14,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dgc import algorithms, comm, hook
-from lightning_dgc.state import ExchangeState
+from lightning_dgc import algorithms, comm
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
 
 CASES = [
     ("dgc", {"density": 0.05, "momentum": 0.9, "selection_backend": "numpy"}),
@@ -112,7 +113,7 @@ def test_dgc_selecting_from_chunks_of_v_prime_gives_the_whole_v_prime_bit_for_bi
     """On the CPU, DGC selects from a large tensor's v' chunk by chunk without making it whole: the same
     updates, the same memory and the same skip of a non-finite step as from the whole v'."""
     from lightning_dgc.algorithms import dgc as dgc_algorithm
-    from lightning_dgc.selection import sampled as dgc_selection
+    from lightning_dgc.tensor_ops.selection import sampled as dgc_selection
 
     monkeypatch.setattr(dgc_selection, "DIRECT_NUMEL", 1_000)  # the model's 2048- and 3072-value weights
     monkeypatch.setattr(dgc_selection, "CHUNK", 512)  # are "large": chunks, blocks, several of each

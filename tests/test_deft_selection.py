@@ -1,4 +1,4 @@
-"""DEFT's partitioned selection (lightning_dgc.selection.partitioned) on one CPU tensor, all ranks simulated."""
+"""DEFT's partitioned selection (lightning_dgc.tensor_ops.selection.partitioned) on one CPU tensor, all ranks simulated."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from lightning_dgc.algorithms.deft_partition import (
     lpt_assign,
     selection_cost,
 )
-from lightning_dgc.selection.partitioned import deft_select, fragment_norms
-from lightning_dgc.selection.sampled import sampled_topk
+from lightning_dgc.tensor_ops.selection.partitioned import deft_select, fragment_norms
+from lightning_dgc.tensor_ops.selection.sampled import sampled_topk
 
 WORLD_SIZE = 4
 

@@ -13,13 +13,15 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_dgc import codec, comm, hook
+from lightning_dgc import comm
 from lightning_dgc.algorithms.base import WireCost, layout_of
 from lightning_dgc.algorithms.deft import DEFT, DEFTConfig
 from lightning_dgc.algorithms.dgc import DGC, DGCConfig
 from lightning_dgc.comm import LocalCollectives
-from lightning_dgc.state import ExchangeState
-from lightning_dgc.testing import CountingCollectives, check_algorithm
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
+from lightning_dgc.kit import CountingCollectives, check_algorithm
+from lightning_dgc.tensor_ops import codec
 
 
 def _model() -> nn.Module:

@@ -1,4 +1,4 @@
-"""DiLoCo's outer step (:mod:`lightning_dgc.outer`) on simulated ranks: the math against a hand-written reference,
+"""DiLoCo's outer step (:mod:`lightning_dgc.local_steps.outer`) on simulated ranks: the math against a hand-written reference,
 the outer exchange through a compression algorithm, skipped non-finite rounds, the saved state."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from lightning_dgc import comm
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.algorithms.powersgd import PowerSGDConfig
-from lightning_dgc.outer import OuterSettings, OuterStep
+from lightning_dgc.local_steps.outer import OuterSettings, OuterStep
 
 
 def _model() -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (:mod:`lightning_dgc.rounds`, ``OuterStep`` with ``fragments`` / ``overlap_steps``) on simulated
+"""Streaming DiLoCo (:mod:`lightning_dgc.local_steps.rounds`, ``OuterStep`` with ``fragments`` / ``overlap_steps``) on simulated
 ranks: the fragments and their staggered rounds, the math against a hand-written reference with and without an
 overlap, the last outer step of ``fit``, the bytes, an exact resume with an exchange in flight, bad settings."""
 
@@ -11,8 +11,8 @@ import torch
 
 from lightning_dgc import comm
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.outer import OuterSettings, OuterStep
-from lightning_dgc.rounds import first_round, split_fragments
+from lightning_dgc.local_steps.outer import OuterSettings, OuterStep
+from lightning_dgc.local_steps.rounds import first_round, split_fragments
 from tests.test_diloco_outer import _drift, _flat, _model
 
 LR, MU = 0.7, 0.9

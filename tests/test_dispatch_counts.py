@@ -17,8 +17,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_dgc import algorithms, hook
-from lightning_dgc.state import ExchangeState
+from lightning_dgc import algorithms
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
 
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "unique", "_unique", "_unique2", "unique_dim",
             "unique_consecutive", "masked_select")  # fmt: skip

@@ -1023,7 +1023,7 @@ def test_every_reference_entry_is_importable_from_where_the_reference_says() -> 
         if getattr(lightning_dgc, name, None) is not defined or name not in lightning_dgc.__all__:
             wrong.append(path)
     assert len(_reference_entries()) > 20 and not wrong, f"not importable from lightning_dgc: {wrong}"
-    assert lightning_dgc.check_algorithm is importlib.import_module("lightning_dgc.testing").check_algorithm
+    assert lightning_dgc.check_algorithm is importlib.import_module("lightning_dgc.kit").check_algorithm
 
 
 def test_the_extending_examples_use_documented_names_only() -> None:
@@ -1039,7 +1039,7 @@ def test_the_extending_examples_use_documented_names_only() -> None:
             r"^from (lightning_dgc[\w.]*) import (?:\(([^)]*)\)|([^(\n]+)$)", code, re.M
         ):
             names = grouped or single
-            assert module in ("lightning_dgc", "lightning_dgc.testing"), f"extending.md imports from {module}"
+            assert module in ("lightning_dgc", "lightning_dgc.kit"), f"extending.md imports from {module}"
             imported |= {n.strip() for n in names.split(",") if n.strip()}
     assert {"BucketWork", "Message", "register", "TensorSpec"} <= imported
     assert imported <= documented, f"used by docs/extending.md, missing from the reference: {imported - documented}"

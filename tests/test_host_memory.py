@@ -11,10 +11,12 @@ import sys
 import pytest
 import torch
 
-from lightning_dgc import algorithms, heap, hook
-from lightning_dgc.heap import return_free_host_memory
-from lightning_dgc.memory import ResidualMemory
-from lightning_dgc.state import ExchangeState
+from lightning_dgc import algorithms
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
+from lightning_dgc.tensor_ops import heap
+from lightning_dgc.tensor_ops.heap import return_free_host_memory
+from lightning_dgc.tensor_ops.memory import ResidualMemory
 
 
 def _resident_bytes() -> int:
@@ -158,7 +160,7 @@ def test_freed_blocks_are_handed_back_once_then_kept_while_the_free_heap_does_no
 #: earlier work left could serve them from the middle of the heap): prints, per step, whether it was trimmed.
 _TOP_OF_HEAP_STEPS = """
 import ctypes, json
-from lightning_dgc import heap
+from lightning_dgc.tensor_ops import heap
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
@@ -218,7 +220,7 @@ def test_a_bucket_layout_gone_from_a_step_takes_its_plan_with_it() -> None:
 
 _MMAPPED_AFTER_TUNING = """
 import ctypes, os, sys
-from lightning_dgc import heap
+from lightning_dgc.tensor_ops import heap
 heap.TUNE_MALLOC = sys.argv[1] == "on"
 heap.free_heap_bytes()  # loads mallinfo2
 libc = ctypes.CDLL(None)

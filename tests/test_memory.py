@@ -6,9 +6,9 @@ import pickle
 
 import torch
 
-from lightning_dgc.memory import ResidualMemory
-from lightning_dgc.momentum import clip_by_norm_, momentum_correction
-from lightning_dgc.selection import sampled_topk
+from lightning_dgc.tensor_ops.memory import ResidualMemory
+from lightning_dgc.tensor_ops.momentum import clip_by_norm_, momentum_correction
+from lightning_dgc.tensor_ops.selection import sampled_topk
 
 
 def _compensate(

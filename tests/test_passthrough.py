@@ -1,4 +1,4 @@
-"""DDP's own step at density 1 (:mod:`lightning_dgc.passthrough`), on simulated ranks.
+"""DDP's own step at density 1 (:mod:`lightning_dgc.exchange.passthrough`), on simulated ranks.
 
 Once a step at density 1 sent every rank's residual whole, the ranks' momenta enter the update only through
 their mean: the state makes them one, and from then on the hook all-reduces the bucket as DDP's default hook
@@ -14,9 +14,10 @@ import math
 import pytest
 import torch
 
-from lightning_dgc import algorithms, comm, hook
-from lightning_dgc.passthrough import enter_passthrough
-from lightning_dgc.state import ExchangeState
+from lightning_dgc import algorithms, comm
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.passthrough import enter_passthrough
+from lightning_dgc.exchange.state import ExchangeState
 from tests.extending.randomk import RandomKConfig
 from tests.test_deferred_update import _model  # the same small MLP, its weights drawn from a fixed seed
 

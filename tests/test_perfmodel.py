@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from lightning_dgc.algorithms.deft_partition import fragment_count, fragment_layers
-from lightning_dgc.codec import payload_size
 from lightning_dgc.perfmodel import (
     METHODS,
     BucketProfile,
@@ -32,6 +31,7 @@ from lightning_dgc.perfmodel import (
     wire_bytes,
 )
 from lightning_dgc.perfmodel.prediction import measured_records, parse_bandwidth
+from lightning_dgc.tensor_ops.codec import payload_size
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 

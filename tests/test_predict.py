@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_dgc.perfmodel import Profile
-from lightning_dgc.predict_cli import main, shipped_profiles
+from lightning_dgc.perfmodel.cli import main, shipped_profiles
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "benchmarks" / "results" / "two_level" / "scaling_resnet50.json"

@@ -11,8 +11,9 @@ from lightning_dgc import algorithms
 from lightning_dgc.algorithms.base import ring_allreduce_volume
 from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.callbacks import SparsityWarmup
-from lightning_dgc.regimes import _PRICED_LAYOUT, CriticalRegimes, breakeven_density, lr_dropped, norm_changed
+from lightning_dgc.perfmodel.breakeven import _PRICED_LAYOUT, breakeven_density
+from lightning_dgc.schedules.regimes import CriticalRegimes, lr_dropped, norm_changed
+from lightning_dgc.schedules.warmup import SparsityWarmup
 
 
 def _link_ratio(name: str, config, density: float, world: int) -> float:

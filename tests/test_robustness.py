@@ -11,12 +11,13 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
 
-from lightning_dgc import comm, hook
+from lightning_dgc import comm
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.algorithms.powersgd import PowerSGDConfig, orthogonalize_
-from lightning_dgc.callbacks import SparsityWarmup
-from lightning_dgc.entry import check_checkpoint_entry, state_for_rank
-from lightning_dgc.state import ExchangeState
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.entry import check_checkpoint_entry, state_for_rank
+from lightning_dgc.exchange.state import ExchangeState
+from lightning_dgc.schedules.warmup import SparsityWarmup
 
 
 # -- 1. PowerSGD never makes NaN from a finite gradient ------------------------------------------------------

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_dgc.selection import sampled as dgc_selection
-from lightning_dgc.selection import sampled_topk, topk_among, topk_indices
+from lightning_dgc.tensor_ops.selection import sampled as dgc_selection
+from lightning_dgc.tensor_ops.selection import sampled_topk, topk_among, topk_indices
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -148,7 +148,7 @@ def test_one_workspace_serves_tensors_of_any_size_in_any_order(backend: str) -> 
 def test_chunked_pass_keeps_one_block_of_mask_not_one_byte_per_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above DIRECT_NUMEL the mask covers one block: the workspace does not grow with the tensor, and
     the candidates (in increasing order, across blocks and a ragged last word) are a whole-tensor mask's."""
-    from lightning_dgc.selection import workspace as scratch
+    from lightning_dgc.tensor_ops.selection import workspace as scratch
 
     for module in (dgc_selection, scratch):  # the pass and its scratch buffers read both
         monkeypatch.setattr(module, "DIRECT_NUMEL", 10_000)
@@ -326,8 +326,8 @@ def test_selection_from_chunks_gives_the_whole_vectors_indices_bit_for_bit(
 ) -> None:
     """``sampled_topk_of`` (DGC's v' made chunk by chunk, never whole) selects what ``sampled_topk`` selects
     from the whole v', with the same draws, on every path of the pass; its values at the result are v''s."""
-    from lightning_dgc.momentum import compensated_velocity_each
-    from lightning_dgc.selection import workspace as scratch
+    from lightning_dgc.tensor_ops.momentum import compensated_velocity_each
+    from lightning_dgc.tensor_ops.selection import workspace as scratch
 
     for module in (dgc_selection, scratch):  # the pass and its scratch buffers read both
         monkeypatch.setattr(module, "DIRECT_NUMEL", 10_000)

@@ -14,12 +14,13 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dgc import algorithms, comm, hook, shards
+from lightning_dgc import algorithms, comm
 from lightning_dgc.algorithms.base import layout_of
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.comm import CollectiveError
-from lightning_dgc.entry import state_for_topology
-from lightning_dgc.state import ExchangeState
+from lightning_dgc.exchange import hook, shards
+from lightning_dgc.exchange.entry import state_for_topology
+from lightning_dgc.exchange.state import ExchangeState
 
 CONFIGS = {
     "dgc": {"density": 0.05},

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dgc import algorithms, comm, hook
-from lightning_dgc.state import ExchangeState
+from lightning_dgc import algorithms, comm
+from lightning_dgc.exchange import hook
+from lightning_dgc.exchange.state import ExchangeState
 
 OPTIONS = {"density": 0.05, "momentum": 0.9}
 UNUSED = ("4.weight", "4.bias", "2.weight")  # averaged dense (small) and compressed

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from lightning_dgc.callbacks import PAPER_WARMUP_DENSITIES, SparsityWarmup, warmup_density
+from lightning_dgc.schedules.warmup import PAPER_WARMUP_DENSITIES, SparsityWarmup, warmup_density
 
 
 def test_paper_schedule_per_epoch() -> None:

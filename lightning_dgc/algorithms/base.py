@@ -1,6 +1,6 @@
 """What a compression algorithm is: its configuration, its per-bucket plan, its steps and its wire cost.
 
-The generic hook (:mod:`lightning_dgc.hook`) drives one :class:`Algorithm` per run, bucket by bucket:
+The generic hook (:mod:`lightning_dgc.exchange.hook`) drives one :class:`Algorithm` per run, bucket by bucket:
 
 1. :meth:`Algorithm.plan` once per bucket layout (and whatever :meth:`Algorithm.plan_key` says changes it);
 2. :meth:`Algorithm.compensate`: the local gradient plus what the memory holds back (error feedback,
@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -41,7 +40,7 @@ class AlgorithmConfig:
     Two field names have a meaning outside the algorithm; declare them as fields to opt in:
 
     * ``density: float``: the fraction of values a step sends, in (0, 1]. ``ExchangeState.density``,
-      the strategy's ``density`` and :class:`~lightning_dgc.callbacks.SparsityWarmup` change it, the
+      the strategy's ``density`` and :class:`~lightning_dgc.schedules.warmup.SparsityWarmup` change it, the
       statistics report it, and a new value makes new plans (see :meth:`Algorithm.plan_key`). Without
       the field it is ``None``: the algorithm has no density, and setting one raises an error.
     * ``seed: int``: seeds the per-rank generator (``state.generator``) and the draws shared by every
@@ -198,7 +197,7 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
             Such an algorithm applies them once per optimizer step: in a backward pass that adds to a step an
             earlier pass already exchanged, ``state.continues(name)`` is true, and the pass's gradient is
             added without a second momentum decay or weight decay
-            (:func:`lightning_dgc.momentum.continuation_factors`).
+            (:func:`lightning_dgc.tensor_ops.momentum.continuation_factors`).
         memory_kinds: the per-parameter buffers it keeps (the checkpoint's ``"memory"`` keys).
         residual_kind: the memory kind that holds back gradient not yet sent (DGC's ``"velocity"``,
             an error-feedback algorithm's ``"error"``): ``state.residual_norm()`` reports its norm.
@@ -208,7 +207,7 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         dense_is_ddp: whether a step at density 1 sends every residual whole and is otherwise DDP + SGD, its
             momentum (if taken over) in ``"momentum"`` buffers with the top-k algorithms' convention
             (:mod:`lightning_dgc.algorithms.sparse`), so that the steps after it may be DDP's own
-            (:func:`~lightning_dgc.passthrough.enter_passthrough`). DGC and DEFT: true; default false.
+            (:func:`~lightning_dgc.exchange.passthrough.enter_passthrough`). DGC and DEFT: true; default false.
     """
 
     name: ClassVar[str]
@@ -298,7 +297,7 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
         An algorithm that answers lets the decode wait until :meth:`ExchangeState.finish_step` when
         ``state.finish_writes_grads`` is set: the hook then hands DDP the bucket as it is and the averaged
         update is written into the parameters' gradients after the memory was committed, so that the local
-        gradient the commit replays from needs no copy (see :mod:`lightning_dgc.hook`).
+        gradient the commit replays from needs no copy (see :mod:`lightning_dgc.exchange.hook`).
         """
         return None
 
@@ -339,6 +338,8 @@ class Algorithm(ABC, Generic[ConfigT, PlanT, WorkT]):
 
 
 _REGISTRY: dict[str, type[Algorithm[Any, Any, Any]]] = {}
+#: Called with every algorithm registered from outside the package (the front doors add strategy names for it).
+_LISTENERS: list[Callable[[type], None]] = []
 
 A = TypeVar("A", bound=type)
 
@@ -356,17 +357,22 @@ def register(cls: A) -> A:
             f"an algorithm named {name!r} is already registered ({_REGISTRY[name].__qualname__})"
         )
     _REGISTRY[name] = cls  # type: ignore[assignment]
-    if "lightning.pytorch" in sys.modules and not cls.__module__.startswith("lightning_dgc."):
-        from lightning_dgc.registration import register_strategies  # the package's own are registered with it
-
-        register_strategies()
+    if not cls.__module__.startswith("lightning_dgc."):  # the package's own are registered with it
+        for listener in _LISTENERS:
+            listener(cls)
     return cls
 
 
-def registered() -> dict[str, type[Algorithm[Any, Any, Any]]]:
-    """Every registered algorithm by name (the package's own are imported first)."""
-    from lightning_dgc import algorithms  # noqa: F401  (imports every algorithm module of the package)
+def on_register(listener: Callable[[type], None]) -> None:
+    """Call ``listener`` with every algorithm registered from outside the package from now on (once per
+    listener: :mod:`lightning_dgc.front.registration` adds the strategy names of each)."""
+    if listener not in _LISTENERS:
+        _LISTENERS.append(listener)
 
+
+def registered() -> dict[str, type[Algorithm[Any, Any, Any]]]:
+    """Every registered algorithm by name (importing this module imports :mod:`lightning_dgc.algorithms`
+    first, which imports every algorithm module of the package)."""
     return dict(_REGISTRY)
 
 
@@ -386,3 +392,11 @@ def get(name: str) -> type[Algorithm[Any, Any, Any]]:
     if name not in known:
         raise ValueError(f"no compression algorithm named {name!r}; registered: {sorted(known)}")
     return known[name]
+
+
+def algorithm_for(config: AlgorithmConfig) -> type[Algorithm[Any, Any, Any]]:
+    """The registered algorithm whose configuration class is ``type(config)``."""
+    for cls in registered().values():
+        if cls.config_class is type(config):
+            return cls
+    raise ValueError(f"no registered algorithm takes a {type(config).__name__}")

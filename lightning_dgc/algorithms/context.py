@@ -1,7 +1,7 @@
 """What an algorithm sees of the exchange it runs in: :class:`ExchangeContext`.
 
 An algorithm gets it as ``self.state`` (the second argument of ``Algorithm.__init__``). The exchange's own
-object (:class:`lightning_dgc.state.ExchangeState`) carries more (the plans, the statistics, the checkpoint
+object (:class:`lightning_dgc.exchange.state.ExchangeState`) carries more (the plans, the statistics, the checkpoint
 entry, the step boundary), but those belong to the hook and the front doors: an algorithm that uses only the
 members below keeps working when they change. ``tests/test_algorithm_context.py`` checks that the package's own
 algorithms and the documented examples use nothing else.
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lightning_dgc.memory import ResidualMemory
+    from lightning_dgc.tensor_ops.memory import ResidualMemory
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ExchangeContext(Protocol):
     * **world**: ``world_size`` and ``rank`` of the ranks this algorithm exchanges with (across the nodes in
       a two-level exchange, where the bucket is this rank's shard);
     * **step**: ``step`` (optimizer steps finished, skipped ones included) and ``skipped_steps``;
-    * **memory**: ``memory``, the :class:`~lightning_dgc.memory.ResidualMemory` keyed by parameter name and
+    * **memory**: ``memory``, the :class:`~lightning_dgc.tensor_ops.memory.ResidualMemory` keyed by parameter name and
       kind (``Algorithm.memory_kinds``), checkpointed and redistributed for the algorithm;
     * **random draws**: ``generator`` (this rank's own), :meth:`draw_generator` (this step's, the same on
       every rank) and :meth:`tensor_generator` (this step's for one parameter, the same on every rank and in

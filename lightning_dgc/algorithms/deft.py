@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_dgc import codec
 from lightning_dgc.algorithms.base import Message, TensorSpec, WireCost, register
 from lightning_dgc.algorithms.deft_config import DEFTConfig
 from lightning_dgc.algorithms.deft_partition import (
@@ -46,8 +45,9 @@ from lightning_dgc.algorithms.deft_partition import (
 )
 from lightning_dgc.algorithms.sparse import Entry, SparsePlan, SparseTopK, SparseWork, split_layout
 from lightning_dgc.algorithms.sparse_decode import average, dense_sum, exchange_dense, release
-from lightning_dgc.selection.batched import concatenated_ranges, to_device, topk_in_ranges
-from lightning_dgc.selection.partitioned import deft_select, fragment_norms
+from lightning_dgc.tensor_ops import codec
+from lightning_dgc.tensor_ops.selection.batched import concatenated_ranges, to_device, topk_in_ranges
+from lightning_dgc.tensor_ops.selection.partitioned import deft_select, fragment_norms
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
@@ -299,7 +299,7 @@ class DEFT(SparseTopK[DEFTConfig, DEFTPlan, DEFTWork]):
 
     def _select_batched(self, plan: DEFTPlan, work: DEFTWork, tasks: list[tuple[int, int, int]]) -> None:
         """This rank's selections at once: its fragments gathered into one buffer (a 1/N share of the
-        bucket when owners select), a batched selection (:func:`~lightning_dgc.selection.batched.batched_topk`),
+        bucket when owners select), a batched selection (:func:`~lightning_dgc.tensor_ops.selection.batched.batched_topk`),
         one write into the union."""
         assert plan.union is not None and plan.fragment_shift is not None
         device = work.flat.device

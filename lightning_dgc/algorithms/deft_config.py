@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_dgc.algorithms.checks import flag
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.checks import flag
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DEFTConfig(DGCConfig):
     wire: ``"allreduce"`` (as published): the union's indices merged by an int32 all-reduce (sum) of the
         disjoint selections, the values all-reduced in ``value_dtype``: about ``2 (N-1)/N (4 + b)``
         bytes per union value on each link (``b``: the value's bytes). ``"compact"``: every rank's own
-        selections as 2-byte delta codes (DGC's, :mod:`lightning_dgc.codec`), one
+        selections as 2-byte delta codes (DGC's, :mod:`lightning_dgc.tensor_ops.codec`), one
         all-gather of a row per rank padded to the largest rank's count (every rank knows every count
         from the shared plan), then the values all-reduced in fp16 whatever ``value_dtype`` (which
         still sets the tensors averaged dense, and the DGC that ``budget="dgc_link"`` matches),

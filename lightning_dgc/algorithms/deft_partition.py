@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_dgc.selection.partitioned import Fragment
+from lightning_dgc.tensor_ops.selection.partitioned import Fragment
 
 __all__ = [
     "FRAGMENT_COST",
@@ -250,7 +250,7 @@ def selection_cost(sizes: Sequence[int] | Tensor, ks: Sequence[int] | Tensor) ->
     """Estimated work of selecting the top ``k_l`` of a fragment of ``n_l`` elements, in elements.
 
     The model is ``n_l + FRAGMENT_COST + SELECTED_COST * k_l``: the selection DEFT runs by default
-    (DGC's sampled threshold, :func:`lightning_dgc.selection.sampled.sampled_topk`) makes one pass over
+    (DGC's sampled threshold, :func:`lightning_dgc.tensor_ops.selection.sampled.sampled_topk`) makes one pass over
     the fragment, pays a fixed cost per call, and a little per selected value. The fixed cost matters:
     a bucket holds many small compressed tensors (1x1 convolutions, small layers: one fragment each),
     and a cost of ``n_l`` alone would pile dozens of them on the rank with the fewest elements, which

@@ -5,7 +5,7 @@ Steps 2, 5 and 6 (momentum correction, the average, the commit) and the plan's t
 
 3. **select** exactly ``k = ceil(density * numel)`` values of every compressed tensor from ``v'``
    (sampled threshold or exact top-k) and pack them into the bucket's fixed-size payload
-   (:mod:`lightning_dgc.codec`); what is sent is cleared from ``v`` (and, with momentum factor masking,
+   (:mod:`lightning_dgc.tensor_ops.codec`); what is sent is cleared from ``v`` (and, with momentum factor masking,
    from ``u``) at commit;
 4. **exchange**: one all-gather of the payloads; one all-reduce of the tensors averaged dense;
 5. **decode**: scatter-add every rank's values, divide by the world size.
@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from lightning_dgc import codec
 from lightning_dgc.algorithms.base import (
     AlgorithmConfig,
     Message,
@@ -27,14 +26,15 @@ from lightning_dgc.algorithms.base import (
     WireCost,
     register,
 )
+from lightning_dgc.algorithms.checks import check_density, flag, real_number, whole_number
 from lightning_dgc.algorithms.sparse import Entry, SparsePlan, SparseTopK, SparseWork, split_layout
 from lightning_dgc.algorithms.sparse_decode import average, dense_sum, exchange_dense, release
-from lightning_dgc.checks import check_density, flag, real_number, whole_number
-from lightning_dgc.codec import VALUE_DTYPES
-from lightning_dgc.heap import trim_before
-from lightning_dgc.momentum import compensated_velocity_each
-from lightning_dgc.selection.batched import batched_topk, segment_layout, to_device
-from lightning_dgc.selection.sampled import DIRECT_NUMEL, sampled_topk_of
+from lightning_dgc.tensor_ops import codec
+from lightning_dgc.tensor_ops.codec import VALUE_DTYPES
+from lightning_dgc.tensor_ops.heap import trim_before
+from lightning_dgc.tensor_ops.momentum import compensated_velocity_each
+from lightning_dgc.tensor_ops.selection.batched import batched_topk, segment_layout, to_device
+from lightning_dgc.tensor_ops.selection.sampled import DIRECT_NUMEL, sampled_topk_of
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
@@ -50,7 +50,7 @@ class DGCConfig(AlgorithmConfig):
 
     Selection:
         density: fraction of each compressed tensor's values sent per step, in (0, 1], or ``"auto"``: picked
-            from the link the run measures (:mod:`lightning_dgc.auto_density`), never below ``min_density``.
+            from the link the run measures (:mod:`lightning_dgc.schedules.auto_density`), never below ``min_density``.
         min_density: with ``density="auto"``, the lowest density it may pick, in (0, 1].
         auto_every: with ``density="auto"``, measure the link again (a few dense steps) every this many
             optimizer steps; 0: once, at the start of each ``fit``.
@@ -58,7 +58,7 @@ class DGCConfig(AlgorithmConfig):
         selection: ``"sampled"`` (DGC's threshold sampling, exact k guaranteed) or ``"exact"``.
         selection_backend: how the sampled selection runs. ``"torch"``: the bucket's compressed tensors
             together, a fixed number of kernels and one host synchronisation per bucket
-            (:mod:`lightning_dgc.selection.batched`), with sample positions drawn on the tensors'
+            (:mod:`lightning_dgc.tensor_ops.selection.batched`), with sample positions drawn on the tensors'
             device, seeded identically on every rank; ``"numpy"``: tensor by tensor on zero-copy numpy
             views (CPU only); ``"auto"`` (default): numpy for CPU float32 buckets, torch elsewhere.
         min_compress_numel: tensors with fewer values, and every 1-D tensor (biases, norms), are
@@ -306,7 +306,7 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
         return torch.cat(indices), torch.cat(values)
 
     def _select_batched(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
-        """All compressed tensors at once (:func:`~lightning_dgc.selection.batched.batched_topk`), or, for a
+        """All compressed tensors at once (:func:`~lightning_dgc.tensor_ops.selection.batched.batched_topk`), or, for a
         bucket selected in groups, group by group with each group's v' made just before its selection."""
         device = work.flat.device
         if plan.segments is None:

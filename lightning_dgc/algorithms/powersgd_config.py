@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_dgc.algorithms.base import AlgorithmConfig, TensorSpec
-from lightning_dgc.checks import flag, real_number, whole_number
+from lightning_dgc.algorithms.checks import flag, real_number, whole_number
 
 VALUE_BYTES = 4  # the factors and the uncompressed tensors travel in fp32
 

@@ -26,12 +26,16 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from lightning_dgc import codec
 from lightning_dgc.algorithms.base import Algorithm, BucketWork, TensorSpec
-from lightning_dgc.memory import bucket_order_flat, clear_
-from lightning_dgc.momentum import clip_each_by_norm_, compensated_velocity_each, momentum_correction_each_
-from lightning_dgc.selection import sampled_topk, topk_indices
-from lightning_dgc.selection.batched import SegmentLayout, selected_in_groups
+from lightning_dgc.tensor_ops import codec
+from lightning_dgc.tensor_ops.memory import bucket_order_flat, clear_
+from lightning_dgc.tensor_ops.momentum import (
+    clip_each_by_norm_,
+    compensated_velocity_each,
+    momentum_correction_each_,
+)
+from lightning_dgc.tensor_ops.selection import sampled_topk, topk_indices
+from lightning_dgc.tensor_ops.selection.batched import SegmentLayout, selected_in_groups
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Pending
@@ -342,7 +346,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
 
     def replay(self, plan: PlanT, work: WorkT, skip: Callable[[str], bool]) -> None:
         """Commit this bucket's step to the memory, in place: momentum correction with the very operations
-        that made the velocity selected from (:func:`~lightning_dgc.momentum.momentum_correction_each_`), then
+        that made the velocity selected from (:func:`~lightning_dgc.tensor_ops.momentum.momentum_correction_each_`), then
         what was sent cleared (and tensors sent whole emptied). ``skip``: parameters unused in the step."""
         memory, device = self.state.memory, work.flat.device
         grads = work.grads if work.local is None else work.local.split([s.numel for s in plan.layout])

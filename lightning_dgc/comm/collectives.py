@@ -15,6 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,12 @@ class Collectives(ABC):
         """This process's rank in the whole job, which errors name; ``rank`` is its rank among these
         collectives' ranks (a sub-group's, e.g. one level of a two-level exchange). The same by default."""
         return self.rank
+
+    @property
+    def unwrapped(self) -> Collectives:
+        """The collectives that do the work: these, or what a wrapper that only observes them wraps (the
+        timing of ``density="auto"``), for a collective that must not be counted."""
+        return self
 
     @abstractmethod
     def all_reduce(self, tensor: Tensor, what: str) -> Pending: ...
@@ -238,3 +245,28 @@ def when_all(
     return result
 
 
+class TimedCollectives(Collectives):
+    """``inner``'s collectives, each one noted as it is issued by ``recorder`` (``recorder.issued(kind, nbytes,
+    pending)``: ``density="auto"``'s :class:`~lightning_dgc.schedules.auto_density.ExchangeRecorder` times them)."""
+
+    def __init__(self, inner: Collectives, recorder: Any) -> None:
+        self.inner, self.recorder = inner, recorder
+        self.world_size, self.rank = inner.world_size, inner.rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.inner.global_rank
+
+    def all_reduce(self, tensor: Tensor, what: str) -> Pending:
+        pending = self.inner.all_reduce(tensor, what)
+        self.recorder.issued("all_reduce", tensor.numel() * tensor.element_size(), pending)
+        return pending
+
+    def all_gather(self, tensor: Tensor, out: Tensor, what: str) -> Pending:
+        pending = self.inner.all_gather(tensor, out, what)
+        self.recorder.issued("all_gather", tensor.numel() * tensor.element_size(), pending)
+        return pending
+
+    @property
+    def unwrapped(self) -> Collectives:
+        return self.inner.unwrapped

@@ -3,7 +3,7 @@
 Our machines hold two workers; users run 8 to 256. Like the performance model behind the DGC paper
 (Lin et al., ICLR 2018, Figure 6, after Wen et al., NeurIPS 2017), this module answers "what speedup
 at N workers on links of bandwidth B" from what one node *measures* (a :class:`Profile`, written by
-:class:`lightning_dgc.profiler.ExchangeProfiler`): the compute time of a step, the top-k selection
+:class:`lightning_dgc.front.profiler.ExchangeProfiler`): the compute time of a step, the top-k selection
 time, and the exact bytes every bucket puts on the wire, while communication is modelled
 analytically. No process group and no Lightning: every function can be checked by hand.
 

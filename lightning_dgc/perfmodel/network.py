@@ -104,7 +104,7 @@ class Network:
         wire cost of one shard across the nodes): a reduce-scatter inside the node, the algorithm's
         collectives across the ``m`` nodes (on a shared network card each at ``bandwidth / g``), an
         all-gather of ``shard_bytes`` inside the node. The hook waits for the first two before it starts
-        the last (:func:`lightning_dgc.hook.exchange_two_level`): they are blocking."""
+        the last (:func:`lightning_dgc.exchange.hook.exchange_two_level`): they are blocking."""
         g, m = self.split(n)
         local = (self.local_bandwidth, self.local_latency)
         bandwidth = self.bandwidth / g if self.nic == "node" else self.bandwidth

@@ -1,4 +1,4 @@
-"""What one node measures (:class:`Profile`, written by :class:`lightning_dgc.profiler.ExchangeProfiler`): the
+"""What one node measures (:class:`Profile`, written by :class:`lightning_dgc.front.profiler.ExchangeProfiler`): the
 compute and selection time of a step and every bucket's tensors; saved and loaded as JSON."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from lightning_dgc import algorithms, shards
+from lightning_dgc import algorithms
 from lightning_dgc.algorithms import Message, TensorSpec, WireCost, layout_of
+from lightning_dgc.exchange import shards
 from lightning_dgc.perfmodel.collectives import DENSE_VALUE_BYTES
 
 
@@ -42,7 +43,7 @@ class BucketProfile:
 
 @dataclass
 class Profile:
-    """What one node measured for one model (JSON-serialisable; see :mod:`lightning_dgc.profiler`).
+    """What one node measured for one model (JSON-serialisable; see :mod:`lightning_dgc.front.profiler`).
 
     Attributes:
         model: a name for the model.

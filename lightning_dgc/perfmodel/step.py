@@ -15,7 +15,7 @@ from lightning_dgc.perfmodel.profile import BucketProfile, Profile
 #: all-reduce bound of DGC's payload.
 METHODS: tuple[str, ...] = ("ddp", *algorithms.registered(), "sparse_allreduce")
 #: What a method's name ends with for its two-level exchange (``dgc_node``: dense inside the node, DGC
-#: across the nodes on each GPU's shard; :func:`lightning_dgc.hook.exchange_two_level`).
+#: across the nodes on each GPU's shard; :func:`lightning_dgc.exchange.hook.exchange_two_level`).
 NODE_SUFFIX = "_node"
 #: The two-level variant of every registered algorithm.
 NODE_METHODS: tuple[str, ...] = tuple(f"{m}{NODE_SUFFIX}" for m in algorithms.registered())

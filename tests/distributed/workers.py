@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_dgc import DGCConfig, ExchangeState, algorithms, exchange_hook
-from lightning_dgc.selection import topk_indices
-from lightning_dgc.state import ParamSettings
+from lightning_dgc.exchange.state import ParamSettings
+from lightning_dgc.tensor_ops.selection import topk_indices
 
 
 class ConvNet(nn.Module):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from lightning_dgc.testing import check_algorithm
+from lightning_dgc.kit import check_algorithm
 from tests.extending.randomk import RandomKConfig
 from tests.lightning.run import ROOT, _environment, params, results, run_script
 

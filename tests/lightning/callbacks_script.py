@@ -21,8 +21,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from lightning_dgc.callbacks import CompressionMonitor, SparsityWarmup
-from lightning_dgc.regimes import CriticalRegimes
+from lightning_dgc.schedules.regimes import CriticalRegimes
+from lightning_dgc.schedules.warmup import CompressionMonitor, SparsityWarmup
 from tests.lightning.fit_script import Regression, dataset
 
 

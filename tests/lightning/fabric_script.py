@@ -15,7 +15,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from lightning_dgc.fabric import FabricCompressionStrategy
+from lightning_dgc.front.fabric import FabricCompressionStrategy
 
 STEPS, SAVE_AT, BATCH = 10, 5, 16
 

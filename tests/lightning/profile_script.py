@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dgc
-from lightning_dgc.profiler import ExchangeProfiler
+from lightning_dgc.front.profiler import ExchangeProfiler
 
 
 class MLP(L.LightningModule):

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader
 
 from lightning_dgc import DGCStrategy
-from lightning_dgc.callbacks import CompressionMonitor, SparsityWarmup, warmup_density
+from lightning_dgc.schedules.warmup import CompressionMonitor, SparsityWarmup, warmup_density
 from tests.lightning.fit_script import Regression, dataset
 from tests.lightning.run import results, run_script
 

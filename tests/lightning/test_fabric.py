@@ -22,7 +22,7 @@ from torch import nn
 import lightning_dgc
 from lightning_dgc import DEFTStrategy, DGCStrategy, FabricCompressionStrategy
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.checkpoint import inline_exchange_state
+from lightning_dgc.checkpoint.exchange import inline_exchange_state
 from tests.lightning.run import ROOT, _environment, run_script
 from tests.lightning.test_optimizers import _fit
 
@@ -74,10 +74,10 @@ def test_save_at_five_and_load_to_ten_equals_a_straight_ten(fabric_run) -> None:
     for run in ranks:
         assert torch.equal(run["dgc_resumed"]["params"], run["dgc"]["params"])
     ckpt = torch.load(f"{out}.dgc.ckpt", weights_only=True)
-    manifest = ckpt[lightning_dgc.strategy.CHECKPOINT_KEY]  # rank 0's file names a file per rank, beside it
+    manifest = ckpt[lightning_dgc.front.strategy.CHECKPOINT_KEY]  # rank 0's file names a file per rank, beside it
     assert manifest["format"] == 3 and [f["name"][:10] for f in manifest["files"]] == ["rank-00000", "rank-00001"]
     assert sorted(p.name for p in Path(f"{out}.dgc.ckpt.exchange").iterdir()) == [f["name"] for f in manifest["files"]]
-    entry = inline_exchange_state(f"{out}.dgc.ckpt")[lightning_dgc.strategy.CHECKPOINT_KEY]
+    entry = inline_exchange_state(f"{out}.dgc.ckpt")[lightning_dgc.front.strategy.CHECKPOINT_KEY]
     assert entry["algorithm"] == "dgc" and entry["world_size"] == 2 and len(entry["ranks"]) == 2
     assert entry["ranks"][0]["memory"]["momentum"], "every rank's momentum is in the checkpoint"
     assert not torch.equal(

@@ -15,7 +15,7 @@ from torch import nn
 
 import lightning_dgc
 from lightning_dgc import DiLoCoStrategy, FabricDiLoCoStrategy
-from lightning_dgc.diloco_front import DILOCO_KEY
+from lightning_dgc.local_steps.core import DILOCO_KEY
 from tests.lightning.run import params, results, run_script, two_torchrun_agents
 from tests.lightning.test_diloco import check_two_nodes_of_two
 

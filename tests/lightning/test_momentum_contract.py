@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_dgc.checkpoint import CHECKPOINT_FORMAT
+from lightning_dgc.checkpoint.exchange import CHECKPOINT_FORMAT
 from tests.lightning.run import params, results, run_script
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_dgc import DEFTStrategy, DGCStrategy
-from lightning_dgc.checkpoint import inline_exchange_state
+from lightning_dgc.checkpoint.exchange import inline_exchange_state
 from tests.lightning.fit_script import Regression, dataset
 
 

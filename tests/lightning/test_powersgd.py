@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from lightning_dgc.checkpoint import inline_exchange_state
+from lightning_dgc.checkpoint.exchange import inline_exchange_state
 from tests.lightning.run import params, results, run_script
 
 pytestmark = pytest.mark.slow

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dgc.codec import payload_nbytes
+from lightning_dgc.front.profiler import ExchangeProfiler, bucket_layout, bucket_profiles
 from lightning_dgc.perfmodel import Profile
-from lightning_dgc.profiler import ExchangeProfiler, bucket_layout, bucket_profiles
+from lightning_dgc.tensor_ops.codec import payload_nbytes
 from tests.lightning.run import results, run_script
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lightning_dgc.agreement import check_ranks_every_value, check_same_on_every_rank, rank_check_due
+from lightning_dgc.exchange.agreement import check_ranks_every_value, check_same_on_every_rank, rank_check_due
 from tests.lightning.run import params, results, run_script
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from lightning_dgc.checkpoint import inline_exchange_state
+from lightning_dgc.checkpoint.exchange import inline_exchange_state
 from tests.lightning.run import launch_ranks, results, run_script
 from tests.lightning.test_no_silent_stall import _wait
 from tests.lightning.test_resume import _assert_memory_equal, _memory

@@ -14,8 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader
 
 from lightning_dgc import DGCStrategy
-from lightning_dgc.callbacks import SparsityWarmup
-from lightning_dgc.regimes import CriticalRegimes
+from lightning_dgc.schedules.regimes import CriticalRegimes
+from lightning_dgc.schedules.warmup import SparsityWarmup
 from tests.lightning.callbacks_script import DecayingRegression
 from tests.lightning.fit_script import Regression, dataset
 from tests.lightning.run import results, run_script

@@ -1,0 +1,1 @@
+"""Density schedules (warm-up, critical regimes, density="auto") and the compression monitor."""

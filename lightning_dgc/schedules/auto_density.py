@@ -1,0 +1,428 @@
+"""``density="auto"``: the density picked from the link the run measures, for DGC and DEFT.
+
+A measuring phase of :data:`MEASURE_STEPS` optimizer steps runs the exchange dense (density 1: one all-reduce
+of every bucket, as DDP's, with nothing selected and nothing held back) and times what it issues:
+
+* the **link**: each step's collectives (the bucket all-reduces), the bytes they carry on each worker's link
+  (ring volumes) against the time some collective was in flight (the union of their intervals, from issue to
+  completion), less their latency steps, give the throughput; the all-gather of 16 bytes that checks the
+  ranks' settings before every step gives the latency;
+* the **compute window**: from the end of the previous optimizer step to the last bucket's hook (the data,
+  the forward and the backward pass; the optimizer step of the step before).
+
+Every rank gathers every rank's figures once (one all-gather of 56 bytes per rank, :func:`link_from_ranks`):
+the quickest settings check is the latency, the highest throughput and the shortest window are taken (the
+rank that waited least for the others measured the link best; the shortest window is the conservative one).
+:func:`choose_density` (pure) then prices every candidate density with the algorithm's own
+:meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a :class:`~lightning_dgc.perfmodel.Network` of that
+throughput and latency, and keeps the largest density whose exchange takes at most :data:`AUTO_MARGIN` of the
+window, never below ``min_density``: 1 (dense, which is DDP's own step: :mod:`lightning_dgc.exchange.passthrough`) when
+every rank is on one host (:func:`~lightning_dgc.comm.host_key`), when DDP's all-reduce fits, when no density
+is faster than it (a latency-bound link), or when the link is too fast to time. The same figures on every rank
+give the same density on every rank. The model prices bytes and latency only, not the selection or the
+memory's work: a compressed choice is then checked, its next :data:`MEASURE_STEPS` steps (after the first)
+timed end to end against the dense steps measured (the slowest rank's median each, one all-gather of 8 bytes),
+and the exchange goes back to dense if they were no faster. The phase comes back every ``auto_every``
+optimizer steps (0: never), since links change.
+
+A density set from outside (``strategy.density = d``, :class:`~lightning_dgc.schedules.warmup.SparsityWarmup`) is a
+floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from lightning_dgc import comm
+from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, TensorSpec
+from lightning_dgc.algorithms.base import allgather_volume, ring_allreduce_volume
+from lightning_dgc.algorithms.checks import check_density
+from lightning_dgc.comm import Pending, TimedCollectives
+from lightning_dgc.perfmodel.network import Network
+
+__all__ = [
+    "AUTO_MARGIN", "MEASURE_STEPS", "AutoDensity", "Choice", "LinkEstimate", "StepSample", "candidate_densities",
+    "choose_density", "estimate_link", "exchange_time", "link_from_ranks", "summarize",
+]  # fmt: skip
+
+#: The share of the compute window the chosen exchange may take: without any overlap it adds at most a
+#: quarter to the step's compute.
+AUTO_MARGIN = 0.25
+#: Optimizer steps of a measuring phase (the run's first step, DDP's warm-up bucket, is not counted).
+MEASURE_STEPS = 5
+#: Transfer time per step below which a link is taken as too fast to time (loopback, a fast LAN): dense.
+MIN_TRANSFER_S = 20e-6
+
+#: A bucket as the decision sees it: its tensors, and what DDP would all-reduce for it (bytes).
+Bucket = tuple[Sequence[TensorSpec], int]
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What the measuring phase found: ``throughput_bps`` (bits/s; ``inf``: too fast to time), ``latency_s`` (per
+    message step) and ``window_s`` (the compute window of a step)."""
+
+    throughput_bps: float
+    latency_s: float
+    window_s: float
+
+    @property
+    def measurable(self) -> bool:
+        return math.isfinite(self.throughput_bps) and self.throughput_bps > 0
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The density :func:`choose_density` picked, its predicted exchange time per step, DDP's, and why."""
+
+    density: float
+    predicted_s: float
+    dense_s: float
+    reason: str
+
+
+def candidate_densities(min_density: float) -> list[float]:
+    """1, 1/2, 1/4, ... down to ``min_density`` (included): the densities priced, largest first."""
+    out, d = [], 1.0
+    while d > min_density:
+        out.append(d)
+        d /= 2
+    return [*out, min_density]
+
+
+def exchange_time(
+    algorithm: type[Algorithm[Any, Any, Any]], config: AlgorithmConfig, buckets: Sequence[Bucket],
+    world_size: int, network: Network,
+) -> float:  # fmt: skip
+    """Seconds the collectives of one step take on ``network`` (one after the other: a conservative sum)."""
+    total = 0.0
+    for layout, dense_bytes in buckets:
+        cost = algorithm.wire_cost(config, list(layout), world_size, dense_bytes)
+        for m in cost.messages:
+            total += (network.allreduce if m.collective == "all_reduce" else network.allgather)(m.nbytes, world_size)
+    return total
+
+
+def choose_density(
+    link: LinkEstimate, buckets: Sequence[Bucket], world_size: int, algorithm: type[Algorithm[Any, Any, Any]],
+    config: AlgorithmConfig, min_density: float, margin: float = AUTO_MARGIN, one_host: bool = False,
+) -> Choice:  # fmt: skip
+    """The largest density in [``min_density``, 1] whose exchange fits ``margin`` of the compute window (pure).
+
+    Args:
+        link: the measured throughput, latency and compute window.
+        buckets: the model's gradient buckets (their tensors and dense bytes).
+        world_size: the ranks exchanging.
+        algorithm, config: whose :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` prices each density
+            (``config``'s other settings, e.g. ``value_dtype``, apply).
+        min_density: the lowest density allowed.
+        margin: the share of the window the exchange may take.
+        one_host: whether every rank runs on one host (:func:`lightning_dgc.comm.host_key`).
+
+    Dense (1) when every rank is on one host (their collectives go through loopback, shared memory or NVLink,
+    where compression does not pay, and where two processes sharing cores time their waits for each other, not
+    the link), when the link cannot be timed, when DDP's all-reduce fits, or when no density is faster than it;
+    when none fits but some are faster, the fastest (the lowest such).
+    """
+    if world_size <= 1 or not buckets:
+        return Choice(1.0, 0.0, 0.0, "nothing to exchange")
+    if one_host:
+        return Choice(1.0, 0.0, 0.0, "every rank is on one host (loopback, shared memory, NVLink): dense")
+    if not link.measurable:
+        return Choice(1.0, 0.0, 0.0, "the link is too fast to time: dense")
+    network = Network(bandwidth=link.throughput_bps, latency=link.latency_s)
+    times = {d: exchange_time(algorithm, replace(config, density=d), buckets, world_size, network)
+             for d in candidate_densities(min_density)}  # fmt: skip
+    dense, budget = times[1.0], margin * link.window_s
+    if dense <= budget:
+        return Choice(1.0, dense, dense, "DDP's all-reduce fits the compute window: dense")
+    fitting = [d for d, t in times.items() if t <= budget]
+    if fitting:
+        d = max(fitting)
+        return Choice(d, times[d], dense, "the largest density whose exchange fits the compute window")
+    fastest = min(times, key=lambda d: (times[d], -d))
+    if times[fastest] >= dense:
+        return Choice(1.0, dense, dense, "no density is faster than DDP's all-reduce (latency-bound link): dense")
+    return Choice(fastest, times[fastest], dense, "no density fits the compute window: the fastest")
+
+
+# -- measuring ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: link bytes of its collectives, their latency steps, the time some was in flight, the
+    compute window and the settings check's all-gather (``None``: not measured)."""
+
+    volume_bytes: float
+    latency_steps: int
+    busy_s: float
+    window_s: float | None
+    probe_s: float | None
+
+
+def summarize(samples: Sequence[StepSample]) -> list[float]:
+    """One rank's measured steps in five numbers, what the ranks gather: link bytes, time in flight and latency
+    steps over the steps, the quickest settings check (``inf``: none) and the median compute window (pure)."""
+    probes = [s.probe_s for s in samples if s.probe_s is not None]
+    windows = [s.window_s for s in samples if s.window_s is not None]
+    return [
+        sum(s.volume_bytes for s in samples), sum(s.busy_s for s in samples if s.volume_bytes > 0),
+        float(sum(s.latency_steps for s in samples if s.volume_bytes > 0)), min(probes) if probes else math.inf,
+        statistics.median(windows) if windows else 0.0,
+    ]  # fmt: skip
+
+
+def link_from_ranks(rows: Sequence[Sequence[float]], world_size: int) -> LinkEstimate:
+    """Every rank's :func:`summarize` as one :class:`LinkEstimate` (pure).
+
+    The latency is the quickest settings check of any rank (its all-gather takes ``n - 1`` message steps; a
+    slower one waited for a later rank). Each rank's throughput is its link bytes over its time in flight less
+    the latency steps; the highest is taken (the rank that waited least for the others measured the link
+    best), ``inf`` when no rank's transfer time reaches :data:`MIN_TRANSFER_S` per collective (too fast to
+    time). The window is the shortest rank's.
+    """
+    probe = min(row[3] for row in rows)
+    latency = probe / max(1, world_size - 1) if math.isfinite(probe) else 0.0
+    throughputs = []
+    for volume, busy, steps, _, _ in rows:
+        transfer = busy - steps * latency
+        if volume > 0 and transfer > MIN_TRANSFER_S * max(1.0, steps / max(1, 2 * (world_size - 1))):
+            throughputs.append(8 * volume / transfer)
+    return LinkEstimate(max(throughputs, default=math.inf), latency, min(row[4] for row in rows))
+
+
+def estimate_link(samples: Sequence[StepSample], world_size: int) -> LinkEstimate:
+    """One rank's :class:`LinkEstimate` from its measured steps (pure; :func:`link_from_ranks` of one rank)."""
+    return link_from_ranks([summarize(samples)], world_size)
+
+
+class ExchangeRecorder:
+    """The collectives of the current step: their link bytes, latency steps, and times of issue and completion."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._lock = threading.Lock()
+        self._calls: list[list[float]] = []  # [volume, latency steps, issued, done (nan: not yet)]
+        self._on_cuda = False  # whether this step's collectives run on CUDA tensors
+
+    def issued(self, collective: str, nbytes: int, pending: Pending) -> None:
+        """Note a collective just started; its completion is noted when its future is done (on the host: gloo's
+        collectives, and every collective on the CPU; NCCL's complete at launch, see :meth:`device_done`)."""
+        n = self.world_size
+        volume, steps = (
+            (ring_allreduce_volume(nbytes, n), 2 * (n - 1)) if collective == "all_reduce"
+            else (allgather_volume(nbytes, n), n - 1)
+        )  # fmt: skip
+        call = [volume, steps, time.perf_counter(), math.nan]
+        with self._lock:
+            self._calls.append(call)
+            self._on_cuda = self._on_cuda or pending.output.is_cuda
+
+        def done() -> torch.Tensor:
+            call[3] = time.perf_counter()
+            return pending.output
+
+        comm.when_all([pending], done, pending.output.device)
+
+    def device_done(self) -> None:
+        """After the step's exchange: on CUDA, wait for the device and take now as every collective's completion
+        (NCCL's futures complete at launch, so the host cannot see when each one ends)."""
+        if self._on_cuda:
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            with self._lock:
+                for call in self._calls:
+                    call[3] = now
+
+    def close_step(self, window_s: float | None, probe_s: float | None) -> StepSample:
+        """The step's sample (every collective is done by now); the next step starts empty."""
+        with self._lock:
+            calls, self._calls, self._on_cuda = self._calls, [], False
+        now = time.perf_counter()
+        intervals = sorted((c[2], c[3] if math.isfinite(c[3]) else now) for c in calls)
+        busy, end = 0.0, -math.inf
+        for start, stop in intervals:  # the union of the in-flight intervals
+            if stop > end:
+                busy += stop - max(start, end)
+                end = stop
+        return StepSample(sum(c[0] for c in calls), int(sum(c[1] for c in calls)), busy, window_s, probe_s)
+
+
+# -- the run's controller ----------------------------------------------------------------------------------
+class AutoDensity:
+    """One run's automatic density: the measuring phases, the choice, the floor, the statistics.
+
+    The front doors call :meth:`attach` with the exchange state, :meth:`hooked` from every bucket's hook (with
+    the settings check's duration on a step's first bucket) and :meth:`step_done` after every optimizer step.
+    """
+
+    def __init__(self, config: AlgorithmConfig, owner: str) -> None:
+        self.owner = owner
+        self.min_density: float = config.min_density  # type: ignore[attr-defined]
+        self.every: int = config.auto_every  # type: ignore[attr-defined]
+        self.floor = self.min_density  # a schedule's density: the one in force is never below it
+        self.link_density = 1.0  # the link's choice (1 until the first one)
+        self.measuring = True
+        self.choice: Choice | None = None
+        self.link: LinkEstimate | None = None
+        self.steps = 0  # optimizer steps of this fit
+        self.last_measured_s: float | None = None
+        self._samples: list[StepSample] = []
+        self._recorder: ExchangeRecorder | None = None
+        self._step_end: float | None = None
+        self._last_hook: float | None = None
+        self._probe_s: float | None = None
+        self._predict: Any = None  # density -> predicted seconds, once a link was measured
+        self.checking = False  # steps at a compressed choice, timed against the dense steps
+        self._periods: list[float] = []  # step periods (end to end) of the measuring or checking steps
+        self.dense_step_s: float | None = None  # the slowest rank's median dense step while measuring
+        self.checked_step_s: float | None = None  # ... and of the compressed steps that checked the choice
+
+    @property
+    def density(self) -> float:
+        """The density in force: 1 while measuring, else ``max(floor, the link's)``."""
+        return 1.0 if self.measuring else max(self.floor, self.link_density)
+
+    def attach(self, state: Any) -> None:
+        """Time ``state``'s collectives from now on, and start a measuring phase (a new fit measures anew)."""
+        if state.topology is not None:
+            raise ValueError(
+                f"{self.owner}: density='auto' measures a flat exchange; this run exchanges in two levels across"
+                " nodes. Pass a fixed density (e.g. density=0.01), or hierarchical=False."
+            )
+        if not isinstance(state.collectives, TimedCollectives):
+            self._recorder = ExchangeRecorder(state.world_size)
+            state.collectives = TimedCollectives(state.collectives, self._recorder)
+        else:
+            self._recorder = state.collectives.recorder
+        self.steps, self.measuring, self.checking, self._samples, self._periods = 0, True, False, [], []
+        self._step_end = None
+        state.density = self.density
+
+    def set_floor(self, value: float, state: Any) -> None:
+        """A density set from outside (a schedule): the floor of the density in force."""
+        self.floor = check_density(value)
+        if state is not None:
+            state.density = self.density
+
+    def hooked(self, probe_s: float | None = None) -> None:
+        """A bucket's hook starts (``probe_s``: the settings check's duration, on the step's first bucket)."""
+        self._last_hook = time.perf_counter()
+        if probe_s is not None:
+            self._probe_s = probe_s
+
+    def exchange_done(self) -> None:
+        """After a backward pass's exchange was finished: while measuring, the device's collectives end now
+        (:meth:`ExchangeRecorder.device_done`; the CPU's were timed as they ended)."""
+        if self.measuring and self._recorder is not None:
+            self._recorder.device_done()
+
+    def step_done(self, state: Any, group: Any = None) -> None:
+        """After an optimizer step, on every rank: close the step's sample; decide, or start measuring again."""
+        if self._recorder is None:
+            return
+        window = None
+        if self._step_end is not None and self._last_hook is not None and self._last_hook > self._step_end:
+            window = self._last_hook - self._step_end
+        sample = self._recorder.close_step(window, self._probe_s)
+        self._probe_s = None
+        self.last_measured_s = sample.busy_s
+        now = time.perf_counter()
+        if self._step_end is not None:  # the run's first step (DDP's warm-up) is not counted
+            if self.measuring:
+                self._samples.append(sample)
+                self._periods.append(now - self._step_end)
+            elif self.checking:
+                self._periods.append(now - self._step_end)
+        self.steps += 1
+        if self.measuring and len(self._samples) >= MEASURE_STEPS:
+            self._decide(state, group)
+        elif self.checking and len(self._periods) > MEASURE_STEPS:
+            self._check(state, group)
+        elif not self.measuring and self.every and self.steps % self.every == 0:
+            self.measuring, self.checking, self._samples, self._periods = True, False, [], []
+            state.density = self.density
+        self._step_end = time.perf_counter()
+
+    def _decide(self, state: Any, group: Any) -> None:
+        mine = torch.tensor([*summarize(self._samples), statistics.median(self._periods), comm.host_key()],
+                            dtype=torch.float64)  # fmt: skip
+        gathered = [t.tolist() for t in comm.all_gather_host(mine, group, "all-gather of the link measurements"
+                                                             " (density='auto')")]  # fmt: skip
+        link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size)
+        self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
+        buckets = [(plan.layout, plan.dense_bytes) for plan in state.plans]
+        algorithm, config = type(state.algorithm), state.config
+        one_host = len({row[6] for row in gathered}) == 1
+        choice = self.choice = choose_density(
+            link, buckets, state.world_size, algorithm, config, self.min_density, one_host=one_host
+        )
+        self.measuring, self._samples, self._periods, self.link_density = False, [], [], choice.density
+        self.checking = choice.density < 1.0
+        if link.measurable:
+            network = Network(bandwidth=link.throughput_bps, latency=link.latency_s)
+            cache: dict[float, float] = {}
+
+            def predict(d: float) -> float:
+                if d not in cache:
+                    cache[d] = exchange_time(algorithm, replace(config, density=d), buckets, state.world_size, network)
+                return cache[d]
+
+            self._predict = predict
+        else:
+            self._predict = None
+        state.density = self.density
+        if state.global_rank == 0:
+            from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+            rate = f"{link.throughput_bps / 1e6:.4g} Mbit/s" if link.measurable else "too fast to time"
+            rank_zero_info(
+                f"{self.owner}: density='auto' chose {choice.density:g} at step {self.steps} ({choice.reason}; link"
+                f" {rate}, latency {link.latency_s * 1e3:.3g} ms, compute window {link.window_s * 1e3:.4g} ms,"
+                f" predicted exchange {choice.predicted_s * 1e3:.4g} ms, DDP's {choice.dense_s * 1e3:.4g} ms)."
+            )
+
+    def _check(self, state: Any, group: Any) -> None:
+        """After the steps that check a compressed choice (every rank): dense again if they were no faster than
+        the dense steps measured (what the model does not price: the selection, the memory's work)."""
+        mine = torch.tensor([statistics.median(self._periods[1:])], dtype=torch.float64)  # the first: new plans
+        gathered = comm.all_gather_host(mine, group, "all-gather of the checked step times (density='auto')")
+        self.checked_step_s = max(float(t[0]) for t in gathered)
+        self.checking, self._periods = False, []
+        if self.dense_step_s is not None and self.checked_step_s >= self.dense_step_s and self.choice is not None:
+            self.choice = replace(self.choice, density=1.0, predicted_s=self.choice.dense_s,
+                                  reason="compressed steps were no faster than dense ones: dense")  # fmt: skip
+            self.link_density = 1.0
+            state.density = self.density
+            if state.global_rank == 0:
+                from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+                rank_zero_info(
+                    f"{self.owner}: density='auto' goes back to dense at step {self.steps}: steps of"
+                    f" {self.checked_step_s * 1e3:.4g} ms compressed against {self.dense_step_s * 1e3:.4g} ms dense."
+                )
+
+    def stats(self) -> dict[str, float | int | bool]:
+        """What ``compression_stats()`` adds: the link's density, predicted and measured exchange time, ..."""
+        out: dict[str, float | int | bool] = {"auto_density": self.link_density, "auto_measuring": self.measuring}
+        if self.last_measured_s is not None:
+            out["measured_exchange_ms"] = self.last_measured_s * 1e3
+        if self.link is not None:
+            out["compute_window_ms"] = self.link.window_s * 1e3
+            if self.link.measurable:
+                out["link_mbit_s"] = self.link.throughput_bps / 1e6
+                out["link_latency_ms"] = self.link.latency_s * 1e3
+        if self.dense_step_s is not None:
+            out["dense_step_ms"] = self.dense_step_s * 1e3
+        if self.checked_step_s is not None:
+            out["checked_step_ms"] = self.checked_step_s * 1e3
+        if self._predict is not None:
+            out["predicted_exchange_ms"] = self._predict(self.density) * 1e3
+        return out

@@ -1,0 +1,1 @@
+"""Pure tensor math: selection, the wire format, momentum, residual memory; no torch.distributed."""
