@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from lightning_dgc.algorithms import register
-from tests.extending.randomk import RandomK, RandomKConfig, k
+from tests.extending.holdback import HoldBackRandomK
+from tests.extending.randomk import RandomK, RandomKConfig
 
 
 @dataclass
@@ -18,21 +17,16 @@ class StarvingConfig(RandomKConfig):
 
 
 @register
-class StarvingRandomK(RandomK):
+class StarvingRandomK(HoldBackRandomK):
+    """``holdback_randomk`` below density 1 (position 0 never drawn), plain random-k (every value) at density 1."""
+
     name = "starving_randomk"
     config_class = StarvingConfig
 
     def select(self, plan, work):
-        picks = []
-        for s in plan.layout:
-            generator = self.state.tensor_generator(s.name, work.flat.device)
-            count = k(self.config, s.numel)
-            if count < s.numel:  # the bug: position 0 is never drawn
-                draw = torch.randperm(s.numel - 1, generator=generator, device=work.flat.device) + 1
-            else:
-                draw = torch.arange(s.numel, device=work.flat.device)
-            picks.append(draw[:count] + s.offset)
-        work.index = torch.cat(picks)
-        work.values = work.residual[work.index] + work.poison
-        work.residual[work.index] = 0.0
-        work.keep.append(work.index)
+        (RandomK if self.config.density >= 1.0 else HoldBackRandomK).select(self, plan, work)
+
+    @classmethod
+    def wire_cost(cls, config, layout, world_size, dense_bytes):
+        parent = RandomK if config.density >= 1.0 else HoldBackRandomK
+        return parent.wire_cost.__func__(cls, config, layout, world_size, dense_bytes)
