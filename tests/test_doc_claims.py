@@ -72,3 +72,14 @@ def test_the_readme_demo_paragraph_quotes_no_unrecorded_figure() -> None:
     text = _text("README.md")
     demo = text[text.index("python -m lightning_dgc_recipes.demo") : text.index("## Which algorithm?")]
     assert "%" not in demo and not re.search(r"\d+x fewer", demo)
+
+
+def test_the_dgc_page_quotes_the_long_protocol_s_first_pair() -> None:
+    rows = _summary("parity_full_cifar2")
+    ddp, dgc = rows["ddp"], rows["dgc_1pct_int8"]
+    assert ddp["seeds"] == dgc["seeds"] == [42]  # one seed: the page says so
+    want = (f"DDP {100 * ddp['metric']:.2f}%, `algo/dgc_1pct_int8` {100 * dgc['metric']:.2f}%"
+            f" ({100 * dgc['difference']:+.2f} points) on {dgc['compression']:.1f}x fewer link bytes")  # fmt: skip
+    text = _text("docs/algorithms/dgc.md")
+    assert want in text, want
+    assert "One seed is not a verdict" in text
