@@ -83,3 +83,6 @@ def test_the_dgc_page_quotes_the_long_protocol_s_first_pair() -> None:
     text = _text("docs/algorithms/dgc.md")
     assert want in text, want
     assert "One seed is not a verdict" in text
+    tuned = _summary("parity_full_tuning")["ddp_wd5e-4"]
+    assert tuned["metric"] < ddp["metric"]  # the recipe's weight decay stays
+    assert f"a weight decay of 5e-4 instead of its 1e-4 gave DDP {100 * tuned['metric']:.2f}%" in text
