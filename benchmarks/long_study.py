@@ -98,9 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, seed, algo in ORDER:  # parity skips a finished run of the same command, resumes a stopped one
             s = study(name)
             code |= parity.main([*s.arguments([seed], [algo]), "--data-root", args.data_root])
-    for s in STUDIES:  # every report from every finished record
-        parity.main([*s.arguments(s.seeds, s.algos), "--data-root", args.data_root, "--report-only"])
+            report(s, args.data_root)  # the study's report again: the run's own call wrote it for that run alone
+    for s in STUDIES:
+        report(s, args.data_root)
     return code
+
+
+def report(s: Study, data_root: str) -> None:
+    """``results/<study>.json`` from every finished record of the study (a run not finished is listed as pending)."""
+    parity.main([*s.arguments(s.seeds, s.algos), "--data-root", data_root, "--report-only"])
 
 
 if __name__ == "__main__":
