@@ -52,11 +52,12 @@ from lightning_dgc.algorithms.base import ring_allreduce_volume
 #: method -> its entry of :data:`benchmarks.parity.ALGO_SPECS` (algorithm YAML, extra arguments, warm-up).
 METHODS: dict[str, str] = {"ddp": "ddp", "dgc": "dgc_regimes_warmup", "dgc_adamw": "dgc_density_0.01_int8_light_warmup",
                            "deft": "deft", "powersgd": "powersgd", "auto": "dgc_auto", "diloco": "diloco",
-                           "streaming": "diloco_streaming"}  # fmt: skip
-TASKS = ("cifar10", "ptb")
+                           "streaming": "diloco_streaming", "dgc_1pct_int8": "dgc_1pct_int8"}  # fmt: skip
+TASKS = ("cifar10", "ptb", "cifar10_full")
 #: task -> (epochs, train batches per epoch, evaluate every this many optimizer steps): whole batches only,
 #: so that the evaluations fall evenly and the last one ends the run.
-SCHEDULES: dict[str, tuple[int, int, int]] = {"cifar10": (10, 78, 39), "ptb": (4, 630, 126)}
+#: ``cifar10_full``: the long protocol's short shaped run, which prices its steps (:mod:`benchmarks.composed`)
+SCHEDULES: dict[str, tuple[int, int, int]] = {"cifar10": (10, 78, 39), "ptb": (4, 630, 126), "cifar10_full": (1, 312, 39)}
 QUICK = (1, 24, 8)  # epochs, batches, evaluate every; with 4 validation batches
 QUICK_VAL_BATCHES = 4
 MASTER_PORT = 29537
@@ -110,12 +111,13 @@ def run_argv(args: argparse.Namespace, task: parity.Task, method: str, link: str
     """The recipe's command for one node (both run the same) and its record's path."""
     epochs, batches, val_every = schedule_of(args, task.name)
     name = f"{args.name}/{link}"
+    task = replace(task, resumable=False)  # a run of minutes: no checkpoints to resume from
     argv, record = parity.command(task, METHODS[method], args.data_root, epochs, batches, workdir, name=name,
                                   seed=seed)  # fmt: skip
     argv += ["--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.check_val_every_n_epoch", "null",
              "--trainer.val_check_interval", str(args.val_every or val_every)]  # fmt: skip
-    if args.quick:
-        argv += ["--trainer.limit_val_batches", str(QUICK_VAL_BATCHES)]
+    if args.quick or args.val_batches:
+        argv += ["--trainer.limit_val_batches", str(args.val_batches or QUICK_VAL_BATCHES)]
     return argv, record
 
 
@@ -500,10 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=lambda s: [parse_rate(x) for x in s.split(",")], default=[10.0, 100.0, None],
                         help="links, comma-separated: 10mbit, 1gbit, none (unshaped) (default 10mbit,100mbit,none)")  # fmt: skip
     parser.add_argument("--delay", type=parse_delay, default=None, help="extra delay each way, e.g. 10ms (netem)")
-    parser.add_argument("--tasks", type=lambda s: s.split(","), default=list(TASKS), help=f"of {', '.join(TASKS)}")
+    parser.add_argument("--tasks", type=lambda s: s.split(","), default=["cifar10", "ptb"],
+                        help=f"of {', '.join(TASKS)} (cifar10_full: the long protocol's short shaped runs, only when named)")
     parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
                         help=f"of {', '.join(METHODS)}")  # fmt: skip
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42])
+    parser.add_argument("--val-batches", type=int, default=None,
+                        help="evaluate on this many batches (default all; a run that only prices steps needs few)")
     parser.add_argument("--val-every", type=int, default=None, help="evaluate every this many steps (default per task)")
     parser.add_argument("--schedule", type=parse_schedule, default=None,
                         help="EPOCHS,BATCHES,EVERY for every task of this invocation (a shorter run; give it its own"

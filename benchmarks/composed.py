@@ -1,0 +1,234 @@
+"""Composed time to accuracy: the long protocol's steps to a target, priced by a short shaped run of each method.
+
+    python -m benchmarks.composed                      # validate on time_to_accuracy.json, compose the long protocol
+    sudo .venv/bin/python -m benchmarks.time_to_accuracy --tasks cifar10_full --rates 20mbit,1gbit,none \\
+        --methods ddp,dgc_1pct_int8,auto --name time_to_accuracy_full_steps     # the short shaped runs (312 steps)
+
+A 7,820-step run on a shaped link takes hours; its time is composed instead, from two measured parts:
+
+- **the curve**, from the unshaped long runs (``parity_full_cifar2.json``): at each evaluation, the optimizer
+  steps so far, the link bytes so far and the metric;
+- **the price**, from a short shaped run of the same method on each link (a few hundred steps,
+  :mod:`benchmarks.time_to_accuracy`): its start-up and its seconds per step less its bytes at the link's
+  measured goodput (:func:`price`).
+
+The composed time to an evaluation is ``start + steps x step_s + 8 x link_bytes / goodput`` (:func:`compose`):
+a stretch that sends more bytes, like the warm-up, costs its bytes at the link's rate. The time to target is
+the composed time of the first evaluation at the target (DDP's final metric, mean over its seeds, less 0.5
+points), mean over the method's seeds.
+
+**Validation** (:func:`validate`): the same composition must predict the measured short-protocol records
+(``time_to_accuracy.json``), each priced by the first :data:`WINDOW` steps of the method's first seed on that
+link and applied to every seed's curve. The record keeps each row's error and the largest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from benchmarks import common
+
+#: the steps of a shaped run that price it (4 of the short protocol's 10 epochs of 78 steps)
+WINDOW = 312
+#: the accuracy below DDP's final the target allows
+TOLERANCE = 0.005
+#: the long protocol's methods: the name of the unshaped long run -> the method of the short shaped run
+LONG_METHODS = {"ddp": "ddp", "dgc_1pct_int8": "dgc_1pct_int8"}
+#: ``density="auto"`` follows DDP's curve where its shaped run chose density 1 (it then trains as DDP does)
+AUTO_CURVE = "ddp"
+RECORD = "composed_time.json"
+#: the accuracies the short protocol's records are validated at, besides DDP's final less 0.5 points
+LEVELS = (0.45, 0.5, 0.55, 0.58, 0.6)
+
+
+@dataclass(frozen=True)
+class Price:
+    """A method's cost on a link, from a shaped run: ``start_s`` before its first step (launch, data, the first
+    steps' warm-up of the process), ``step_s`` a step less its bytes, ``goodput_mbit`` the link's TCP goodput."""
+
+    start_s: float
+    step_s: float
+    goodput_mbit: float | None
+    steps: int  # the steps that priced it
+
+    def bytes_s(self, link_bytes: float) -> float:
+        return 0.0 if self.goodput_mbit is None else 8 * link_bytes / (self.goodput_mbit * 1e6)
+
+
+def _train_s(entry: dict[str, Any]) -> float:
+    """Wall-clock since launch less the evaluations', at an evaluation."""
+    return entry["wall_s"] - entry.get("val_s", 0.0)
+
+
+def price(history: Sequence[dict[str, Any]], goodput_mbit: float | None, window: int = WINDOW) -> Price:
+    """The price of a shaped run's first ``window`` steps (at least its first two evaluations): the stretches
+    after the first evaluation give the seconds a step takes less its bytes at ``goodput_mbit``; the first
+    evaluation's time less its steps at that price is the start-up."""
+    points = [e for e in history if e["step"] <= window] or list(history[:2])
+    if len(points) < 2:
+        points = list(history[:2])
+    if len(points) < 2:
+        raise ValueError(f"pricing needs a shaped run with at least two evaluations, got {len(history)}")
+    first, last = points[0], points[-1]
+    steps = last["step"] - first["step"]
+    link_bytes = last.get("link_bytes", 0.0) - first.get("link_bytes", 0.0)
+    zero = Price(0.0, 0.0, goodput_mbit, 0)
+    step_s = (_train_s(last) - _train_s(first) - zero.bytes_s(link_bytes)) / steps
+    start_s = _train_s(first) - first["step"] * step_s - zero.bytes_s(first.get("link_bytes", 0.0))
+    return Price(start_s, step_s, goodput_mbit, last["step"])
+
+
+def compose(history: Sequence[dict[str, Any]], cost: Price, metric: str, goal: float) -> float | None:
+    """The composed time (seconds, evaluations excluded) to the first evaluation of ``history`` (an unshaped
+    run's) whose ``metric`` reaches ``goal`` (higher is better), or ``None`` where none does."""
+    for entry in history:
+        if entry.get(metric) is not None and entry[metric] >= goal:
+            return cost.start_s + entry["step"] * cost.step_s + cost.bytes_s(entry.get("link_bytes", 0.0))
+    return None
+
+
+def measured(history: Sequence[dict[str, Any]], metric: str, goal: float) -> float | None:
+    """The measured time (evaluations excluded) to the first evaluation that reaches ``goal``."""
+    for entry in history:
+        if entry.get(metric) is not None and entry[metric] >= goal:
+            return _train_s(entry)
+    return None
+
+
+def _goodputs(record: dict[str, Any]) -> dict[str, float | None]:
+    return {lk["link"]: lk["measured_goodput_mbit"] for lk in record.get("links", [])}
+
+
+def _ddp_target(finals: Sequence[float]) -> float:
+    return statistics.mean(finals) - TOLERANCE
+
+
+def validate(record: dict[str, Any], metric: str = "val_acc", window: int = WINDOW,
+             levels: Sequence[float] = LEVELS) -> list[dict[str, Any]]:  # fmt: skip
+    """Per shaped link, method and goal (each of ``levels``, then DDP's final less 0.5 points) of a time-to-accuracy
+    record: the composed time to the goal (each seed's curve, priced by the first ``window`` steps of the method's
+    first seed on that link) against the measured one, means over the seeds that reached it."""
+    runs = [r for r in record["runs"] if r["task"] == "cifar10"]
+    ddp = {}
+    for r in runs:  # DDP's final per seed (every link trains the same run)
+        if r["method"] == "ddp" and metric in r["final"]:
+            ddp.setdefault(r["seed"], r["final"][metric])
+    goals = [*levels, _ddp_target(list(ddp.values()))]
+    goodput = _goodputs(record)
+    rows = []
+    for link in dict.fromkeys(r["link"] for r in runs if r["link"] != "none"):
+        for method in dict.fromkeys(r["method"] for r in runs):
+            mine = sorted((r for r in runs if (r["link"], r["method"]) == (link, method)), key=lambda r: r["seed"])
+            if not mine:
+                continue
+            cost = price(mine[0]["history"], goodput.get(link), window)
+            for i, goal in enumerate(goals):
+                pairs = [(compose(r["history"], cost, metric, goal), measured(r["history"], metric, goal)) for r in mine]
+                pairs = [(c, m) for c, m in pairs if c is not None and m is not None]
+                if not pairs:
+                    continue
+                composed_s = statistics.mean(c for c, _ in pairs)
+                measured_s = statistics.mean(m for _, m in pairs)
+                rows.append({"link": link, "method": method, "goal": goal, "ddp_target": i == len(goals) - 1,
+                             "seeds": [r["seed"] for r in mine], "priced_by_seed": mine[0]["seed"],
+                             "reached": len(pairs), "price": asdict(cost), "composed_s": composed_s,
+                             "measured_s": measured_s, "error": composed_s / measured_s - 1})  # fmt: skip
+    return rows
+
+
+def compose_long(long_runs: dict[str, list[dict[str, Any]]], shaped: dict[str, Any], metric: str = "val_acc",
+                 ) -> list[dict[str, Any]]:  # fmt: skip
+    """Per shaped link and method: the composed time to DDP's final less 0.5 points on the long protocol.
+
+    ``long_runs``: the unshaped long runs' records by algorithm (each with ``history`` and ``final``);
+    ``shaped``: the record of the short shaped runs (:mod:`benchmarks.time_to_accuracy`, task ``cifar10_full``)."""
+    finals = [_final(r, metric) for r in long_runs.get("ddp", [])]
+    if not finals:
+        raise ValueError("composing the long protocol needs DDP's long runs (parity_full_cifar2)")
+    goal = _ddp_target(finals)
+    goodput = _goodputs(shaped)
+    runs = [r for r in shaped["runs"] if r["task"] == "cifar10_full"]
+    rows = []
+    for link in dict.fromkeys(r["link"] for r in runs if r["link"] != "none"):
+        for r in (r for r in runs if r["link"] == link):
+            method, curve = r["method"], None
+            if method == "auto":  # DDP's curve where the link made it choose dense, else none of ours
+                chose = (r.get("auto") or {}).get("auto_density")
+                curve = AUTO_CURVE if chose == 1.0 else None
+            else:
+                curve = next((name for name, m in LONG_METHODS.items() if m == method), None)
+            if curve is None or not long_runs.get(curve):
+                continue
+            cost = price(r["history"], goodput.get(link))
+            times = [compose(run["history"], cost, metric, goal) for run in long_runs[curve]]
+            reached = [t for t in times if t is not None]
+            rows.append({"link": link, "method": method, "curve": curve,
+                         "seeds": [run.get("seed") for run in long_runs[curve]], "target": goal,
+                         "reached": len(reached), "price": asdict(cost), "density": (r.get("auto") or {}).get("auto_density"),
+                         "composed_s": statistics.mean(reached) if len(reached) == len(times) else None})  # fmt: skip
+    for row in rows:  # x sooner than DDP on the same link
+        base = next((b for b in rows if (b["link"], b["method"]) == (row["link"], "ddp")), None)
+        ok = base is not None and base["composed_s"] and row["composed_s"]
+        row["speedup_vs_ddp"] = base["composed_s"] / row["composed_s"] if ok else None
+    return rows
+
+
+def _final(run: dict[str, Any], metric: str) -> float:
+    """A long run's final metric as its study reports it: the mean of its last two evaluations."""
+    values = [e[metric] for e in run["history"] if metric in e][-2:]
+    return statistics.mean(values)
+
+
+def load_long_runs(study: str = "parity_full_cifar2") -> dict[str, list[dict[str, Any]]]:
+    """The finished unshaped long runs of ``study`` by algorithm, each with its seed."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted((common.RESULTS / "parity_runs" / study).glob("cifar10_full_*_s*.json")):
+        run = json.loads(path.read_text())
+        if not run.get("finished"):
+            continue
+        algo, seed = path.stem.removeprefix("cifar10_full_").rsplit("_s", 1)
+        out.setdefault(algo, []).append({**run, "seed": int(seed)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--validate-on", default="time_to_accuracy.json", help="a short-protocol record (results/)")
+    parser.add_argument("--shaped", default="time_to_accuracy_full_steps.json",
+                        help="the long protocol's short shaped runs (results/)")  # fmt: skip
+    parser.add_argument("--study", default="parity_full_cifar2")
+    args = parser.parse_args(argv)
+    con = common.console()
+    check = validate(json.loads((common.RESULTS / args.validate_on).read_text()))
+    errors = [abs(r["error"]) for r in check if r["error"] is not None]
+    for r in check:
+        err = "-" if r["error"] is None else f"{100 * r['error']:+.1f}%"
+        con.print(f"validate {r['link']:>7} {r['method']:>10} to {100 * r['goal']:.2f}%: composed {r['composed_s']:.0f} s,"
+                  f" measured {r['measured_s']:.0f} s, error {err} ({r['reached']} of {len(r['seeds'])} seeds)")  # fmt: skip
+    out: dict[str, Any] = {"validation": check, "validation_max_error": max(errors) if errors else None,
+                           "validated_on": args.validate_on, "window_steps": WINDOW, "tolerance": TOLERANCE}  # fmt: skip
+    shaped_path = common.RESULTS / args.shaped
+    if shaped_path.exists():
+        out["long"] = compose_long(load_long_runs(args.study), json.loads(shaped_path.read_text()))
+        out["shaped"], out["study"] = args.shaped, args.study
+        for r in out["long"]:
+            con.print(f"long {r['link']:>7} {r['method']:>14}: composed {r['composed_s']} s, x{r['speedup_vs_ddp']}"
+                      f" vs DDP ({r['reached']} of {len(r['seeds'])} seeds reached)")  # fmt: skip
+    else:
+        con.print(f"no {shaped_path.name}: the long protocol's shaped runs are not measured yet")
+    out["environment"] = common.environment()
+    path = common.RESULTS / RECORD
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    worst = out["validation_max_error"]
+    con.print(f"wrote {path.relative_to(common.REPO)}; largest validation error"
+              f" {'-' if worst is None else f'{100 * worst:.1f}%'}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,95 @@
+"""``benchmarks.composed``: the arithmetic of a composed time to accuracy, on made-up runs (no training here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import common, composed
+
+GOODPUT = 8.0  # Mbit/s: a byte costs 1 microsecond
+
+
+def _history(start_s: float, step_s: float, bytes_per_step: list[float], accs: list[float], every: int = 100,
+             val_s: float = 3.0) -> list[dict]:  # fmt: skip
+    """A run evaluated every ``every`` steps: each stretch at its bytes per step, on a link of ``GOODPUT``."""
+    out, steps, sent, wall = [], 0, 0.0, start_s
+    for i, (b, acc) in enumerate(zip(bytes_per_step, accs, strict=True)):
+        steps += every
+        sent += every * b
+        wall += every * step_s + every * b * 8 / (GOODPUT * 1e6) + val_s
+        out.append({"step": steps, "wall_s": wall, "val_s": val_s * (i + 1), "link_bytes": sent, "val_acc": acc})
+    return out
+
+
+def test_a_price_recovers_start_up_and_step_and_the_composition_adds_the_bytes_at_the_link_s_rate() -> None:
+    shaped = _history(7.0, 0.2, [50_000, 50_000, 10_000, 10_000], [0.1, 0.2, 0.3, 0.4])
+    cost = composed.price(shaped, GOODPUT, window=400)
+    assert cost.start_s == pytest.approx(7.0)
+    assert cost.step_s == pytest.approx(0.2)
+    assert cost.steps == 400
+    # a longer run of other bytes: each evaluation's time is start + steps x step + its bytes at the goodput
+    long = _history(0.0, 0.3, [40_000] * 3 + [10_000] * 7, [0.1 * i for i in range(1, 11)])
+    t = composed.compose(long, cost, "val_acc", 0.65)
+    assert t == pytest.approx(7.0 + 700 * 0.2 + (300 * 40_000 + 400 * 10_000) * 1e-6)
+    assert composed.compose(long, cost, "val_acc", 1.5) is None
+    # the measured time to the same evaluation excludes the evaluations
+    assert composed.measured(long, "val_acc", 0.65) == pytest.approx(700 * 0.3 + (300 * 40_000 + 400 * 10_000) * 1e-6)
+
+
+def test_a_price_uses_only_its_window_and_needs_two_evaluations() -> None:
+    shaped = _history(5.0, 0.1, [0.0] * 6, [0.1] * 6)
+    shaped[-1]["wall_s"] += 1000.0  # a stall after the window does not reach the price
+    assert composed.price(shaped, GOODPUT, window=300).step_s == pytest.approx(0.1)
+    assert composed.price(shaped, GOODPUT, window=600).step_s > 1.0
+    with pytest.raises(ValueError, match="at least two evaluations"):
+        composed.price(shaped[:1], GOODPUT)
+
+
+def _record(runs: list[tuple[str, str, int, list[dict]]], task: str = "cifar10", auto: dict | None = None) -> dict:
+    return {"links": [{"link": "8mbit", "measured_goodput_mbit": GOODPUT}, {"link": "none", "measured_goodput_mbit": None}],
+            "runs": [{"task": task, "method": m, "link": lk, "seed": s, "history": h, "final": h[-1],
+                      "auto": auto if m == "auto" else None} for m, lk, s, h in runs]}  # fmt: skip
+
+
+def test_validation_prices_each_method_by_its_first_seed_and_gives_the_error_per_goal() -> None:
+    accs = [0.3, 0.5, 0.6, 0.62]
+    runs = [("ddp", "8mbit", 42, _history(5.0, 0.2, [100_000] * 4, accs)),
+            ("ddp", "8mbit", 43, _history(5.0, 0.22, [100_000] * 4, accs)),  # 10% slower steps than seed 42
+            ("ddp", "none", 42, _history(5.0, 0.2, [0.0] * 4, accs))]  # fmt: skip
+    rows = composed.validate(_record(runs), window=400, levels=(0.5,))
+    assert [(r["link"], r["method"], r["goal"]) for r in rows] == [("8mbit", "ddp", 0.5), ("8mbit", "ddp", pytest.approx(0.615))]
+    level = rows[0]
+    assert level["priced_by_seed"] == 42 and level["reached"] == 2
+    # seed 42 is predicted exactly; seed 43's 200 steps take 0.02 s more each than the price says
+    assert level["measured_s"] == pytest.approx(level["composed_s"] + 200 * 0.02 / 2)
+    assert level["error"] == pytest.approx(level["composed_s"] / level["measured_s"] - 1)
+    assert rows[1]["ddp_target"] and rows[1]["goal"] == pytest.approx(0.62 - composed.TOLERANCE)
+
+
+def test_the_long_protocol_is_composed_per_link_with_auto_on_ddp_s_curve_only_where_it_chose_dense() -> None:
+    long_runs = {"ddp": [{"seed": 42, "history": _history(0.0, 0.3, [1e6] * 10, [0.1 * i for i in range(1, 11)])}],
+                 "dgc_1pct_int8": [{"seed": 42, "history": _history(0.0, 0.3, [1e4] * 10, [0.09 * i for i in range(1, 11)])}]}  # fmt: skip
+    short = lambda b: _history(4.0, 0.2, [b] * 3, [0.1] * 3)  # noqa: E731
+    dense = _record([("ddp", "8mbit", 42, short(1e6)), ("dgc_1pct_int8", "8mbit", 42, short(1e4)),
+                     ("auto", "8mbit", 42, short(1e6))], task="cifar10_full", auto={"auto_density": 1.0})  # fmt: skip
+    rows = {r["method"]: r for r in composed.compose_long(long_runs, dense)}
+    goal = 0.95 - composed.TOLERANCE  # DDP's final: the mean of its last two evaluations
+    assert rows["ddp"]["target"] == pytest.approx(goal)
+    assert rows["ddp"]["composed_s"] == pytest.approx(4.0 + 1000 * 0.2 + 1000 * 1e6 * 1e-6)  # its last evaluation
+    assert rows["dgc_1pct_int8"]["composed_s"] is None and rows["dgc_1pct_int8"]["reached"] == 0  # 0.9 < 0.945
+    assert rows["auto"]["curve"] == "ddp" and rows["auto"]["speedup_vs_ddp"] == pytest.approx(1.0)
+    sparse = _record([("ddp", "8mbit", 42, short(1e6)), ("auto", "8mbit", 42, short(1e4))], task="cifar10_full",
+                     auto={"auto_density": 0.0625})  # fmt: skip
+    assert [r["method"] for r in composed.compose_long(long_runs, sparse)] == ["ddp"]  # no long run at its density
+    with pytest.raises(ValueError, match="DDP's long runs"):
+        composed.compose_long({}, dense)
+
+
+def test_the_committed_record_validates_within_ten_percent_on_the_short_protocol() -> None:
+    record = json.loads((common.RESULTS / composed.RECORD).read_text())
+    again = composed.validate(json.loads((common.RESULTS / record["validated_on"]).read_text()))
+    assert [r["error"] for r in again] == pytest.approx([r["error"] for r in record["validation"]])
+    assert record["validation_max_error"] == pytest.approx(max(abs(r["error"]) for r in again))
+    assert record["validation_max_error"] <= 0.10
