@@ -82,6 +82,67 @@ def finished(name: str, seed: int, algo: str) -> bool:
     return record.is_file() and bool(json.loads(record.read_text()).get("finished"))
 
 
+#: the length figure's studies: epochs -> study (20 epochs: the headline's)
+LENGTHS = {3: "parity_full_length_e3", 5: "parity_full_length_e5", 10: "parity_full_length_e10", 20: "parity_full_cifar2"}
+LENGTH_RECORD = "parity_full_length"
+LENGTH_SEED = 42
+
+
+def final_metric(run: dict, metric: str = "val_acc") -> float:
+    """A run's final top-1 as the studies report it: the mean of its last two evaluations."""
+    values = [e[metric] for e in run["history"] if metric in e][-2:]
+    return sum(values) / len(values)
+
+
+def length_summary(runs_dir=None) -> list[dict]:
+    """The gap against the schedule's length: per length whose DDP and DGC runs of seed :data:`LENGTH_SEED` are both
+    finished, their steps, final top-1 and the difference (DGC less DDP)."""
+    runs_dir = runs_dir or parity.RUNS_DIR
+    rows = []
+    for epochs, name in LENGTHS.items():
+        runs = {}
+        for algo in PAIR:
+            path = runs_dir / name / f"{TASK}_{algo}_s{LENGTH_SEED}.json"
+            run = json.loads(path.read_text()) if path.is_file() else {}
+            if run.get("finished"):
+                runs[algo] = run
+        if len(runs) == len(PAIR):
+            ddp, dgc = (final_metric(runs[a]) for a in PAIR)
+            rows.append({"epochs": epochs, "steps": runs["ddp"]["global_step"], "study": name, "seed": LENGTH_SEED,
+                         "ddp": ddp, RECOMMENDED: dgc, "difference": dgc - ddp,
+                         "compression": runs[RECOMMENDED]["compression"]["compression_ratio"]})  # fmt: skip
+    return rows
+
+
+def write_length(rows: list[dict]) -> None:
+    """``results/parity_full_length.json`` and its figure: top-1 and the gap against the optimizer steps."""
+    path = common.RESULTS / f"{LENGTH_RECORD}.json"
+    path.write_text(json.dumps({"rows": rows, "seed": LENGTH_SEED, "environment": common.environment()}, indent=1) + "\n")
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["steps"] for r in rows]
+    fig, (top, gap) = plt.subplots(2, 1, figsize=(6, 5.2), sharex=True, height_ratios=(2, 1))
+    top.plot(steps, [100 * r["ddp"] for r in rows], "o-", label="DDP")
+    top.plot(steps, [100 * r[RECOMMENDED] for r in rows], "s-", label=f"algo/{RECOMMENDED}")
+    top.set_ylabel("top-1, %")
+    top.legend()
+    top.set_title(f"ResNet-20, all of CIFAR-10, 2 workers, seed {LENGTH_SEED}: the same recipe at each length")
+    gap.axhline(0, color="grey", lw=0.8)
+    gap.plot(steps, [100 * r["difference"] for r in rows], "s-", color="C1")
+    gap.set_ylabel("DGC - DDP, points")
+    gap.set_xlabel("optimizer steps (3, 5, 10, 20 epochs)")
+    gap.set_xscale("log")
+    gap.set_xticks(steps, [f"{s:,}" for s in steps])
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.long_study", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data-root", default=str(common.REPO.parent / "shared" / "data"))
@@ -99,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             s = study(name)
             code |= parity.main([*s.arguments([seed], [algo]), "--data-root", args.data_root])
             report(s, args.data_root)  # the study's report again: the run's own call wrote it for that run alone
+            write_length(length_summary())
     for s in STUDIES:
         report(s, args.data_root)
+    write_length(length_summary())
     return code
 
 

@@ -135,3 +135,23 @@ def test_batch_augmentation_draws_by_the_batch_s_place_in_the_run(monkeypatch) -
         crop = padded[i, :, top : top + 32, left : left + 32]
         assert torch.equal(out[i], crop.flip(-1) if flip else crop)
 
+
+
+def _finished_run(path: Path, accs: list[float], steps: int, ratio: float | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run = {"finished": True, "global_step": steps, "history": [{"step": i, "val_acc": a} for i, a in enumerate(accs)]}
+    if ratio is not None:
+        run["compression"] = {"compression_ratio": ratio}
+    path.write_text(json.dumps(run))
+
+
+def test_the_length_figure_pairs_ddp_and_dgc_at_each_length_where_both_finished(tmp_path) -> None:
+    dgc = long_study.RECOMMENDED
+    _finished_run(tmp_path / "parity_full_length_e3" / "cifar10_full_ddp_s42.json", [0.5, 0.70, 0.72], 1173)
+    _finished_run(tmp_path / "parity_full_length_e3" / f"cifar10_full_{dgc}_s42.json", [0.4, 0.66, 0.68], 1173, 50.0)
+    _finished_run(tmp_path / "parity_full_length_e5" / "cifar10_full_ddp_s42.json", [0.8, 0.8], 1955)  # DGC missing
+    _finished_run(tmp_path / "parity_full_cifar2" / "cifar10_full_ddp_s43.json", [0.8, 0.8], 7820)  # another seed
+    (row,) = long_study.length_summary(tmp_path)
+    assert (row["epochs"], row["steps"], row["seed"]) == (3, 1173, 42)
+    assert row["ddp"] == pytest.approx(0.71) and row[dgc] == pytest.approx(0.67)  # the last two evaluations
+    assert row["difference"] == pytest.approx(-0.04) and row["compression"] == 50.0
