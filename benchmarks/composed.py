@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks import common
+from benchmarks.time_to_accuracy import METHOD_LABELS, link_label
 
 #: the steps of a shaped run that price it (4 of the short protocol's 10 epochs of 78 steps)
 WINDOW = 312
@@ -196,6 +197,66 @@ def load_long_runs(study: str = "parity_full_cifar2") -> dict[str, list[dict[str
     return out
 
 
+LABELS = {"ddp": "DDP", "dgc_1pct_int8": "`algo/dgc_1pct_int8`", "auto": '`density="auto"`', "dgc": "DGC at 0.001",
+          "deft": "`algo/deft`", "powersgd": "`algo/powersgd`"}  # fmt: skip
+LINKS = ("20mbit", "1gbit")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
+
+
+def _minutes(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "not measured"
+    if row["composed_s"] is None:
+        return f"not reached ({row['reached']} of {len(row['seeds'])} seeds)"
+    speed = "" if row["method"] == "ddp" or row["speedup_vs_ddp"] is None else f" ({row['speedup_vs_ddp']:.2f}x DDP's)"
+    return f"{row['composed_s'] / 60:.1f} min{speed}"
+
+
+def markdown_headline(study: dict[str, Any], composed_record: dict[str, Any]) -> list[str]:
+    """The README's headline table: per method of the long study, its final top-1 (mean ± std over its seeds), the
+    gap to DDP paired by seed (± its standard error), the link bytes over the run and the composed time to DDP's
+    final less 0.5 points on each link (in brackets: DDP's time over the method's)."""
+    rows = {r["algo"]: r for r in study["summary"]}
+    steps = max(run["global_step"] for run in study["runs"] if run.get("global_step")) if study.get("runs") else None
+    long = {(r["link"], r["method"]): r for r in composed_record.get("long", [])}
+    target = next(iter(long.values()))["target"] if long else None
+    goal = f"to {100 * target:.2f}%" if target is not None else "to DDP's final - 0.5 points"
+    lines = [f"| method | top-1 | gap to DDP | link bytes over the run | {goal}, 20 Mbit/s | {goal}, 1 Gbit/s |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for algo in [a for a in LABELS if a in rows] + (["auto"] if any(m == "auto" for _, m in long) else []):
+        times = " | ".join(_minutes(long.get((link, algo))) for link in LINKS)
+        if algo == "auto":
+            lines.append(f"| {LABELS[algo]} | as DDP where it chooses dense | | | {times} |")
+            continue
+        r = rows[algo]
+        n = len(r["seeds"])
+        top1 = f"{100 * r['metric']:.2f} ± {100 * r['metric_std']:.2f}% ({n} seeds)" if n > 1 else f"{100 * r['metric']:.2f}% (1 seed)"
+        gap = ""
+        if "difference" in r:
+            se = r["difference_std"] / r["paired_seeds"] ** 0.5 if r["paired_seeds"] > 1 else None
+            gap = f"{100 * r['difference']:+.2f}" + (f" ± {100 * se:.2f} pp" if se is not None else " pp")
+        sent = r["link_kb_per_step"] * 1e3 * steps if steps else None
+        volume = "-" if sent is None else _size(sent) + ("" if algo == "ddp" else f" ({r['compression']:.1f}x fewer)")
+        lines.append(f"| {LABELS[algo]} | {top1} | {gap} | {volume} | {times} |")
+    return lines
+
+
+def markdown_validation(record: dict[str, Any]) -> list[str]:
+    """The time-to-accuracy page's table of the validation: per link and method, the goals it reached and the
+    composition's error at each, in the order of :data:`LEVELS` then DDP's final less 0.5 points."""
+    lines = ["| link | method | goals reached | composed against measured, per goal |", "| --- | --- | --- | --- |"]
+    rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in record["validation"]:
+        rows.setdefault((r["link"], r["method"]), []).append(r)
+    for (link, method), goals in rows.items():
+        errors = ", ".join(f"{100 * g['error']:+.1f}%" for g in goals)
+        lines.append(f"| {link_label(link)} | {METHOD_LABELS.get(method, method)} | {len(goals)} | {errors} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--validate-on", default="time_to_accuracy.json", help="a short-protocol record (results/)")
@@ -221,12 +282,11 @@ def main(argv: list[str] | None = None) -> int:
                       f" vs DDP ({r['reached']} of {len(r['seeds'])} seeds reached)")  # fmt: skip
     else:
         con.print(f"no {shaped_path.name}: the long protocol's shaped runs are not measured yet")
-    out["environment"] = common.environment()
-    path = common.RESULTS / RECORD
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    study = json.loads((common.RESULTS / f"{args.study}.json").read_text())
+    con.print("\n".join(markdown_headline(study, out)))
+    common.write_json(RECORD, out)
     worst = out["validation_max_error"]
-    con.print(f"wrote {path.relative_to(common.REPO)}; largest validation error"
-              f" {'-' if worst is None else f'{100 * worst:.1f}%'}")  # fmt: skip
+    con.print(f"largest validation error {'-' if worst is None else f'{100 * worst:.1f}%'}")
     return 0
 
 

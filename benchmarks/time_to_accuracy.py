@@ -382,7 +382,7 @@ def milestones(result: dict[str, Any], task_name: str, goals: Sequence[float]) -
 
 
 #: How the README names each method (its column).
-METHOD_LABELS = {"ddp": "`ddp`", "dgc": "`algo/dgc_regimes`", "dgc_adamw": "`algo/dgc_adamw`",
+METHOD_LABELS = {"ddp": "`ddp`", "dgc": "`algo/dgc_regimes`", "dgc_adamw": "`algo/dgc_1pct_int8`",
                  "auto": '`density="auto"`', "deft": "`deft`", "powersgd": "`powersgd`", "diloco": "`algo/diloco`",
                  "streaming": "`algo/diloco_streaming`"}  # fmt: skip
 

@@ -93,3 +93,10 @@ def test_the_committed_record_validates_within_ten_percent_on_the_short_protocol
     assert [r["error"] for r in again] == pytest.approx([r["error"] for r in record["validation"]])
     assert record["validation_max_error"] == pytest.approx(max(abs(r["error"]) for r in again))
     assert record["validation_max_error"] <= 0.10
+
+
+def test_the_time_to_accuracy_page_quotes_the_validation_of_the_record() -> None:
+    record = json.loads((common.RESULTS / composed.RECORD).read_text())
+    page = (common.REPO / "docs" / "benchmarks" / "time-to-accuracy.md").read_text()
+    assert "\n".join(composed.markdown_validation(record)) in page
+    assert f"within {100 * record['validation_max_error']:.1f}%" in " ".join(page.split())
