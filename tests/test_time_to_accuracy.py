@@ -60,7 +60,7 @@ def test_the_readme_table_gives_each_link_a_row_and_each_method_a_column() -> No
     ]  # fmt: skip
     lines = tta.markdown_table({"runs": runs})
     assert lines[0] == "| method | 10 Mbit/s, DDP efficiency 50%: to 58.0% | to 59.50% (DDP's final - 0.5 points) |"
-    assert lines[2] == "| `ddp` unshaped (compute only) | 285 s | 285 s |"
+    assert lines[2] == "| `ddp` unshaped (compute only; 1 seed) | 285 s | 285 s |"
     assert lines[3] == "| `ddp` | 285 s | 285 s |"
     assert lines[4] == "| `algo/dgc_regimes` | 190 s (1.50x) | 190 s (1.50x) |"
     assert lines[5] == "| `powersgd` | 285 s (1.00x) | not reached (best 59.00%) |"
