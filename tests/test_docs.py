@@ -95,7 +95,7 @@ def test_readme_links_point_at_files() -> None:
 
 
 #: The seeded studies the algorithm guide quotes, one row each.
-SEEDED_STUDIES = ["parity_seeds_cifar8", "parity_seeds_cifar2", "parity_seeds_ptb2", "parity_seeds_ptb8",
+SEEDED_STUDIES = ["parity_full_cifar2", "parity_seeds_cifar8", "parity_seeds_cifar2", "parity_seeds_ptb2", "parity_seeds_ptb8",
                   "parity_seeds_xfmr2", "parity_seeds_xfmr8"]  # fmt: skip
 
 
@@ -133,7 +133,7 @@ def _difference_text(s: dict, percent: bool, digits: int = 2) -> str:
 INDEX_COLUMNS = {"ddp": 1, "dgc": 2, "dgc_density_0.01": 2, "dgc_regimes_warmup": 2, "dgc_regimes": 2,
                  "dgc_regimes_0.005": 2, "dgc_short_warmup": 2, "dgc_regimes_int8": 2, "dgc_regimes_fp16": 2,
                  "dgc_density_0.01_int8": 2, "dgc_density_0.01_int8_light_warmup": 2,
-                 "dgc_density_0.01_int8_no_warmup": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5,
+                 "dgc_density_0.01_int8_no_warmup": 2, "dgc_1pct_int8": 2, "deft": 3, "powersgd": 4, "diloco": 5, "diloco_dgc": 5,
                  "diloco_streaming": 5}  # fmt: skip
 
 
