@@ -155,3 +155,18 @@ def test_the_length_figure_pairs_ddp_and_dgc_at_each_length_where_both_finished(
     assert (row["epochs"], row["steps"], row["seed"]) == (3, 1173, 42)
     assert row["ddp"] == pytest.approx(0.71) and row[dgc] == pytest.approx(0.67)  # the last two evaluations
     assert row["difference"] == pytest.approx(-0.04) and row["compression"] == 50.0
+
+
+def test_the_input_pipeline_variants_change_only_the_augmentation_and_the_loader_workers() -> None:
+    from benchmarks import input_pipeline
+
+    base = list(TASK.overrides)
+    for variant, (augment, workers) in input_pipeline.VARIANTS.items():
+        got = list(input_pipeline.overrides(variant))
+        assert got[got.index("--data.augment") + 1] == augment and got[got.index("--data.num_workers") + 1] == str(workers)
+        assert got[-2:] == ["--trainer.limit_val_batches", "0"]
+        changed = [i for i, (a, b) in enumerate(zip(base, got[: len(base)], strict=True)) if a != b]
+        assert all(base[i - 1] in ("--data.augment", "--data.num_workers") for i in changed)
+    rows = input_pipeline.summary({"batch": [0.2, 0.22, 0.21], "workers": [0.3], "inline": []})
+    assert rows["batch"] == {"step_s": 0.21, "ratio_to_batch": 1.0}
+    assert rows["workers"]["ratio_to_batch"] == pytest.approx(0.3 / 0.21) and rows["inline"]["step_s"] is None
