@@ -114,6 +114,12 @@ def length_summary(runs_dir=None) -> list[dict]:
     return rows
 
 
+def length_sentence(rows: list[dict]) -> str:
+    """The docs' sentence on where the gap goes: DGC less DDP at each length of the length record."""
+    gaps = ", ".join(f"{100 * r['difference']:+.2f} at {r['steps']:,}" for r in rows)
+    return f"DGC less DDP, seed {LENGTH_SEED}, in points at each length's steps: {gaps}"
+
+
 def write_length(rows: list[dict]) -> None:
     """``results/parity_full_length.json`` and its figure: top-1 and the gap against the optimizer steps."""
     path = common.RESULTS / f"{LENGTH_RECORD}.json"

@@ -82,9 +82,40 @@ def test_the_long_protocol_is_composed_per_link_with_auto_on_ddp_s_curve_only_wh
     assert rows["auto"]["curve"] == "ddp" and rows["auto"]["speedup_vs_ddp"] == pytest.approx(1.0)
     sparse = _record([("ddp", "8mbit", 42, short(1e6)), ("auto", "8mbit", 42, short(1e4))], task="cifar10_full",
                      auto={"auto_density": 0.0625})  # fmt: skip
-    assert [r["method"] for r in composed.compose_long(long_runs, sparse)] == ["ddp"]  # no long run at its density
+    ddp, auto = composed.compose_long(long_runs, sparse)  # no long run at the density it chose: said, not composed
+    assert (auto["method"], auto["curve"], auto["density"], auto["composed_s"]) == ("auto", None, 0.0625, None)
+    assert composed._minutes(auto) == "chose density 0.0625: no long run of it"
     with pytest.raises(ValueError, match="DDP's long runs"):
         composed.compose_long({}, dense)
+
+
+def test_a_method_some_seeds_of_which_miss_the_target_is_not_composed_but_its_other_seeds_are_said() -> None:
+    ddp = _history(0.0, 0.3, [1e6] * 10, [0.1 * i for i in range(1, 11)])
+    long_runs = {"ddp": [{"seed": 42, "history": ddp}],
+                 "dgc_1pct_int8": [{"seed": 42, "history": _history(0.0, 0.3, [1e4] * 10, [0.09 * i for i in range(1, 11)])},
+                                   {"seed": 43, "history": _history(0.0, 0.3, [1e4] * 10, [0.1 * i for i in range(1, 11)])}]}  # fmt: skip
+    short = lambda b: _history(4.0, 0.2, [b] * 3, [0.1] * 3)  # noqa: E731
+    record = _record([("ddp", "8mbit", 42, short(1e6)), ("dgc_1pct_int8", "8mbit", 42, short(1e4))], task="cifar10_full")
+    rows = {r["method"]: r for r in composed.compose_long(long_runs, record)}
+    dgc = rows["dgc_1pct_int8"]
+    assert dgc["composed_s"] is None and dgc["reached"] == 1
+    assert dgc["composed_reached_s"] == pytest.approx(4.0 + 1000 * 0.2 + 1000 * 1e4 * 1e-6)  # seed 43's last evaluation
+    assert dgc["speedup_reached_vs_ddp"] == pytest.approx(rows["ddp"]["composed_s"] / dgc["composed_reached_s"])
+    assert composed._minutes(dgc).startswith("1 of 2 seeds reach it: 3.6 min (")
+
+
+def test_ddp_s_long_runs_carry_the_bytes_of_its_ring_all_reduce_which_its_record_leaves_at_zero(tmp_path) -> None:
+    folder = tmp_path / "parity_runs" / "study"
+    folder.mkdir(parents=True)
+    history = [{"step": s, "link_bytes": 0.0, "val_acc": 0.5} for s in (100, 200)]
+    for algo in ("ddp", "dgc_1pct_int8"):
+        run = {"finished": True, "params": 1000, "world_size": 2, "history": [dict(e) for e in history]}
+        (folder / f"cifar10_full_{algo}_s42.json").write_text(json.dumps(run))
+    (folder / "cifar10_full_ddp_s43.json").write_text(json.dumps({"finished": False, "history": []}))
+    runs = composed.load_long_runs("study", root=tmp_path)
+    assert [r["seed"] for r in runs["ddp"]] == [42]  # the unfinished run is left out
+    assert [e["link_bytes"] for e in runs["ddp"][0]["history"]] == [100 * 4000.0, 200 * 4000.0]  # 2 (N-1)/N x 4 kB
+    assert [e["link_bytes"] for e in runs["dgc_1pct_int8"][0]["history"]] == [0.0, 0.0]  # its own count stands
 
 
 def test_the_committed_record_validates_within_ten_percent_on_the_short_protocol() -> None:
@@ -100,3 +131,20 @@ def test_the_time_to_accuracy_page_quotes_the_validation_of_the_record() -> None
     page = (common.REPO / "docs" / "benchmarks" / "time-to-accuracy.md").read_text()
     assert "\n".join(composed.markdown_validation(record)) in page
     assert f"within {100 * record['validation_max_error']:.1f}%" in " ".join(page.split())
+
+
+def test_the_verdict_says_each_target_met_or_missed_with_its_figure() -> None:
+    study = {"summary": [{"algo": "dgc_1pct_int8", "difference": -0.0037, "difference_std": 0.0034, "paired_seeds": 3,
+                          "compression": 59.3}]}  # fmt: skip
+    long = [{"link": "20mbit", "method": "dgc_1pct_int8", "composed_s": None, "composed_reached_s": 600.0,
+             "speedup_reached_vs_ddp": 4.8, "reached": 2, "seeds": [42, 43, 44]},
+            {"link": "1gbit", "method": "auto", "composed_s": 500.0, "speedup_vs_ddp": 1 / 1.06, "density": 1.0}]  # fmt: skip
+    text = composed.markdown_verdict(study, {"long": long})
+    assert "0.37 ± 0.20 points below DDP (3 paired seeds) misses the target of at most 0.3" in text
+    assert "59.3x fewer link bytes meets at least 50x" in text
+    assert "2 of 3 seeds reach DDP's final less 0.5 points 4.80x sooner than DDP and 1 never reaches it" in text
+    assert 'takes 1.06x DDP\'s time, which misses at most 5% slower' in text
+    long[0].update(composed_s=600.0, speedup_vs_ddp=2.5)
+    study["summary"][0]["difference"] = -0.002
+    text = composed.markdown_verdict(study, {"long": long})
+    assert "0.20 ± 0.20 points below DDP (3 paired seeds) meets" in text and "2.50x sooner than DDP, which meets" in text

@@ -96,6 +96,9 @@ def test_the_dgc_page_quotes_the_long_protocol_s_pairs() -> None:
     text = _text("docs/algorithms/dgc.md")
     want = long_protocol_sentence()
     assert want in text, want
+    from benchmarks import long_study
+
+    assert long_study.length_sentence(_record(long_study.LENGTH_RECORD)["rows"]) in " ".join(text.split())
     tuned = _summary("parity_full_tuning")["ddp_wd5e-4"]
     assert tuned["metric"] < ddp["metric"]  # the recipe's weight decay stays
     assert f"a weight decay of 5e-4 instead of its 1e-4 gave DDP {100 * tuned['metric']:.2f}%" in text

@@ -113,6 +113,15 @@ def test_the_headline_is_the_long_protocol_s_table_and_leads_the_readme() -> Non
     assert "benchmarks/results/parity_full_length.png" in readme
 
 
+def test_the_headline_says_against_each_target_whether_it_is_met_and_where_the_gap_goes() -> None:
+    from benchmarks import long_study
+
+    readme = " ".join(_readme().split())
+    verdict = composed.markdown_verdict(_record("parity_full_cifar2"), _record(composed.RECORD.removesuffix(".json")))
+    assert verdict in readme
+    assert long_study.length_sentence(_record(long_study.LENGTH_RECORD)["rows"]) in readme
+
+
 @pytest.mark.parametrize("cell", ["not measured", "not reached"])
 def test_the_headline_says_what_is_missing_rather_than_leaving_it_blank(cell: str) -> None:
     """A link without a shaped run, or a method that never reached the target, is said in words."""
