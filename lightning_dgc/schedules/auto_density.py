@@ -25,6 +25,9 @@ timed end to end against the dense steps measured (the slowest rank's median eac
 and the exchange goes back to dense if they were no faster. The phase comes back every ``auto_every``
 optimizer steps (0: never), since links change.
 
+Under the two-level exchange (``state.topology``) the same steps measure and price the exchange across nodes
+alone, the only one the density changes (:mod:`lightning_dgc.schedules.auto_levels`).
+
 A density set from outside (``strategy.density = d``, :class:`~lightning_dgc.schedules.warmup.SparsityWarmup`) is a
 floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
 """
@@ -47,6 +50,7 @@ from lightning_dgc.algorithms.base import allgather_volume, ring_allreduce_volum
 from lightning_dgc.algorithms.checks import check_density
 from lightning_dgc.comm import Pending, TimedCollectives
 from lightning_dgc.perfmodel.network import Network
+from lightning_dgc.schedules.auto_levels import check_nodes_on_hosts, priced_buckets
 
 __all__ = [
     "AUTO_MARGIN", "MEASURE_STEPS", "AutoDensity", "Choice", "LinkEstimate", "StepSample", "candidate_densities",
@@ -179,17 +183,18 @@ def summarize(samples: Sequence[StepSample]) -> list[float]:
     ]  # fmt: skip
 
 
-def link_from_ranks(rows: Sequence[Sequence[float]], world_size: int) -> LinkEstimate:
-    """Every rank's :func:`summarize` as one :class:`LinkEstimate` (pure).
+def link_from_ranks(rows: Sequence[Sequence[float]], world_size: int, probe_ranks: int | None = None) -> LinkEstimate:
+    """Every rank's :func:`summarize` as one :class:`LinkEstimate` (pure); ``world_size``: the ranks of the timed
+    collectives, ``probe_ranks``: those of the settings check (default ``world_size``; in two levels every rank).
 
-    The latency is the quickest settings check of any rank (its all-gather takes ``n - 1`` message steps; a
-    slower one waited for a later rank). Each rank's throughput is its link bytes over its time in flight less
+    The latency is the quickest settings check of any rank (its all-gather takes ``probe_ranks - 1`` message steps,
+    each as slow as its slowest hop; a slower one waited for a later rank). Each rank's throughput is its link bytes over its time in flight less
     the latency steps; the highest is taken (the rank that waited least for the others measured the link
     best), ``inf`` when no rank's transfer time reaches :data:`MIN_TRANSFER_S` per collective (too fast to
     time). The window is the shortest rank's.
     """
     probe = min(row[3] for row in rows)
-    latency = probe / max(1, world_size - 1) if math.isfinite(probe) else 0.0
+    latency = probe / max(1, (probe_ranks or world_size) - 1) if math.isfinite(probe) else 0.0
     throughputs = []
     for volume, busy, steps, _, _ in rows:
         transfer = busy - steps * latency
@@ -291,12 +296,8 @@ class AutoDensity:
         return 1.0 if self.measuring else max(self.floor, self.link_density)
 
     def attach(self, state: Any) -> None:
-        """Time ``state``'s collectives from now on, and start a measuring phase (a new fit measures anew)."""
-        if state.topology is not None:
-            raise ValueError(
-                f"{self.owner}: density='auto' measures a flat exchange; this run exchanges in two levels across"
-                " nodes. Pass a fixed density (e.g. density=0.01), or hierarchical=False."
-            )
+        """Time ``state``'s collectives from now on (in two levels those across nodes: the state's), and start a
+        measuring phase (a new fit measures anew)."""
         if not isinstance(state.collectives, TimedCollectives):
             self._recorder = ExchangeRecorder(state.world_size)
             state.collectives = TimedCollectives(state.collectives, self._recorder)
@@ -356,9 +357,12 @@ class AutoDensity:
                             dtype=torch.float64)  # fmt: skip
         gathered = [t.tolist() for t in comm.all_gather_host(mine, group, "all-gather of the link measurements"
                                                              " (density='auto')")]  # fmt: skip
-        link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size)
+        if state.topology is not None:  # (rows in global rank order, node by node)
+            check_nodes_on_hosts([row[6] for row in gathered], state.topology.per_node, self.owner)
+        probe_ranks = len(gathered) if state.topology is not None else None  # two levels: checked by every rank
+        link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size, probe_ranks)
         self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
-        buckets = [(plan.layout, plan.dense_bytes) for plan in state.plans]
+        buckets = priced_buckets(state.plans)  # two levels: local rank 0's shards, on every rank
         algorithm, config = type(state.algorithm), state.config
         one_host = len({row[6] for row in gathered}) == 1
         choice = self.choice = choose_density(
