@@ -23,8 +23,8 @@ from lightning_dgc.schedules.auto_density import MEASURE_STEPS, AutoDensity
 from lightning_dgc.schedules.auto_levels import check_nodes_on_hosts, longest_shard, priced_buckets
 
 NODES, PER_NODE = 2, 2
-#: A (512, 256) weight: 512 KiB of fp32 gradient, a 256 KiB shard per local rank.
-SHAPE = (512, 256)
+#: Two (256, 256) weights, a bucket each: 512 KiB of fp32 gradient, a 256 KiB shard per local rank.
+SHAPE = (256, 256)
 #: The step's compute, slept before the hook: the window the exchange is priced against.
 COMPUTE_S = 0.05
 
@@ -94,16 +94,22 @@ def _measure(node_bits: float | None = None, across_bits: float | None = None, m
             topology = dataclasses.replace(topology, across=SlowWire(topology.across, across_bits))
         config = DGCConfig(density="auto", min_density=min_density, auto_every=0)
         state = ExchangeState(config, topology=topology)
-        param = torch.nn.Parameter(torch.zeros(SHAPE))
-        state.register_parameters([("w", param)])
+        params = [torch.nn.Parameter(torch.zeros(SHAPE)) for _ in range(2)]
+        state.register_parameters([("w0", params[0]), ("w1", params[1])])
         auto = AutoDensity(config, "DGCStrategy")
         auto.attach(state)
         rank = topology.node_rank * PER_NODE + topology.local_rank
         for step in range(MEASURE_STEPS + 1):
-            param.grad = torch.randn(SHAPE, generator=torch.Generator().manual_seed(10 * step + rank))
+            generator = torch.Generator().manual_seed(10 * step + rank)
+            for param in params:
+                param.grad = torch.randn(SHAPE, generator=generator)
             time.sleep(COMPUTE_S)
-            auto.hooked(probe_s=1e-4)
-            exchange(state, [param], param.grad.reshape(-1).clone()).wait()
+            futures = []
+            for param in params:  # the hook of each bucket, as the front doors call it (the second one's too)
+                auto.hooked(probe_s=1e-4 if param is params[0] else None)
+                futures.append(exchange(state, [param], param.grad.reshape(-1).clone()))
+                auto.hook_done()
+            torch.futures.wait_all(futures)
             state.finish_step()
             auto.exchange_done()
             auto.step_done(state)
@@ -123,6 +129,8 @@ def test_a_slow_link_between_the_nodes_gets_a_sparse_density_on_every_rank(every
     for auto in autos:
         assert 10e6 < auto.link.throughput_bps < 40e6  # the wire across the nodes, not the fast one inside them
         assert auto.choice.predicted_s <= auto.choice.dense_s
+        # the first bucket's hook waited for its slow exchange across the nodes: not compute
+        assert COMPUTE_S <= auto.link.window_s < COMPUTE_S + 0.03
 
 
 def test_a_slow_link_inside_the_nodes_alone_stays_dense(every_rank) -> None:

@@ -283,6 +283,8 @@ class AutoDensity:
         self._recorder: ExchangeRecorder | None = None
         self._step_end: float | None = None
         self._last_hook: float | None = None
+        self._hooks_block = False  # two levels: the hook waits for its collectives (on the CPU, the host does)
+        self._in_hooks = self._before_last = 0.0  # ... the time it held the host: all of it, and before the last hook
         self._probe_s: float | None = None
         self._predict: Any = None  # density -> predicted seconds, once a link was measured
         self.checking = False  # steps at a compressed choice, timed against the dense steps
@@ -304,7 +306,7 @@ class AutoDensity:
         else:
             self._recorder = state.collectives.recorder
         self.steps, self.measuring, self.checking, self._samples, self._periods = 0, True, False, [], []
-        self._step_end = None
+        self._step_end, self._hooks_block = None, state.topology is not None
         state.density = self.density
 
     def set_floor(self, value: float, state: Any) -> None:
@@ -315,9 +317,15 @@ class AutoDensity:
 
     def hooked(self, probe_s: float | None = None) -> None:
         """A bucket's hook starts (``probe_s``: the settings check's duration, on the step's first bucket)."""
-        self._last_hook = time.perf_counter()
+        self._last_hook, self._before_last = time.perf_counter(), self._in_hooks
         if probe_s is not None:
             self._probe_s = probe_s
+
+    def hook_done(self) -> None:
+        """A bucket's hook returned. In two levels it waited for the bucket's collectives: not compute, so that
+        time leaves the compute window (a flat hook's does not wait)."""
+        if self._hooks_block and self._last_hook is not None:
+            self._in_hooks += time.perf_counter() - self._last_hook
 
     def exchange_done(self) -> None:
         """After a backward pass's exchange was finished: while measuring, the device's collectives end now
@@ -331,7 +339,8 @@ class AutoDensity:
             return
         window = None
         if self._step_end is not None and self._last_hook is not None and self._last_hook > self._step_end:
-            window = self._last_hook - self._step_end
+            window = self._last_hook - self._step_end - self._before_last
+        self._in_hooks = self._before_last = 0.0
         sample = self._recorder.close_step(window, self._probe_s)
         self._probe_s = None
         self.last_measured_s = sample.busy_s
