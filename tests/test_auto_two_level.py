@@ -14,6 +14,7 @@ import torch
 from lightning_dgc import comm
 from lightning_dgc.algorithms import TensorSpec
 from lightning_dgc.algorithms.base import allgather_volume, layout_of, ring_allreduce_volume
+from lightning_dgc.algorithms.deft import DEFTConfig
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.comm import Collectives, LocalGroup, Pending
 from lightning_dgc.exchange import shards
@@ -83,7 +84,7 @@ def every_rank(monkeypatch: pytest.MonkeyPatch):
     return hosts
 
 
-def _measure(node_bits: float | None = None, across_bits: float | None = None, min_density: float = 0.001) -> list:
+def _measure(node_bits: float | None = None, across_bits: float | None = None, config_class: type = DGCConfig) -> list:
     """Every simulated rank trains through one measuring phase with ``density="auto"`` (the level given a rate runs
     on a slow wire of that rate, the other as fast as threads go); each rank's :class:`AutoDensity` after it."""
 
@@ -92,7 +93,7 @@ def _measure(node_bits: float | None = None, across_bits: float | None = None, m
             topology = dataclasses.replace(topology, node=SlowWire(topology.node, node_bits))
         if across_bits is not None:
             topology = dataclasses.replace(topology, across=SlowWire(topology.across, across_bits))
-        config = DGCConfig(density="auto", min_density=min_density, auto_every=0)
+        config = config_class(density="auto", auto_every=0)
         state = ExchangeState(config, topology=topology)
         params = [torch.nn.Parameter(torch.zeros(SHAPE)) for _ in range(2)]
         state.register_parameters([("w0", params[0]), ("w1", params[1])])
@@ -119,9 +120,10 @@ def _measure(node_bits: float | None = None, across_bits: float | None = None, m
     return comm.simulate_nodes(NODES, PER_NODE, rank_run)
 
 
-def test_a_slow_link_between_the_nodes_gets_a_sparse_density_on_every_rank(every_rank) -> None:
+@pytest.mark.parametrize("config_class", [DGCConfig, DEFTConfig], ids=["dgc", "deft"])
+def test_a_slow_link_between_the_nodes_gets_a_sparse_density_on_every_rank(every_rank, config_class: type) -> None:
     """20 Mbit/s across the nodes: the shard's dense all-reduce takes about 0.1 s against a 50 ms window."""
-    autos = _measure(across_bits=20e6)
+    autos = _measure(across_bits=20e6, config_class=config_class)
     densities = {auto.choice.density for auto in autos}
     assert len(densities) == 1, f"the ranks chose {densities}"
     density = densities.pop()
