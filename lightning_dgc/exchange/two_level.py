@@ -30,8 +30,13 @@ class TwoLevelPlan:
     rank, the algorithm's plan of this rank's shard (``inner``: ``None`` when the rank owns no piece of the
     bucket), and the buffers the two node-level collectives use."""
 
-    def __init__(self, shard: shards.ShardLayout, inner: Any, node: Tensor, gathered: Tensor) -> None:
+    def __init__(
+        self, shard: shards.ShardLayout, inner: Any, node: Tensor, gathered: Tensor, bucket_layout: list[TensorSpec]
+    ) -> None:
         self.shard = shard
+        #: The bucket's tensors, whole: any local rank's shard can be priced from it (``density="auto"`` prices
+        #: the longest on every rank, so that every rank prices the same).
+        self.bucket_layout = bucket_layout
         self.inner = inner
         self.node = node  # parts * shard_numel: the bucket in the node layout (padding stays 0)
         self.gathered = gathered  # parts * shard_numel: every local rank's decoded shard
@@ -51,4 +56,4 @@ class TwoLevelPlan:
         # a rank that owns no piece of the bucket (tensors of fewer rows than ranks) only takes part in the
         # node's collectives: its group across the nodes owns nothing either
         inner = state.algorithm_plan(shard.pieces, node[: shard.numel]) if shard.pieces else None
-        return cls(shard, inner, node, torch.empty_like(node))
+        return cls(shard, inner, node, torch.empty_like(node), list(layout))

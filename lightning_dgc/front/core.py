@@ -361,7 +361,7 @@ class ExchangeAccess(ProcessGroupAtExit):
         strategy = weakref.ref(self)
 
         def counted_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations literally
-            counted = strategy()
+            counted, auto = strategy(), None
             if counted is not None:
                 counted.hook_calls += 1
                 probe = None
@@ -372,7 +372,10 @@ class ExchangeAccess(ProcessGroupAtExit):
                     probe = time.perf_counter() - start
                 if auto is not None:
                     auto.hooked(probe)
-            return exchange_hook(state, bucket)
+            future = exchange_hook(state, bucket)
+            if auto is not None:
+                auto.hook_done()
+            return future
 
         return counted_hook
 

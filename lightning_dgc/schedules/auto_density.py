@@ -25,6 +25,9 @@ timed end to end against the dense steps measured (the slowest rank's median eac
 and the exchange goes back to dense if they were no faster. The phase comes back every ``auto_every``
 optimizer steps (0: never), since links change.
 
+Under the two-level exchange (``state.topology``) the same steps measure and price the exchange across nodes
+alone, the only one the density changes (:mod:`lightning_dgc.schedules.auto_levels`).
+
 A density set from outside (``strategy.density = d``, :class:`~lightning_dgc.schedules.warmup.SparsityWarmup`) is a
 floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
 """
@@ -47,6 +50,7 @@ from lightning_dgc.algorithms.base import allgather_volume, ring_allreduce_volum
 from lightning_dgc.algorithms.checks import check_density
 from lightning_dgc.comm import Pending, TimedCollectives
 from lightning_dgc.perfmodel.network import Network
+from lightning_dgc.schedules.auto_levels import check_nodes_on_hosts, priced_buckets
 
 __all__ = [
     "AUTO_MARGIN", "MEASURE_STEPS", "AutoDensity", "Choice", "LinkEstimate", "StepSample", "candidate_densities",
@@ -179,17 +183,18 @@ def summarize(samples: Sequence[StepSample]) -> list[float]:
     ]  # fmt: skip
 
 
-def link_from_ranks(rows: Sequence[Sequence[float]], world_size: int) -> LinkEstimate:
-    """Every rank's :func:`summarize` as one :class:`LinkEstimate` (pure).
+def link_from_ranks(rows: Sequence[Sequence[float]], world_size: int, probe_ranks: int | None = None) -> LinkEstimate:
+    """Every rank's :func:`summarize` as one :class:`LinkEstimate` (pure); ``world_size``: the ranks of the timed
+    collectives, ``probe_ranks``: those of the settings check (default ``world_size``; in two levels every rank).
 
-    The latency is the quickest settings check of any rank (its all-gather takes ``n - 1`` message steps; a
-    slower one waited for a later rank). Each rank's throughput is its link bytes over its time in flight less
+    The latency is the quickest settings check of any rank (its all-gather takes ``probe_ranks - 1`` message steps,
+    each as slow as its slowest hop; a slower one waited for a later rank). Each rank's throughput is its link bytes over its time in flight less
     the latency steps; the highest is taken (the rank that waited least for the others measured the link
     best), ``inf`` when no rank's transfer time reaches :data:`MIN_TRANSFER_S` per collective (too fast to
     time). The window is the shortest rank's.
     """
     probe = min(row[3] for row in rows)
-    latency = probe / max(1, world_size - 1) if math.isfinite(probe) else 0.0
+    latency = probe / max(1, (probe_ranks or world_size) - 1) if math.isfinite(probe) else 0.0
     throughputs = []
     for volume, busy, steps, _, _ in rows:
         transfer = busy - steps * latency
@@ -278,6 +283,8 @@ class AutoDensity:
         self._recorder: ExchangeRecorder | None = None
         self._step_end: float | None = None
         self._last_hook: float | None = None
+        self._hooks_block = False  # two levels: the hook waits for its collectives (on the CPU, the host does)
+        self._in_hooks = self._before_last = 0.0  # ... the time it held the host: all of it, and before the last hook
         self._probe_s: float | None = None
         self._predict: Any = None  # density -> predicted seconds, once a link was measured
         self.checking = False  # steps at a compressed choice, timed against the dense steps
@@ -291,19 +298,15 @@ class AutoDensity:
         return 1.0 if self.measuring else max(self.floor, self.link_density)
 
     def attach(self, state: Any) -> None:
-        """Time ``state``'s collectives from now on, and start a measuring phase (a new fit measures anew)."""
-        if state.topology is not None:
-            raise ValueError(
-                f"{self.owner}: density='auto' measures a flat exchange; this run exchanges in two levels across"
-                " nodes. Pass a fixed density (e.g. density=0.01), or hierarchical=False."
-            )
+        """Time ``state``'s collectives from now on (in two levels those across nodes: the state's), and start a
+        measuring phase (a new fit measures anew)."""
         if not isinstance(state.collectives, TimedCollectives):
             self._recorder = ExchangeRecorder(state.world_size)
             state.collectives = TimedCollectives(state.collectives, self._recorder)
         else:
             self._recorder = state.collectives.recorder
         self.steps, self.measuring, self.checking, self._samples, self._periods = 0, True, False, [], []
-        self._step_end = None
+        self._step_end, self._hooks_block = None, state.topology is not None
         state.density = self.density
 
     def set_floor(self, value: float, state: Any) -> None:
@@ -314,9 +317,15 @@ class AutoDensity:
 
     def hooked(self, probe_s: float | None = None) -> None:
         """A bucket's hook starts (``probe_s``: the settings check's duration, on the step's first bucket)."""
-        self._last_hook = time.perf_counter()
+        self._last_hook, self._before_last = time.perf_counter(), self._in_hooks
         if probe_s is not None:
             self._probe_s = probe_s
+
+    def hook_done(self) -> None:
+        """A bucket's hook returned. In two levels it waited for the bucket's collectives: not compute, so that
+        time leaves the compute window (a flat hook's does not wait)."""
+        if self._hooks_block and self._last_hook is not None:
+            self._in_hooks += time.perf_counter() - self._last_hook
 
     def exchange_done(self) -> None:
         """After a backward pass's exchange was finished: while measuring, the device's collectives end now
@@ -330,7 +339,8 @@ class AutoDensity:
             return
         window = None
         if self._step_end is not None and self._last_hook is not None and self._last_hook > self._step_end:
-            window = self._last_hook - self._step_end
+            window = self._last_hook - self._step_end - self._before_last
+        self._in_hooks = self._before_last = 0.0
         sample = self._recorder.close_step(window, self._probe_s)
         self._probe_s = None
         self.last_measured_s = sample.busy_s
@@ -356,9 +366,12 @@ class AutoDensity:
                             dtype=torch.float64)  # fmt: skip
         gathered = [t.tolist() for t in comm.all_gather_host(mine, group, "all-gather of the link measurements"
                                                              " (density='auto')")]  # fmt: skip
-        link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size)
+        if state.topology is not None:  # (rows in global rank order, node by node)
+            check_nodes_on_hosts([row[6] for row in gathered], state.topology.per_node, self.owner)
+        probe_ranks = len(gathered) if state.topology is not None else None  # two levels: checked by every rank
+        link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size, probe_ranks)
         self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
-        buckets = [(plan.layout, plan.dense_bytes) for plan in state.plans]
+        buckets = priced_buckets(state.plans)  # two levels: local rank 0's shards, on every rank
         algorithm, config = type(state.algorithm), state.config
         one_host = len({row[6] for row in gathered}) == 1
         choice = self.choice = choose_density(

@@ -1,0 +1,83 @@
+"""``DGCStrategy(density="auto")`` under the two-level exchange with a real ``Trainer``: 2 nodes x 2 processes, one
+``torchrun`` agent per node (``auto_two_level_script.py``), on one host and across a shaped link between two
+network namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.netns import ADDRESSES, INTERFACES, SlowLink, missing_requirements
+from tests.conftest import free_port
+from tests.lightning.run import HERE, _environment, two_torchrun_agents
+
+pytestmark = pytest.mark.slow
+
+
+def _reports(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text())["auto"] for r in range(4)]
+
+
+def test_two_nodes_on_one_host_measure_dense_and_end_where_ddp_does(tmp_path: Path) -> None:
+    """Both nodes on this machine: every rank of both nodes chooses dense (one host), the exchange stays two-level,
+    and the weights equal DDP's on the same 4 processes (the tolerance of the two-level exchange at density 1)."""
+    two_torchrun_agents("auto_two_level_script.py", ["--out", str(tmp_path), "--steps", "10"], tmp_path)
+    for report in _reports(tmp_path):
+        assert report["hierarchical"] and report["steps"] == 10
+        assert report["decision"]["density"] == 1.0 and "one host" in report["decision"]["reason"]
+        assert report["auto_density"] == report["density"] == 1.0 and report["auto_measuring"] is False
+        assert 0 < report["inter_node_bytes"] < report["link_bytes"]
+    ddp = torch.load(tmp_path / "ddp.rank0.params.pt", weights_only=True)
+    for rank in range(4):
+        auto = torch.load(tmp_path / f"auto.rank{rank}.params.pt", weights_only=True)
+        torch.testing.assert_close(auto, ddp, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(missing_requirements() is not None, reason=f"a shaped link: {missing_requirements()}")
+def test_two_nodes_across_a_100_mbit_link_choose_at_most_one_percent(tmp_path: Path) -> None:
+    """Two network namespaces of two processes each, the veth between them shaped to 100 Mbit/s (the processes of
+    a node talk inside their namespace, unshaped): an MLP of 6.3 M parameters, whose dense exchange across the
+    link takes seconds per step against a compute window of tens of milliseconds. Every rank chooses the same
+    density, at most 0.01, and keeps it after the check."""
+    port = free_port()
+    env = _environment() | {"OMP_NUM_THREADS": "1"}
+    script = ["--out", str(tmp_path), "--strategies", "auto", "--width", "2048", "--features", "512",
+              "--batch-size", "2", "--steps", "14"]  # fmt: skip
+    with SlowLink(tag=f"t{os.getpid()}") as link:
+        link.set_rate(100)
+        agents = [
+            subprocess.Popen(
+                [*link.exec_prefix(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                 "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", ADDRESSES[0],
+                 "--master-port", str(port), str(HERE / "auto_two_level_script.py"), *script],
+                env=env | {"GLOO_SOCKET_IFNAME": INTERFACES[node]}, cwd=tmp_path, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            for node in range(2)
+        ]
+        try:
+            outputs = [agent.communicate(timeout=500)[0] for agent in agents]
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    agent.kill()
+                    agent.wait()
+    for agent, output in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, output[-6000:]
+    reports = _reports(tmp_path)
+    decisions = {report["decision"]["density"] for report in reports}
+    assert len(decisions) == 1, f"the ranks chose {decisions}"
+    for report in reports:
+        assert report["hierarchical"]
+        assert report["decision"]["density"] <= 0.01, report["decision"]
+        assert report["decision"]["link_mbit_s"] < 150, report["decision"]  # the shaped link, not the node's
+        assert report["auto_density"] == report["decision"]["density"], "the check sent the exchange back to dense"
+        assert report["checked_step_ms"] < report["dense_step_ms"]
+    params = [torch.load(tmp_path / f"auto.rank{r}.params.pt", weights_only=True) for r in range(4)]
+    assert all(torch.equal(params[0], p) for p in params[1:])
