@@ -101,7 +101,7 @@ class Profile:
     def two_level_cost(self, method: str, bucket: BucketProfile, g: int, m: int) -> tuple[WireCost, int]:
         """``(wire cost across m nodes, shard bytes)`` of one GPU's shard of ``bucket`` in a two-level
         exchange of ``g`` GPUs per node (``method``: the algorithm's name, without ``_node``)."""
-        pieces = shards.shard_pieces(bucket.layout(), g, 0)  # local rank 0 holds the longest shard
+        pieces = shards.shard_pieces(bucket.layout(), g, 0)  # local rank 0: up to a row per tensor short of the longest
         numel = sum(p.numel for p in pieces)
         shard_bytes = numel * DENSE_VALUE_BYTES
         cls = algorithms.get(method)
