@@ -111,6 +111,24 @@ def test_dgc_through_the_hook_reads_nothing_on_the_host_from_the_second_step(mon
     assert counts[60][0] <= 1.5 * counts[20][0], counts
 
 
+def test_a_failed_compilation_warns_and_selects_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(fn, **kwargs):  # type: ignore[no-untyped-def]
+        def run(*args):  # type: ignore[no-untyped-def]
+            raise RuntimeError("no compiler here")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    flat = torch.randn(sum(SIZES), generator=_gen(9))
+    layout = segment_layout(SIZES, KS, 0.01, flat.device)
+    selection = StaticSelection(layout, 0.01, compiled=True)
+    with pytest.warns(RuntimeWarning, match="no compiler here.*compile_selection=False"):
+        first = selection(flat, _gen(10))
+    assert torch.equal(first, batched_topk(flat, layout, _gen(10)))
+    assert torch.equal(selection(flat, _gen(11)), batched_topk(flat, layout, _gen(11)))  # no second warning
+    assert selection.failed is not None
+
+
 def test_compile_selection_settings() -> None:
     assert DGCConfig().compile_selection == "auto"
     for bad in ("yes", 1):

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lightning_dgc.tensor_ops.selection.batched import SegmentLayout, to_device
+from lightning_dgc.tensor_ops.selection.batched import SegmentLayout, batched_topk, to_device
 from lightning_dgc.tensor_ops.selection.batched import _threshold_rank as threshold_rank
 from lightning_dgc.tensor_ops.selection.sampled import MIN_SAMPLES
 
@@ -152,7 +153,9 @@ class StaticSelection:
     ``compiled=True``: one ``torch.compile`` program per bucket (``fullgraph``: a host read or a data-dependent
     shape would fail to compile rather than stall), built on the first call. The sample's draws are made
     outside the program (one ``torch.rand`` per group, on the generator given), exactly as the batched
-    selection draws them, so the compiled and eager forms select the same indices.
+    selection draws them, so the compiled and eager forms select the same indices. Should compiling fail
+    (no compiler for the device), a ``RuntimeWarning`` says so once and the bucket selects eagerly from then
+    on, with :func:`~lightning_dgc.tensor_ops.selection.batched.batched_topk`.
     """
 
     def __init__(self, layout: SegmentLayout, sample_ratio: float, compiled: bool) -> None:
@@ -160,6 +163,7 @@ class StaticSelection:
         groups = layout.groups or ((0, len(layout.sizes), layout),)
         self.groups = [(a, b, static_tables(group, sample_ratio)) for a, b, group in groups]
         self.compiled = compiled
+        self.failed: str | None = None  # why compiling failed (the bucket then selects eagerly)
         self._select: Callable[..., Tensor] = (
             torch.compile(_fresh(static_topk), fullgraph=True, dynamic=False) if compiled else static_topk
         )
@@ -172,13 +176,27 @@ class StaticSelection:
             return torch.zeros(0, dtype=torch.int64, device=values.device)
         if values.dtype != torch.float32:
             raise TypeError(f"the static selection selects from float32 values, got {values.dtype}")
+        if self.failed is not None:
+            return batched_topk(values, layout, generator)
         draws = torch.rand(layout.sample_scale.numel(), generator=generator, device=values.device,
                            dtype=torch.float64)  # fmt: skip
-        return self._select(
+        arguments = (
             values, draws, layout.sample_segment, layout.sample_scale, layout.sample_base, tables.thresholds_at,
             layout.take_all, layout.segment_starts, layout.segment_lasts, tables.segment_ends,
             layout.k_per_segment, tables.sizes, layout.out_segment, layout.out_within, tables.capacity,
         )  # fmt: skip
+        if not self.compiled:
+            return static_topk(*arguments)
+        try:
+            return self._select(*arguments)
+        except Exception as error:  # noqa: BLE001  (no compiler for this device: the eager path, said once)
+            self.failed = f"{type(error).__name__}: {error}"[:500]
+            warnings.warn(
+                f"compile_selection: torch.compile failed for a bucket's selection ({self.failed}); this bucket"
+                " selects with the eager batched selection instead. Pass compile_selection=False to skip compiling.",
+                RuntimeWarning, stacklevel=2,
+            )  # fmt: skip
+            return static_topk(*arguments)  # (these draws; the next calls: the batched selection)
 
     def __call__(self, values: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """The indices into the bucket's flat ``values`` (every group's, bucket order)."""
