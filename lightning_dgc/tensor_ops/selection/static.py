@@ -114,10 +114,15 @@ def static_topk(
     positions = torch.minimum((draws * sample_scale).long(), sample_scale - 1) + sample_base
     sample_bits = bits[positions]
     keys = sample_segment * _SEGMENT_SHIFT + (_MAX_BITS - sample_bits.long())
-    thresholds = sample_bits[torch.argsort(keys, stable=True)][thresholds_at]  # (T, 2)
+    # (read back from the sorted keys, not gathered through the sample: a compiler then reads one small table
+    # per value instead of a chain of gathers)
+    sorted_keys = torch.sort(keys, stable=True).values
+    thresholds = (_MAX_BITS - (sorted_keys[thresholds_at] & _LOW32)).to(torch.int32)  # (T, 2)
     thresholds = thresholds.masked_fill(take_all.unsqueeze(1), 0)
     # Step 2: every value's level, and each segment's count at either threshold (one running sum).
-    segment = torch.bucketize(torch.arange(total, device=values.device), segment_ends, right=True)
+    # every value's segment: a running sum of ones at the segments' starts (int32, no per-value search)
+    segment = torch.zeros(total, dtype=torch.int32, device=values.device).index_fill_(0, segment_starts[1:], 1)
+    segment = torch.cumsum(segment, 0, dtype=torch.int32)
     per_value = thresholds[segment]  # (total, 2)
     higher = bits >= per_value[:, 0]
     lower = bits >= per_value[:, 1]
