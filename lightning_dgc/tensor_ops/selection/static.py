@@ -8,8 +8,8 @@ the bucket's layout, and the same steps run as one program that a compiler (``to
 1. the sample (the same draws as the batched selection: ``torch.rand`` in float64, drawn by the caller)
    and two thresholds per segment, its ``r_t``-th largest sample (``r_t`` as in the batched selection) and
    its ``min(4 r_t, s_t)``-th (lower);
-2. every value's *level* (0, 1 or 2: how many of its segment's two thresholds it reaches) and, from one
-   running sum of two 32-bit counters packed in an int64, each segment's count at either threshold;
+2. every value's *level* (0, 1 or 2: how many of its segment's two thresholds it reaches) and, from two
+   int32 running sums, each segment's count at either threshold;
    each segment takes the higher threshold if at least ``k_t`` values reach it, else the lower one, else
    every value;
 3. the candidates (values at or above their segment's chosen level) compacted into a buffer of fixed
@@ -28,9 +28,10 @@ can do that; for a tensor of zeros any ``k_t`` of them are its top ``k_t``.)
 
 The step is a few dozen operations whatever the number of segments, with no ``.item()``, no ``nonzero``
 and no shape that depends on the data. Eagerly, it makes a few full-size temporaries (the segment of
-every value, levels, running sums) and is slower than the batched selection on the CPU; it is meant to
-be compiled (:class:`StaticSelection` with ``compiled=True``), where the elementwise steps fuse into the
-two running sums' passes.
+every value, the comparisons, running sums) and is slower than the batched selection on the CPU; it is
+meant to be compiled (:class:`StaticSelection` with ``compiled=True``), where the elementwise steps fuse
+and about 10 bytes a value live at once (every value's segment, int32; the two comparisons, a byte each;
+one running sum, int32).
 """
 
 from __future__ import annotations
@@ -126,10 +127,7 @@ def static_topk(
     per_value = thresholds[segment]  # (total, 2)
     higher = bits >= per_value[:, 0]
     lower = bits >= per_value[:, 1]
-    running = torch.cumsum(higher.long() + (lower.long() << 32), 0)
-    ends = running[segment_lasts]
-    packed = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
-    count_higher, count_lower = packed & _LOW32, packed >> 32
+    count_higher, count_lower = _segment_counts(higher, segment_lasts), _segment_counts(lower, segment_lasts)
     level = torch.where(count_higher >= k_per_segment, 2, torch.where(count_lower >= k_per_segment, 1, 0))
     count = torch.where(level == 2, count_higher, torch.where(level == 1, count_lower, sizes))
     # Step 3: the candidates, compacted into the fixed capacity (position order: segment by segment).
@@ -144,6 +142,12 @@ def static_topk(
     slot = (first[out_segment] + out_within).clamp(max=capacity - 1)
     chosen = candidates[order[slot]]
     return torch.where(fits[out_segment], chosen, segment_starts[out_segment] + out_within)
+
+
+def _segment_counts(mask: Tensor, segment_lasts: Tensor) -> Tensor:
+    """Each segment's count of ``mask``: a running sum (int32: 4 bytes a value, freed once read at the ends)."""
+    ends = torch.cumsum(mask, 0, dtype=torch.int32)[segment_lasts].long()
+    return ends - torch.cat([ends.new_zeros(1), ends[:-1]])
 
 
 def _fresh(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
