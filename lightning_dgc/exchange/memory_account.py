@@ -12,7 +12,7 @@ of rows:
 * ``step``: a step's temporaries at their largest bucket, one bucket at a time: the velocity selected from
   (``v'``, when it is not made in the bucket itself), the local gradient's copy (when the caller reads the
   update before the commit), the batched selection's scratch (9 bytes a value of a group of segments, 5 for a
-  tensor selected alone; DEFT: its own fragments gathered into one buffer besides), the selected indices and
+  tensor selected alone; compiled, 10 and 6; DEFT: its own fragments gathered into one buffer besides), the selected indices and
   values and the decode's every-rank indices and values.
 
 The total, divided by the parameters' bytes, is what the exchange adds over DDP in *model sizes*; the CPU's
@@ -35,9 +35,12 @@ from lightning_dgc.tensor_ops.selection.batched import MAX_BATCH_VALUES, _group_
 __all__ = ["AccountRow", "MemoryAccount", "memory_account"]
 
 Lifetime = Literal["run", "step"]
-#: Bytes a value of the batched selection's scratch: ``|x|`` or a running sum (4), every value's threshold (4)
-#: and the candidate mask (1); a segment alone needs no threshold table.
+#: Bytes a value of the eager batched selection's scratch: ``|x|`` or a running sum (4), every value's threshold
+#: (4) and the candidate mask (1); a segment alone needs no threshold table.
 SCRATCH_BYTES, SCRATCH_BYTES_ALONE = 9, 5
+#: The compiled shape-static selection's (``compile_selection``): every value's segment (4), its two comparisons
+#: (1 each) and a running sum (4); a segment alone needs no segment table.
+COMPILED_SCRATCH_BYTES, COMPILED_SCRATCH_BYTES_ALONE = 10, 6
 
 
 @dataclass(frozen=True)
@@ -75,21 +78,19 @@ class MemoryAccount:
         }
 
 
-def _scratch(sizes: Sequence[int]) -> int:
-    """The batched selection's scratch for segments of ``sizes``: the largest group's."""
+def _scratch(sizes: Sequence[int], compiled: bool) -> int:
+    """The batched selection's scratch for segments of ``sizes``: the largest group's (the compiled form's
+    when ``compiled``: the larger, it runs from a layout's second step)."""
+    several, alone = (COMPILED_SCRATCH_BYTES, COMPILED_SCRATCH_BYTES_ALONE) if compiled else (SCRATCH_BYTES, SCRATCH_BYTES_ALONE)
     if not sizes:
         return 0
-    if len(sizes) == 1:
-        return SCRATCH_BYTES_ALONE * sizes[0]
     groups = _group_bounds(sizes, MAX_BATCH_VALUES) if selected_in_groups(sizes) else [(0, len(sizes))]
-    return max(
-        (SCRATCH_BYTES if b - a > 1 else SCRATCH_BYTES_ALONE) * sum(sizes[a:b]) for a, b in groups
-    )  # fmt: skip
+    return max((several if b - a > 1 else alone) * sum(sizes[a:b]) for a, b in groups)
 
 
 def memory_account(
     config: DGCConfig, tensors: Sequence[tuple[int, int]], buckets: Sequence[Sequence[int]] | None = None,
-    world_size: int = 2, momentum: bool = True, finish_writes_grads: bool = True,
+    world_size: int = 2, momentum: bool = True, finish_writes_grads: bool = True, compiled: bool = True,
 ) -> MemoryAccount:  # fmt: skip
     """The account of DGC's or DEFT's exchange (by ``config``'s type) for float32 parameters.
 
@@ -102,6 +103,7 @@ def memory_account(
             with ``momentum_correction=True``, or ``config.momentum > 0``).
         finish_writes_grads: whether the update is written after the commit (the strategies'), which spares
             the copy of the local gradient.
+        compiled: whether DGC's selection runs compiled (``compile_selection``, on CUDA by default); DEFT's never.
     """
     from lightning_dgc.algorithms import get
 
@@ -140,7 +142,7 @@ def memory_account(
         else:
             payload = codec.payload_nbytes(k_total, config.value_dtype_torch, numel) if k_total else 0
             payloads += payload * (1 + world_size)
-            bucket_scratch = _scratch(sizes)
+            bucket_scratch = _scratch(sizes, compiled)
             bucket_decoded = world_size * k_total * (8 + 4)
         separate = momentum or not deft and not _side_by_side(bucket, tensors, config, density)
         bucket_v = 4 * compressed if separate else 0  # error feedback alone makes v' in the bucket itself

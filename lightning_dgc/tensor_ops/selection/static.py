@@ -31,7 +31,7 @@ and no shape that depends on the data. Eagerly, it makes a few full-size tempora
 every value, the comparisons, running sums) and is slower than the batched selection on the CPU; it is
 meant to be compiled (:class:`StaticSelection` with ``compiled=True``), where the elementwise steps fuse
 and about 10 bytes a value live at once (every value's segment, int32; the two comparisons, a byte each;
-one running sum, int32).
+one running sum, int32), 6 for a tensor selected alone (no segment table).
 """
 
 from __future__ import annotations
@@ -122,11 +122,13 @@ def static_topk(
     thresholds = thresholds.masked_fill(take_all.unsqueeze(1), 0)
     # Step 2: every value's level, and each segment's count at either threshold (one running sum).
     # every value's segment: a running sum of ones at the segments' starts (int32, no per-value search)
-    segment = torch.zeros(total, dtype=torch.int32, device=values.device).index_fill_(0, segment_starts[1:], 1)
-    segment = torch.cumsum(segment, 0, dtype=torch.int32)
-    per_value = thresholds[segment]  # (total, 2)
-    higher = bits >= per_value[:, 0]
-    lower = bits >= per_value[:, 1]
+    if segment_starts.numel() == 1:  # a tensor selected alone (a shape: fixed when compiled): no table
+        segment = torch.zeros((), dtype=torch.int32, device=values.device)
+    else:
+        segment = torch.zeros(total, dtype=torch.int32, device=values.device).index_fill_(0, segment_starts[1:], 1)
+        segment = torch.cumsum(segment, 0, dtype=torch.int32)
+    higher = bits >= thresholds[:, 0][segment]
+    lower = bits >= thresholds[:, 1][segment]
     count_higher, count_lower = _segment_counts(higher, segment_lasts), _segment_counts(lower, segment_lasts)
     level = torch.where(count_higher >= k_per_segment, 2, torch.where(count_lower >= k_per_segment, 1, 0))
     count = torch.where(level == 2, count_higher, torch.where(level == 1, count_lower, sizes))
