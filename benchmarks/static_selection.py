@@ -108,6 +108,7 @@ def measure(model: str, reps: int, device: torch.device, density: float = 0.001,
         },
         "compile_s_per_bucket": compile_s,
         "compiled_equals_eager": bool(same_compiled),
+        "compile_failures": [c.failed for c in compiled if c.failed],  # (such a bucket selected eagerly)
         "static_equals_batched": bool(same_batched),
         "samples_ms": {name: [t * 1e3 for t in samples] for name, samples in times.items()},
     }

@@ -113,3 +113,12 @@ def test_rows_name_every_buffer_and_total_in_model_sizes() -> None:
     assert 2.0 < account.model_sizes("run") < 2.1  # momentum and velocity of the compressed tensor
     deft = memory_account(DEFTConfig(density=0.001), [(1 << 20, 2), (1024, 1)], world_size=8, momentum=False)
     assert deft.algorithm == "deft" and 1.0 <= deft.model_sizes("run") < 1.05  # error feedback only
+
+
+def test_the_compiled_selection_s_scratch_is_counted_for_dgc_only() -> None:
+    tensors = [(1 << 20, 2), (1 << 19, 2), (1024, 1)]
+    eager, compiled = (memory_account(DGCConfig(density=0.001), tensors, compiled=c) for c in (False, True))
+    scratch = {a: next(r.nbytes for r in a.rows if r.name == "selection scratch") for a in (eager, compiled)}
+    assert scratch[eager] == 9 * 3 * (1 << 19) and scratch[compiled] == 10 * 3 * (1 << 19)
+    deft = [memory_account(DEFTConfig(density=0.001), tensors, compiled=c).nbytes() for c in (False, True)]
+    assert deft[0] == deft[1]

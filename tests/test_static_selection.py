@@ -174,10 +174,13 @@ def test_compiled_and_eager_select_the_same_and_the_hook_trains_the_same() -> No
     ``compile_selection=True`` (eager on the first step, compiled from the second) decodes the update of
     the batched selection, step after step."""
     flat = torch.randn(sum(SIZES), generator=_gen(6))
-    layout = segment_layout(SIZES, KS, 0.01, flat.device)
-    compiled, eager = StaticSelection(layout, 0.01, compiled=True), StaticSelection(layout, 0.01, compiled=False)
-    for seed in (7, 8):
-        assert torch.equal(compiled(flat, _gen(seed)), eager(flat, _gen(seed)))
+    for sizes, ks in ((SIZES, KS), ([50_000], [50])):  # several segments, and a tensor alone
+        layout = segment_layout(sizes, ks, 0.01, flat.device)
+        compiled, eager = StaticSelection(layout, 0.01, compiled=True), StaticSelection(layout, 0.01, compiled=False)
+        for seed in (7, 8):
+            values = flat[: sum(sizes)]
+            assert torch.equal(compiled(values, _gen(seed)), eager(values, _gen(seed)))
+        assert compiled.failed is None, compiled.failed  # (a failed compilation would select eagerly)
 
     def updates(config: DGCConfig) -> torch.Tensor:
         torch.manual_seed(0)

@@ -122,18 +122,18 @@ def static_topk(
     thresholds = thresholds.masked_fill(take_all.unsqueeze(1), 0)
     # Step 2: every value's level, and each segment's count at either threshold (one running sum).
     # every value's segment: a running sum of ones at the segments' starts (int32, no per-value search)
-    if segment_starts.numel() == 1:  # a tensor selected alone (a shape: fixed when compiled): no table
-        segment = torch.zeros((), dtype=torch.int32, device=values.device)
+    alone = segment_starts.numel() == 1  # a tensor selected alone (a shape: fixed when compiled): no table
+    if alone:
+        higher, lower = bits >= thresholds[0, 0], bits >= thresholds[0, 1]
     else:
         segment = torch.zeros(total, dtype=torch.int32, device=values.device).index_fill_(0, segment_starts[1:], 1)
         segment = torch.cumsum(segment, 0, dtype=torch.int32)
-    higher = bits >= thresholds[:, 0][segment]
-    lower = bits >= thresholds[:, 1][segment]
+        higher, lower = bits >= thresholds[:, 0][segment], bits >= thresholds[:, 1][segment]
     count_higher, count_lower = _segment_counts(higher, segment_lasts), _segment_counts(lower, segment_lasts)
     level = torch.where(count_higher >= k_per_segment, 2, torch.where(count_lower >= k_per_segment, 1, 0))
     count = torch.where(level == 2, count_higher, torch.where(level == 1, count_lower, sizes))
     # Step 3: the candidates, compacted into the fixed capacity (position order: segment by segment).
-    mask = (higher.long() + lower.long()) >= level[segment]
+    mask = (higher.long() + lower.long()) >= (level[0] if alone else level[segment])
     candidates = torch.nonzero_static(mask, size=capacity, fill_value=total).squeeze(1)
     first = torch.cumsum(count, 0) - count  # where each segment's candidates begin
     fits = first + count <= capacity
