@@ -194,3 +194,8 @@ def test_the_memory_account_rows_are_the_function_s() -> None:
     from tests.test_memory_account import TOLERANCE_MODEL_SIZES
 
     assert f"within {TOLERANCE_MODEL_SIZES} model sizes" in _text(PAGE)
+
+
+def test_the_static_selection_ratio_in_the_text_is_the_record_s() -> None:
+    ms = _record("static_selection")["median_ms"]
+    assert f"the compiled form is {ms['static_compiled'] / ms['batched']:.1f} times slower" in _text(PAGE)
