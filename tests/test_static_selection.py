@@ -198,3 +198,26 @@ def test_compiled_and_eager_select_the_same_and_the_hook_trains_the_same() -> No
     base = DGCConfig(density=0.01, momentum=0.9, selection_backend="torch", compile_selection=False)
     assert torch.equal(updates(dataclasses.replace(base, compile_selection=True)), updates(base))
     assert algorithms.get("dgc").config_class is DGCConfig
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_compiled_selection_never_synchronises_and_selects_the_batched_indices() -> None:
+    """On a GPU: compiled, it matches the batched selection, and CUDA's sync debug mode raises on any host
+    synchronisation during the call (after the first, which compiles)."""
+    device = torch.device("cuda")
+    flat = torch.randn(sum(SIZES), generator=_gen(12)).to(device)
+    layout = segment_layout(SIZES, KS, 0.01, device)
+    selection = StaticSelection(layout, 0.01, compiled=True)
+
+    def draws(seed: int) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(seed)
+
+    assert torch.equal(selection(flat, draws(1)), batched_topk(flat, layout, draws(1)))
+    assert selection.failed is None, selection.failed
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        chosen = selection(flat, draws(2))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(chosen, batched_topk(flat, layout, draws(2)))
