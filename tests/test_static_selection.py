@@ -221,3 +221,14 @@ def test_on_cuda_the_compiled_selection_never_synchronises_and_selects_the_batch
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(chosen, batched_topk(flat, layout, draws(2)))
+
+
+def test_the_troubleshooting_page_quotes_the_compile_selection_errors() -> None:
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md").read_text()
+    for make in (lambda: DEFTConfig(compile_selection=True), lambda: DGCConfig(compile_selection=True, selection="exact")):
+        with pytest.raises(ValueError) as error:
+            make().validate()
+        quoted = page.split(f"``ValueError: {str(error.value)[:40]}", 1)[1].split(" ...``", 1)[0]
+        assert str(error.value)[40:].startswith(quoted), quoted
