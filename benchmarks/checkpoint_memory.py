@@ -165,6 +165,33 @@ def _mlp(params: float) -> Any:
     )
 
 
+def memory_accounts(params: float, world: int = WORLD, density: float = 0.01) -> dict[str, Any]:
+    """:func:`~lightning_dgc.exchange.memory_account.memory_account` of DGC and DEFT for this benchmark's MLP (SGD
+    with momentum; DDP's buckets after its first step; the batched path, a GPU's), rows and totals in model sizes."""
+    import torch
+
+    from benchmarks.selection import ddp_buckets
+    from benchmarks.shapes import ParamShape
+    from lightning_dgc.algorithms.deft_config import DEFTConfig
+    from lightning_dgc.algorithms.dgc import DGCConfig
+    from lightning_dgc.exchange.memory_account import memory_account
+
+    with torch.device("meta"):
+        net = _mlp(params)
+    names = [name for name, _ in net.named_parameters()]
+    shapes = [ParamShape(n, tuple(p.shape)) for n, p in zip(names, net.parameters(), strict=True)]
+    tensors = [(p.numel(), p.dim()) for p in net.parameters()]
+    buckets = ddp_buckets(shapes, 25)
+    dgc = memory_account(DGCConfig(density=density), tensors, buckets, world).as_dict()
+    # DGC takes SGD's momentum over (DDP holds it too); DEFT's default leaves the optimizer's momentum alone
+    dgc["over_ddp_model_sizes"] = dgc["total_model_sizes"] - next(
+        r["model_sizes"] for r in dgc["rows"] if r["name"] == "momentum"
+    )  # fmt: skip
+    deft = memory_account(DEFTConfig(density=density), tensors, buckets, world, momentum=False).as_dict()
+    deft["over_ddp_model_sizes"] = deft["total_model_sizes"]
+    return {"dgc": dgc, "deft": deft}
+
+
 def worker(strategy_name: str, params: float, steps: int, out: Path, accelerator: str = "cpu") -> None:
     """One rank: train, then save a checkpoint; write this rank's figures as JSON."""
     import lightning as L

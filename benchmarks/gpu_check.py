@@ -20,7 +20,8 @@ part that fails, raises or runs out of time is recorded as such and the next one
   simulated workers): per-tensor and batched selection times and the GPU targets.
 * ``checkpoint_memory``: :mod:`benchmarks.checkpoint_memory`'s workers with ``--accelerator cuda``, both
   ranks on this GPU: ``torch.cuda.max_memory_allocated()`` during ``fit`` and ``save_checkpoint`` per
-  strategy and rank, in model sizes, and its excess over the two DDP baselines.
+  strategy and rank, in model sizes, and its excess over the two DDP baselines; beside them, printed and
+  recorded, DGC's and DEFT's memory account for the same model (:mod:`lightning_dgc.exchange.memory_account`).
 * ``profile``: the ResNet-50 profile of :mod:`benchmarks.scaling_model` (``ExchangeProfiler`` under
   ``DGCStrategy``, one process, batch 32, 3 warm-up and 5 measured steps), bucket tensor shapes included;
   ``--profile-out`` also writes it as a file for ``python -m benchmarks.scaling_model --profile``.
@@ -359,8 +360,22 @@ def run_checkpoint_memory(
                 row[f"cuda peak - {short}"] = None if base is None or row["cuda peak"] is None else row["cuda peak"] - base
             columns.append(row)
     measured = device != "cuda" or all(row["cuda peak"] is not None for row in columns)
+    accounts = memory.memory_accounts(params)  # what the exchange should hold, beside what it held
+    for name, account in accounts.items():
+        print_account(name, account)
     return {"ok": not errors and measured, "params": params, "steps": steps, "cuda_columns": columns,
-            "errors": errors, "runs": runs}  # fmt: skip
+            "errors": errors, "runs": runs, "accounts": accounts}  # fmt: skip
+
+
+def print_account(name: str, account: dict[str, Any]) -> None:
+    """One algorithm's memory account (:func:`benchmarks.checkpoint_memory.memory_accounts`) as a table."""
+    from benchmarks import common
+
+    common.print_table(
+        f"{name}: the exchange's memory at its peak (account, model sizes)", ["tensor", "kind", "model sizes", "what"],
+        [[r["name"], r["lifetime"], round(r["model_sizes"], 3), r["what"]] for r in account["rows"]],
+        caption=f"total {account['total_model_sizes']:.2f}, over DDP {account['over_ddp_model_sizes']:.2f}",
+    )  # fmt: skip
 
 
 # -- part: profile -------------------------------------------------------------------------------------------
@@ -567,6 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if (Path(work) / f"{name}.log").exists():
                 os.replace(Path(work) / f"{name}.log", logs / f"{name}.log")
             print(f"  {name}: {records[name]['status']} in {records[name]['wall_s']:.0f} s", flush=True)
+            for algorithm, account in ((records[name].get("result") or {}).get("accounts") or {}).items():
+                print_account(algorithm, account)
             write(finished=False)
     write(finished=True)
     print(f"wrote {out}")

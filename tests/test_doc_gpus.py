@@ -163,3 +163,39 @@ def test_the_rebuild_commands_name_the_records() -> None:
     assert _record("selection_cuda")["config"]["reps"] == 7 and "--reps 7 --out benchmarks/results/selection_cuda.json" in block
     assert "--profile-out benchmarks/results/profile_resnet50_h100.json" in block
     assert _record("profile_resnet50_h100")["command"].endswith("--profile-out benchmarks/results/profile_resnet50_h100.json")
+
+
+def test_the_static_selection_table_quotes_its_record() -> None:
+    record = _record("static_selection")
+    ms = record["median_ms"]
+    assert record["compiled_equals_eager"] and record["static_equals_batched"] and not record["compile_failures"]
+    assert record["config"]["reps"] == 7 and record["compressed_tensors"] == 54 and record["buckets"] == 5
+    rows = {r[0]: r[1:] for r in _rows("the batched selection (") + _rows("the shape-static form") + _rows("tensor by tensor on numpy")}
+    for label, form, ratio in (
+        ("the batched selection (`compile_selection=False`)", "batched", "1"),
+        ("the shape-static form, eager", "static_eager", f"{ms['static_eager'] / ms['batched']:.1f}"),
+        ("the shape-static form, compiled (inductor, CPU)", "static_compiled", f"{ms['static_compiled'] / ms['batched']:.1f}"),
+        ("tensor by tensor on numpy views (the CPU's default)", "per_tensor", f"{ms['per_tensor'] / ms['batched']:.2f}"),
+    ):  # fmt: skip
+        assert rows[label] == [f"{ms[form]:.1f}", ratio], (label, rows[label])
+    compile_s = record["compile_s_per_bucket"]
+    assert f"Compiling took {min(compile_s):.0f} to {max(compile_s):.0f} s per bucket" in _text(PAGE)
+
+
+def test_the_memory_account_rows_are_the_function_s() -> None:
+    from benchmarks.checkpoint_memory import memory_accounts
+
+    params = _record("gpu_check")["parts"]["checkpoint_memory"]["result"]["params"]
+    accounts = memory_accounts(params)
+    for name, label in (("dgc", "account, DGC"), ("deft", "account, DEFT")):
+        account = accounts[name]
+        assert _row(label)[1:] == [f"{account['run_model_sizes']:.2f}", f"{account['step_model_sizes']:.2f}",
+                                   _signed(account["over_ddp_model_sizes"], 2)], name  # fmt: skip
+    from tests.test_memory_account import TOLERANCE_MODEL_SIZES
+
+    assert f"within {TOLERANCE_MODEL_SIZES} model sizes" in _text(PAGE)
+
+
+def test_the_static_selection_ratio_in_the_text_is_the_record_s() -> None:
+    ms = _record("static_selection")["median_ms"]
+    assert f"the compiled form is {ms['static_compiled'] / ms['batched']:.1f} times slower" in _text(PAGE)

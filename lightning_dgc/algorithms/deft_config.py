@@ -73,6 +73,13 @@ class DEFTConfig(DGCConfig):
     wire: Literal["allreduce", "compact"] = "allreduce"
 
     def validate(self) -> None:
+        if self.compile_selection is True:
+            raise ValueError(
+                "`compile_selection=True` compiles DGC's selection, whose shapes are fixed by the bucket; DEFT's"
+                " are not: which fragments a rank selects, and how many values from each, change with every step's"
+                " norms and owners, so a compiled program would be rebuilt step after step. Pass"
+                " `compile_selection='auto'` or False (DEFT never compiles its selection)."
+            )
         super().validate()
         if self.value_dtype == "int8":
             raise ValueError(

@@ -35,6 +35,7 @@ from lightning_dgc.tensor_ops.heap import trim_before
 from lightning_dgc.tensor_ops.momentum import compensated_velocity_each
 from lightning_dgc.tensor_ops.selection.batched import batched_topk, segment_layout, to_device
 from lightning_dgc.tensor_ops.selection.sampled import DIRECT_NUMEL, sampled_topk_of
+from lightning_dgc.tensor_ops.selection.static import StaticSelection
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Collectives, Pending
@@ -61,6 +62,12 @@ class DGCConfig(AlgorithmConfig):
             (:mod:`lightning_dgc.tensor_ops.selection.batched`), with sample positions drawn on the tensors'
             device, seeded identically on every rank; ``"numpy"``: tensor by tensor on zero-copy numpy
             views (CPU only); ``"auto"`` (default): numpy for CPU float32 buckets, torch elsewhere.
+        compile_selection: whether the batched selection runs as one compiled program per bucket
+            (``torch.compile`` of its shape-static form, :mod:`lightning_dgc.tensor_ops.selection.static`: no
+            host synchronisation), from a bucket layout's second step on (the first runs eagerly: DDP rebuilds
+            its buckets after it). ``"auto"`` (default): on CUDA buckets only; ``True``: everywhere (on the CPU
+            it also makes the selection batched, ``selection_backend="auto"`` or ``"torch"``); ``False``: never.
+            The first compiled step of each bucket layout pays the compilation (seconds to a minute).
         min_compress_numel: tensors with fewer values, and every 1-D tensor (biases, norms), are
             averaged dense: compressing them saves little and hurts accuracy.
     Momentum correction:
@@ -90,6 +97,7 @@ class DGCConfig(AlgorithmConfig):
     sample_ratio: float = 0.01
     selection: Selection = "sampled"
     selection_backend: SelectionBackend = "auto"
+    compile_selection: bool | Literal["auto"] = "auto"
     min_compress_numel: int = 1024
     momentum_correction: bool = True
     momentum: float = 0.0
@@ -134,6 +142,18 @@ class DGCConfig(AlgorithmConfig):
         if self.selection_backend not in ("auto", "torch", "numpy"):
             raise ValueError(
                 f"`selection_backend` must be 'auto', 'torch' or 'numpy', got {self.selection_backend!r}."
+            )
+        if isinstance(self.compile_selection, str) and self.compile_selection != "auto":
+            raise ValueError(
+                f"`compile_selection` must be 'auto' (compiled on CUDA), True or False, got {self.compile_selection!r}."
+            )
+        if self.compile_selection != "auto":
+            self.compile_selection = flag(self.compile_selection, "compile_selection")
+        if self.compile_selection is True and (self.selection != "sampled" or self.selection_backend == "numpy"):
+            raise ValueError(
+                "`compile_selection=True` compiles the batched sampled selection; it needs `selection='sampled'` and"
+                f" `selection_backend='auto'` or 'torch' (got {self.selection!r}, {self.selection_backend!r}), or"
+                " pass `compile_selection='auto'` (compiled on CUDA only) or False."
             )
         if self.value_dtype not in VALUE_DTYPES:
             raise ValueError(
@@ -267,6 +287,11 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
         )  # fmt: skip
         return idx, take(idx)
 
+    def compiles_selection(self, device: torch.device) -> bool:
+        """Whether the batched selection runs compiled (``DGCConfig.compile_selection``: ``"auto"`` on CUDA)."""
+        setting = self.config.compile_selection
+        return self.config.selection == "sampled" and (setting is True or (setting == "auto" and device.type == "cuda"))
+
     def select(self, plan: DGCPlan, work: DGCWork) -> None:
         """Top-k per compressed tensor into the payload (what is sent is cleared from the memory at commit)."""
         if not plan.k_total:
@@ -320,14 +345,19 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
                 start += e.numel
             plan.out_shift = to_device(shifts, device)[plan.segments.out_segment]
         generator = self.state.draw_generator(device)
+        static = None
+        if plan.steps >= 2 and self.compiles_selection(device):  # (DDP rebuilds its buckets after step 1)
+            if plan.static is None:
+                plan.static = StaticSelection(plan.segments, self.config.sample_ratio, compiled=True)
+            static = plan.static
         if work.velocity is not None:
-            idx = batched_topk(work.velocity, plan.segments, generator)
+            idx = static(work.velocity, generator) if static else batched_topk(work.velocity, plan.segments, generator)
             values = work.velocity[idx]
         else:  # ``compensate`` left v' to the selection: the draws and the result are the whole bucket's
             layout, parts, taken = plan.segments, [], []
-            for a, b, group in layout.groups or ((0, len(layout.sizes), layout),):
+            for j, (a, b, group) in enumerate(layout.groups or ((0, len(layout.sizes), layout),)):
                 velocity = self.velocity_of([e for e, _ in work.sparse[a:b]], work)
-                chosen = batched_topk(velocity, group, generator)
+                chosen = static.select_group(j, velocity, generator) if static else batched_topk(velocity, group, generator)
                 taken.append(velocity[chosen])
                 parts.append(chosen.add_(layout.starts[a]))
                 velocity = chosen = None  # one group's v' at a time

@@ -36,6 +36,7 @@ from lightning_dgc.tensor_ops.momentum import (
 )
 from lightning_dgc.tensor_ops.selection import sampled_topk, topk_indices
 from lightning_dgc.tensor_ops.selection.batched import SegmentLayout, selected_in_groups
+from lightning_dgc.tensor_ops.selection.static import StaticSelection
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Pending
@@ -134,11 +135,10 @@ class SparsePlan:
     sparse_names: list[str] = field(default_factory=list)  # the compressed tensors, in entry order
     sparse_momentum: bool = False  # whether any compressed tensor keeps a momentum
     segments: SegmentLayout | None = None  # the batched selection's layout (made when first used)
+    static: StaticSelection | None = None  # its compiled shape-static form (``compile_selection``), when used
     out_shift: Tensor | None = None  # per selected slot: bucket offset - offset in the compressed buffer
     steps: int = 0  # steps run with this plan
-    grouped: bool = (
-        False  # its compressed tensors' memory is one flat buffer per kind (see ``SparseTopK.replay``)
-    )
+    grouped: bool = False  # its compressed tensors' memory is one flat buffer per kind (``SparseTopK.replay``)
 
 
 @dataclass
@@ -226,11 +226,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
         )  # fmt: skip
         if plan.dense_numel and plan.dense_numel != numel:
             plan.dense_index = torch.cat(
-                [
-                    torch.arange(e.offset, e.offset + e.numel, device=device)
-                    for e in entries
-                    if e.kind != "sparse"
-                ]
+                [torch.arange(e.offset, e.offset + e.numel, device=device) for e in entries if e.kind != "sparse"]
             )
         plan.sparse_names = [e.name for e in entries if e.kind == "sparse"]
         settings = self.state.settings_for
@@ -446,5 +442,9 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
                 "use selection_backend='auto' (batched on the device) or 'torch'."
             )
         return self.config.selection == "sampled" and (
-            backend == "torch" or (backend == "auto" and device.type != "cpu")
+            backend == "torch" or (backend == "auto" and (device.type != "cpu" or self.compiles_selection(device)))
         )
+
+    def compiles_selection(self, device: torch.device) -> bool:
+        """Whether the batched selection runs compiled (DGC's ``compile_selection``); the base never compiles."""
+        return False

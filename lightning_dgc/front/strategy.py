@@ -365,6 +365,7 @@ class DGCStrategy(CompressionStrategy):
         sample_ratio: float = DGCConfig.sample_ratio,
         selection: Selection = DGCConfig.selection,
         selection_backend: SelectionBackend = DGCConfig.selection_backend,
+        compile_selection: bool | Literal["auto"] = DGCConfig.compile_selection,
         min_compress_numel: int = DGCConfig.min_compress_numel,
         momentum_correction: bool = DGCConfig.momentum_correction,
         momentum: float = DGCConfig.momentum,
@@ -384,7 +385,7 @@ class DGCStrategy(CompressionStrategy):
     ) -> None:
         options = {
             "density": density, "sample_ratio": sample_ratio, "selection": selection,
-            "selection_backend": selection_backend,
+            "selection_backend": selection_backend, "compile_selection": compile_selection,
             "min_compress_numel": min_compress_numel, "momentum_correction": momentum_correction,
             "momentum": momentum, "nesterov": nesterov,
             "momentum_masking": momentum_masking, "local_clip_norm": local_clip_norm, "value_dtype": value_dtype,

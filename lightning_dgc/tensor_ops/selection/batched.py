@@ -239,13 +239,20 @@ def batched_topk(values: Tensor, layout: SegmentLayout, generator: torch.Generat
 
 def concatenated_ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device) -> Tensor:
     """The positions ``starts[j] .. starts[j] + lengths[j] - 1`` of every range j, concatenated, on ``device``
-    (two kernels and one small copy to the device, whatever the number of ranges)."""
-    total, offsets, position = sum(lengths), [], 0
+    (three kernels and one small copy to the device, whatever the number of ranges): ones, each range's jump
+    from the previous range's last position written at its first, then a running sum in place, so that the
+    result is the only value-sized tensor made (8 bytes a value)."""
+    total, firsts, jumps, position, last = sum(lengths), [], [], 0, 0  # (the sum before the first: 0)
     for begin, length in zip(starts, lengths, strict=True):
-        offsets.append(begin - position)
-        position += length
-    table = to_device([offsets, list(lengths)], device)
-    return torch.repeat_interleave(table[0], table[1], output_size=total) + torch.arange(total, device=device)
+        if length:
+            firsts.append(position)
+            jumps.append(begin - last)
+            position, last = position + length, begin + length - 1
+    out = torch.ones(total, dtype=torch.int64, device=device)
+    if firsts:
+        table = to_device([firsts, jumps], device)
+        out.index_copy_(0, table[0], table[1])
+    return out.cumsum_(0)
 
 
 def to_device(values: Sequence[int] | Sequence[Sequence[int]] | Tensor, device: torch.device) -> Tensor:
@@ -268,7 +275,8 @@ def topk_in_ranges(
     layout = segment_layout(sizes, ks, sample_ratio, values.device)
     chosen = []
     for a, b, group in layout.groups or ((0, len(layout.sizes), layout),):
-        positions = concatenated_ranges(starts[a:b], sizes[a:b], values.device)
-        chosen.append(positions[batched_topk(values[positions], group, generator)])
-        del positions  # (one group's positions and copy at a time)
+        gathered = values[concatenated_ranges(starts[a:b], sizes[a:b], values.device)]  # (positions: freed)
+        shift = to_device([s - g for s, g in zip(starts[a:b], group.starts, strict=False)], values.device)
+        chosen.append(batched_topk(gathered, group, generator).add_(shift[group.out_segment]))
+        del gathered  # (one group's copy at a time)
     return (torch.cat(chosen) if len(chosen) > 1 else chosen[0]), layout
