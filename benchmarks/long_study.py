@@ -122,8 +122,7 @@ def length_sentence(rows: list[dict]) -> str:
 
 def write_length(rows: list[dict]) -> None:
     """``results/parity_full_length.json`` and its figure: top-1 and the gap against the optimizer steps."""
-    path = common.RESULTS / f"{LENGTH_RECORD}.json"
-    path.write_text(json.dumps({"rows": rows, "seed": LENGTH_SEED, "environment": common.environment()}, indent=1) + "\n")
+    path = common.write_json(f"{LENGTH_RECORD}.json", {"rows": rows, "seed": LENGTH_SEED})  # the machine's paths out
     if not rows:
         return
     import matplotlib
