@@ -148,3 +148,17 @@ def test_the_verdict_says_each_target_met_or_missed_with_its_figure() -> None:
     study["summary"][0]["difference"] = -0.002
     text = composed.markdown_verdict(study, {"long": long})
     assert "0.20 ± 0.20 points below DDP (3 paired seeds) meets" in text and "2.50x sooner than DDP, which meets" in text
+
+
+def test_the_verdict_adds_the_eight_worker_targets_when_their_pair_finished() -> None:
+    study = {"summary": [{"algo": "dgc_1pct_int8", "difference": -0.002, "difference_std": 0.002, "paired_seeds": 3,
+                          "compression": 59.3}]}  # fmt: skip
+    eight = {"summary": [{"algo": "ddp"}, {"algo": "dgc_1pct_int8", "difference": -0.006, "difference_std": None,
+                                           "paired_seeds": 1, "compression": 25.0}]}  # fmt: skip
+    text = composed.markdown_verdict(study, {"long": []}, study_8=eight)
+    assert text.endswith("at 8 workers 0.60 points below DDP (1 seed) misses at most 0.5, on 25.0x fewer link bytes"
+                         " (meets at least 20x).")  # fmt: skip
+    assert "8 workers" not in composed.markdown_verdict(study, {"long": []}, study_8={"summary": [{"algo": "ddp"}]})
+    eight["summary"][1]["difference"] = 0.0005
+    assert "at 8 workers 0.05 points above DDP (1 seed) meets at most 0.5" in composed.markdown_verdict(
+        study, {"long": []}, study_8=eight)

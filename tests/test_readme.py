@@ -117,7 +117,8 @@ def test_the_headline_says_against_each_target_whether_it_is_met_and_where_the_g
     from benchmarks import long_study
 
     readme = " ".join(_readme().split())
-    verdict = composed.markdown_verdict(_record("parity_full_cifar2"), _record(composed.RECORD.removesuffix(".json")))
+    verdict = composed.markdown_verdict(_record("parity_full_cifar2"), _record(composed.RECORD.removesuffix(".json")),
+                                       study_8=_record("parity_full_cifar8"))
     assert verdict in readme
     assert long_study.length_sentence(_record(long_study.LENGTH_RECORD)["rows"]) in readme
 
