@@ -98,9 +98,15 @@ def test_the_numpy_path_is_per_tensor_and_the_torch_path_selects_the_same() -> N
 
 
 def _count_with_backend(backend: str, tensors: int) -> tuple[Counter[str], int]:
+    return second_exchange_counts(algorithms.get("dgc").config_class(density=0.01, selection_backend=backend), tensors)
+
+
+def second_exchange_counts(config: object, tensors: int) -> tuple[Counter[str], int]:
+    """The operations and host reads of the second exchange of ``tensors`` 64 x 32 parameters under ``config`` (the
+    first builds the plans)."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(tensors)]
-    state = ExchangeState(algorithms.get("dgc").config_class(density=0.01, selection_backend=backend))
+    state = ExchangeState(config)
     state.register_parameters([(f"p{i}", p) for i, p in enumerate(params)])
     for p in params:
         p.grad = torch.zeros_like(p)

@@ -16,7 +16,7 @@ from lightning_dgc.exchange.state import ExchangeState
 from lightning_dgc.tensor_ops.selection import static
 from lightning_dgc.tensor_ops.selection.batched import batched_topk, segment_layout
 from lightning_dgc.tensor_ops.selection.static import StaticSelection
-from tests.test_dispatch_counts import SYNC_OPS, Kernels, Reads
+from tests.test_dispatch_counts import SYNC_OPS, Kernels, Reads, second_exchange_counts
 
 SIZES = [30_000, 2_400, 100_000, 5_000, 1_500]
 KS = [30, 3, 100, 5_000, 2]  # (the fourth: every value)
@@ -93,20 +93,8 @@ def test_dgc_through_the_hook_reads_nothing_on_the_host_from_the_second_step(mon
     monkeypatch.setattr("lightning_dgc.algorithms.dgc.StaticSelection", Eager)
     counts = {}
     for tensors in (20, 60):
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(64, 32)) for _ in range(tensors)]
-        state = ExchangeState(DGCConfig(density=0.01, momentum=0.9, compile_selection=True))
-        state.register_parameters([(f"p{i}", p) for i, p in enumerate(params)])
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        numel = sum(p.numel() for p in params)
-        hook.exchange(state, params, torch.randn(numel)).wait()
-        state.finish_step()
-        kernels, reads = Kernels(), Reads()
-        with kernels, reads:
-            hook.exchange(state, params, torch.randn(numel)).wait()
-        state.finish_step()
-        counts[tensors] = (sum(kernels.calls.values()), reads.count + sum(kernels.calls[op] for op in SYNC_OPS))
+        calls, reads = second_exchange_counts(DGCConfig(density=0.01, momentum=0.9, compile_selection=True), tensors)
+        counts[tensors] = (sum(calls.values()), reads + sum(calls[op] for op in SYNC_OPS))
     assert counts[20][1] == counts[60][1] == 0, counts
     assert counts[60][0] <= 1.5 * counts[20][0], counts
 
