@@ -115,3 +115,12 @@ def test_the_dgc_page_quotes_the_long_protocol_s_pairs() -> None:
     tuned = _summary("parity_full_tuning")["ddp_wd5e-4"]
     assert tuned["metric"] < ddp["metric"]  # the recipe's weight decay stays
     assert f"a weight decay of 5e-4 instead of its 1e-4 gave DDP {100 * tuned['metric']:.2f}%" in text
+
+
+def test_the_recipes_page_quotes_the_input_pipeline_record() -> None:
+    summary = _record("input_pipeline")["summary"]
+    text = " ".join(_text("docs/recipes.md").split())
+    want = (f"took {1e3 * summary['batch']['step_s']:.1f} ms augmenting per batch, {summary['workers']['ratio_to_batch']:.2f}x"
+            f" that per image in 2 loader workers per rank and {summary['inline']['ratio_to_batch']:.2f}x per image in"
+            " the training process")  # fmt: skip
+    assert want in text, want
