@@ -162,3 +162,11 @@ def test_the_verdict_adds_the_eight_worker_targets_when_their_pair_finished() ->
     eight["summary"][1]["difference"] = 0.0005
     assert "at 8 workers 0.05 points above DDP (1 seed) meets at most 0.5" in composed.markdown_verdict(
         study, {"long": []}, study_8=eight)
+
+
+def test_the_verdict_adds_the_paper_s_density_when_its_run_finished() -> None:
+    rows = [{"algo": "dgc_1pct_int8", "difference": -0.002, "difference_std": 0.002, "paired_seeds": 3, "compression": 59.3},
+            {"algo": "dgc", "difference": -0.002, "difference_std": None, "paired_seeds": 1, "compression": 28.5}]  # fmt: skip
+    text = composed.markdown_verdict({"summary": rows}, {"long": []})
+    assert text.endswith("DGC at the paper's density 0.001 (`algo/dgc`, 1 seed) ends 0.20 points below DDP, which meets"
+                         " at most 0.5, on 28.5x fewer link bytes (misses at least 200x).")  # fmt: skip

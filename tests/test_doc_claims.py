@@ -99,6 +99,25 @@ def eight_worker_sentence() -> str:
             f" {dgc['compression']:.1f}x fewer link bytes over the run")  # fmt: skip
 
 
+def paper_density_sentence() -> str:
+    """The DGC page's sentence on ``algo/dgc`` (the paper's density and warm-up) on the long protocol, from
+    ``parity_full_cifar2.json`` and its run's record: the share of the run's bytes its warm-up sent."""
+    row = {r["algo"]: r for r in _record("parity_full_cifar2")["summary"]}["dgc"]
+    run = _record("parity_runs/parity_full_cifar2/cifar10_full_dgc_s42")
+    warm_end = 4 * run["global_step"] // 20  # the warm-up's 4 epochs of 20
+    at = next(e for e in run["history"] if e["step"] >= warm_end - 1)
+    total = run["compression"]["link_bytes"]
+    after = (run["global_step"] - at["step"]) * run["compression"]["dense_bytes"] / run["global_step"] / (total - at["link_bytes"])
+    return (f"DGC at the paper's density, `algo/dgc` (0.001 after the paper's warm-up over the first 4 of the 20 epochs;"
+            f" seed {row['seeds'][0]}): {100 * row['metric']:.2f}%, a gap of {100 * row['difference']:+.2f} points, on"
+            f" {row['compression']:.1f}x fewer link bytes over the run, {100 * at['link_bytes'] / total:.0f}% of them"
+            f" sent by the warm-up's end; after it, {after:.1f}x fewer a step")  # fmt: skip
+
+
+def test_the_dgc_page_quotes_the_paper_s_density_on_the_long_protocol() -> None:
+    assert paper_density_sentence() in " ".join(_text("docs/algorithms/dgc.md").split())
+
+
 def test_the_dgc_page_quotes_the_long_protocol_at_eight_workers() -> None:
     assert eight_worker_sentence() in " ".join(_text("docs/algorithms/dgc.md").split())
 
