@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.test_docs import ROOT, _record, _text
 from tests.test_packaging import PYPROJECT
 
@@ -143,3 +145,18 @@ def test_the_recipes_page_quotes_the_input_pipeline_record() -> None:
             f" that per image in 2 loader workers per rank and {summary['inline']['ratio_to_batch']:.2f}x per image in"
             " the training process")  # fmt: skip
     assert want in text, want
+
+
+def deft_long_sentence() -> str:
+    """The DEFT page's sentence on the long protocol (``parity_full_cifar2.json``, one seed)."""
+    rows = {r["algo"]: r for r in _record("parity_full_cifar2")["summary"]}
+    deft = rows["deft"]
+    return (f"On all of CIFAR-10 at 7,820 steps (2 workers, `parity_full_cifar2.json`, seed {deft['seeds'][0]}), `algo/deft`"
+            f" ends at {100 * deft['metric']:.2f}%, {100 * deft['difference']:+.2f} points against DDP, on"
+            f" {deft['compression']:.1f}x fewer link bytes over the run")  # fmt: skip
+
+
+def test_the_deft_page_quotes_the_long_protocol_where_it_ran() -> None:
+    if "deft" not in {r["algo"] for r in _record("parity_full_cifar2")["summary"]}:
+        pytest.skip("no finished DEFT run of the long protocol")
+    assert deft_long_sentence() in " ".join(_text("docs/algorithms/deft.md").split())
