@@ -123,24 +123,45 @@ def _wait(ranks: list[Rank], timeout: float, grace: float = 20.0) -> subprocess.
     )
 
 
+def run_together(
+    commands: list[list[str]], envs: list[dict[str, str]], cwd: Path, timeout: float = 400
+) -> list[tuple[int, str]]:
+    """Start every command at once, each with its environment, and wait for all of them: each one's return code
+    and output (stdout and stderr together). One still running after ``timeout`` raises
+    :class:`subprocess.TimeoutExpired`, and every process left is killed."""
+    processes = [
+        subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for command, env in zip(commands, envs, strict=True)
+    ]
+    try:
+        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return [(process.returncode, output) for process, output in zip(processes, outputs, strict=True)]
+
+
+def outputs_of_passed(runs: list[tuple[int, str]]) -> list[str]:
+    """The outputs of :func:`run_together`'s processes, after checking that each exited 0."""
+    for code, output in runs:
+        assert code == 0, output[-6000:]
+    return [output for _, output in runs]
+
+
 def two_torchrun_agents(script: str, args: list[str], cwd: Path, timeout: float = 400) -> list[str]:
     """Run ``script`` as two nodes of two processes on this machine, one ``torchrun`` agent per node (static
     rendezvous, ``--node-rank``), as users launch two machines; each agent's output, after checking both exit 0."""
     port = free_port()
-    env = _environment() | {"OMP_NUM_THREADS": "1"}
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             str(HERE / script), *args],
-            env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+    commands = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), str(HERE / script),
+         *args]
         for node in range(2)
-    ]
-    outputs = [agent.communicate(timeout=timeout)[0] for agent in agents]
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
-    return outputs
+    ]  # fmt: skip
+    env = _environment() | {"OMP_NUM_THREADS": "1"}
+    return outputs_of_passed(run_together(commands, [env, env], cwd, timeout))
 
 
 def results(out: Path, world_size: int = 2) -> list[dict]:

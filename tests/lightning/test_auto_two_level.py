@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 
 from benchmarks.netns import ADDRESSES, INTERFACES, SlowLink, missing_requirements
 from tests.conftest import free_port
-from tests.lightning.run import HERE, _environment, two_torchrun_agents
+from tests.lightning.run import HERE, _environment, outputs_of_passed, run_together, two_torchrun_agents
 
 pytestmark = pytest.mark.slow
 
@@ -51,25 +50,14 @@ def test_two_nodes_across_a_100_mbit_link_choose_at_most_one_percent(tmp_path: P
               "--batch-size", "2", "--steps", "14"]  # fmt: skip
     with SlowLink(tag=f"t{os.getpid()}") as link:
         link.set_rate(100)
-        agents = [
-            subprocess.Popen(
-                [*link.exec_prefix(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                 "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", ADDRESSES[0],
-                 "--master-port", str(port), str(HERE / "auto_two_level_script.py"), *script],
-                env=env | {"GLOO_SOCKET_IFNAME": INTERFACES[node]}, cwd=tmp_path, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True,
-            )  # fmt: skip
+        commands = [
+            [*link.exec_prefix(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", ADDRESSES[0],
+             "--master-port", str(port), str(HERE / "auto_two_level_script.py"), *script]
             for node in range(2)
-        ]
-        try:
-            outputs = [agent.communicate(timeout=500)[0] for agent in agents]
-        finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    agent.kill()
-                    agent.wait()
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
+        ]  # fmt: skip
+        envs = [env | {"GLOO_SOCKET_IFNAME": INTERFACES[node]} for node in range(2)]
+        outputs_of_passed(run_together(commands, envs, tmp_path, timeout=500))
     reports = _reports(tmp_path)
     decisions = {report["decision"]["density"] for report in reports}
     assert len(decisions) == 1, f"the ranks chose {decisions}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 
 from tests.conftest import free_port
 from tests.lightning.fit_script import Regression
-from tests.lightning.run import HERE, _environment, two_torchrun_agents
+from tests.lightning.run import HERE, _environment, outputs_of_passed, run_together, two_torchrun_agents
 
 
 @pytest.mark.slow
@@ -22,39 +21,12 @@ def test_two_torchrun_agents_train_dgc_and_deft_to_identical_parameters_and_resu
     ``Trainer(num_nodes=2)`` under dgc and deft, saves a checkpoint and resumes from it."""
     port, run_id = free_port(), uuid.uuid4().hex[:8]
     env = _environment() | {"OMP_NUM_THREADS": "1"}
-    agents = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                "1",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                run_id,
-                "--max-restarts",
-                "0",
-                str(HERE / "multinode_script.py"),
-                "--out",
-                str(tmp_path),
-            ],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
-    outputs = [agent.communicate(timeout=400)[0] for agent in agents]
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+        "--max-restarts", "0", str(HERE / "multinode_script.py"), "--out", str(tmp_path),
+    ]  # fmt: skip
+    outputs_of_passed(run_together([command, command], [env, env], tmp_path))
     _check(tmp_path, ("dgc", "deft"), "TorchElasticEnvironment")
 
 
@@ -63,20 +35,16 @@ def test_two_processes_with_the_variables_srun_sets_train_as_two_slurm_nodes(tmp
     """What the README's sbatch example starts: ``srun`` runs one task per node with these variables, and
     Lightning's ``SLURMEnvironment`` reads them (``MASTER_PORT`` given: it is derived from the job id otherwise)."""
     port = free_port()
-    tasks = []
+    envs = []
     for rank in range(2):
         slurm = {
             "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "lightning-dgc", "SLURM_NNODES": "2", "SLURM_NTASKS": "2",
             "SLURM_NTASKS_PER_NODE": "1", "SLURM_NODELIST": "127.0.0.1", "SLURM_NODEID": str(rank),
             "SLURM_PROCID": str(rank), "SLURM_LOCALID": "0", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
         }  # fmt: skip
-        tasks.append(subprocess.Popen(
-            [sys.executable, str(HERE / "multinode_script.py"), "--out", str(tmp_path), "--strategies", "dgc"],
-            env=_environment() | slurm, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))  # fmt: skip
-    outputs = [task.communicate(timeout=400)[0] for task in tasks]
-    for task, output in zip(tasks, outputs, strict=True):
-        assert task.returncode == 0, output[-6000:]
+        envs.append(_environment() | slurm)
+    command = [sys.executable, str(HERE / "multinode_script.py"), "--out", str(tmp_path), "--strategies", "dgc"]
+    outputs_of_passed(run_together([command] * 2, envs, tmp_path))
     _check(tmp_path, ("dgc",), "SLURMEnvironment")
 
 
@@ -139,7 +107,7 @@ def test_two_torchrun_agents_of_two_processes_run_the_two_level_exchange(tmp_pat
 def test_four_processes_with_the_variables_srun_sets_train_as_two_slurm_nodes_of_two(tmp_path: Path) -> None:
     """``srun --nodes 2 --ntasks-per-node 2``: Lightning's ``SLURMEnvironment`` gives node and local ranks."""
     port = free_port()
-    tasks = []
+    envs = []
     for rank in range(4):
         slurm = {
             "SLURM_JOB_ID": "4243", "SLURM_JOB_NAME": "lightning-dgc", "SLURM_NNODES": "2", "SLURM_NTASKS": "4",
@@ -147,14 +115,10 @@ def test_four_processes_with_the_variables_srun_sets_train_as_two_slurm_nodes_of
             "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 2), "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
         }  # fmt: skip
-        tasks.append(subprocess.Popen(
-            [sys.executable, str(HERE / "multinode_script.py"), "--out", str(tmp_path), "--devices", "2",
-             "--strategies", "deft"],
-            env=_environment() | slurm, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))  # fmt: skip
-    outputs = [task.communicate(timeout=400)[0] for task in tasks]
-    for task, output in zip(tasks, outputs, strict=True):
-        assert task.returncode == 0, output[-6000:]
+        envs.append(_environment() | slurm)
+    command = [sys.executable, str(HERE / "multinode_script.py"), "--out", str(tmp_path), "--devices", "2",
+               "--strategies", "deft"]  # fmt: skip
+    outputs_of_passed(run_together([command] * 4, envs, tmp_path))
     _check_two_level(tmp_path, ("deft",), "SLURMEnvironment")
 
 

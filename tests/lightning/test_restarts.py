@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port
-from tests.lightning.run import HERE, _environment
+from tests.lightning.run import HERE, _environment, run_together
 
 pytestmark = pytest.mark.slow
 
@@ -58,23 +58,15 @@ def _two_agents(out: Path, *args: str) -> list[tuple[int, str]]:
     """Two nodes of two processes on localhost: two ``torchrun`` agents meeting in a c10d rendezvous."""
     out.mkdir()
     port, run_id = free_port(), uuid.uuid4().hex[:8]
-    agents = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-             "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-             "--rdzv-id", run_id, "--max-restarts", "1", str(HERE / "restart_script.py"), "--out", str(out),
-             "--num-nodes", "2", *args],
-            env=_environment() | {"OMP_NUM_THREADS": "1"} | FRESH_STORE, cwd=out, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+    commands = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+         "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+         "--rdzv-id", run_id, "--max-restarts", "1", str(HERE / "restart_script.py"), "--out", str(out),
+         "--num-nodes", "2", *args]
         for node in range(2)
-    ]
-    try:
-        outputs = [agent.communicate(timeout=400)[0] for agent in agents]
-    finally:
-        for agent in agents:
-            agent.kill()  # only if a timeout left it running
-    return [(agent.returncode, output) for agent, output in zip(agents, outputs, strict=True)]
+    ]  # fmt: skip
+    env = _environment() | {"OMP_NUM_THREADS": "1"} | FRESH_STORE
+    return run_together(commands, [env, env], out)
 
 
 def test_a_worker_killed_mid_epoch_of_a_two_level_run_is_restarted_and_it_ends_as_an_uninterrupted_one(tmp_path):
