@@ -2,7 +2,8 @@
 
     python -m benchmarks.composed                      # validate on time_to_accuracy.json, compose the long protocol
     sudo .venv/bin/python -m benchmarks.time_to_accuracy --tasks cifar10_full --rates 20mbit,1gbit,none \\
-        --methods ddp,dgc_1pct_int8,auto --name time_to_accuracy_full_steps     # the short shaped runs (312 steps)
+        --methods ddp,dgc_1pct_int8,auto,dgc_warmup,deft,powersgd --name time_to_accuracy_full_steps --val-batches 4
+                                                       # the short shaped runs (312 steps)
 
 A 7,820-step run on a shaped link takes hours; its time is composed instead, from two measured parts:
 
@@ -41,7 +42,7 @@ WINDOW = 312
 #: the accuracy below DDP's final the target allows
 TOLERANCE = 0.005
 #: the long protocol's methods: the name of the unshaped long run -> the method of the short shaped run
-LONG_METHODS = {"ddp": "ddp", "dgc_1pct_int8": "dgc_1pct_int8"}
+LONG_METHODS = {"ddp": "ddp", "dgc_1pct_int8": "dgc_1pct_int8", "dgc": "dgc_warmup", "deft": "deft", "powersgd": "powersgd"}
 #: ``density="auto"`` follows DDP's curve where its shaped run chose density 1 (it then trains as DDP does)
 AUTO_CURVE = "ddp"
 RECORD = "composed_time.json"
@@ -247,7 +248,7 @@ def markdown_headline(study: dict[str, Any], composed_record: dict[str, Any]) ->
     lines = [f"| method | top-1 | gap to DDP | link bytes over the run | {goal}, 20 Mbit/s | {goal}, 1 Gbit/s |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for algo in [a for a in LABELS if a in rows] + (["auto"] if any(m == "auto" for _, m in long) else []):
-        times = " | ".join(_minutes(long.get((link, algo))) for link in LINKS)
+        times = " | ".join(_minutes(long.get((link, LONG_METHODS.get(algo, algo)))) for link in LINKS)
         if algo == "auto":
             lines.append(f"| {LABELS[algo]} | as DDP where it chooses dense | | | {times} |")
             continue
@@ -314,8 +315,9 @@ def markdown_verdict(study: dict[str, Any], composed_record: dict[str, Any], met
                      f" at least {TARGETS_8['fewer']:g}x)")  # fmt: skip
     paper = next((r for r in study["summary"] if r["algo"] == "dgc" and "difference" in r), None)
     if paper is not None:
-        gap = -100 * paper["difference"]
-        parts.append(f"DGC at the paper's density 0.001 (`algo/dgc`, {seeds(paper['paired_seeds'])}) ends {abs(gap):.2f}"
+        gap, n = -100 * paper["difference"], paper["paired_seeds"]
+        spread = f" ± {100 * paper['difference_std'] / n**0.5:.2f}" if n > 1 else ""
+        parts.append(f"DGC at the paper's density 0.001 (`algo/dgc`, {seeds(n)}) ends {abs(gap):.2f}{spread}"
                      f" points {side(gap)} DDP, which {met(gap <= TARGETS_PAPER['gap_pp'])} at"
                      f" most {TARGETS_PAPER['gap_pp']:g}, on {paper['compression']:.1f}x fewer link bytes"
                      f" ({met(paper['compression'] >= TARGETS_PAPER['fewer'])} at least {TARGETS_PAPER['fewer']:g}x)")  # fmt: skip

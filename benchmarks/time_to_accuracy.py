@@ -52,7 +52,8 @@ from lightning_dgc.algorithms.base import ring_allreduce_volume
 #: method -> its entry of :data:`benchmarks.parity.ALGO_SPECS` (algorithm YAML, extra arguments, warm-up).
 METHODS: dict[str, str] = {"ddp": "ddp", "dgc": "dgc_regimes_warmup", "dgc_adamw": "dgc_density_0.01_int8_light_warmup",
                            "deft": "deft", "powersgd": "powersgd", "auto": "dgc_auto", "diloco": "diloco",
-                           "streaming": "diloco_streaming", "dgc_1pct_int8": "dgc_1pct_int8"}  # fmt: skip
+                           "streaming": "diloco_streaming", "dgc_1pct_int8": "dgc_1pct_int8",
+                           "dgc_warmup": "dgc"}  # fmt: skip
 TASKS = ("cifar10", "ptb", "cifar10_full")
 #: task -> (epochs, train batches per epoch, evaluate every this many optimizer steps): whole batches only,
 #: so that the evaluations fall evenly and the last one ends the run.
@@ -282,7 +283,7 @@ def markdown_time_split(result: dict[str, Any]) -> list[str]:
 
 #: method -> the performance model's name for its exchange at the final density (``None``: not modelled).
 MODELLED = {"ddp": "ddp", "dgc": "dgc", "dgc_adamw": None, "auto": None, "deft": "deft", "powersgd": "powersgd",
-            "diloco": None, "streaming": None}  # fmt: skip
+            "diloco": None, "streaming": None, "dgc_warmup": "dgc"}  # fmt: skip
 
 
 def where_time_goes(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -384,7 +385,7 @@ def milestones(result: dict[str, Any], task_name: str, goals: Sequence[float]) -
 #: How the README names each method (its column).
 METHOD_LABELS = {"ddp": "`ddp`", "dgc": "`algo/dgc_regimes`", "dgc_adamw": "`algo/dgc_1pct_int8`",
                  "auto": '`density="auto"`', "deft": "`deft`", "powersgd": "`powersgd`", "diloco": "`algo/diloco`",
-                 "streaming": "`algo/diloco_streaming`"}  # fmt: skip
+                 "streaming": "`algo/diloco_streaming`", "dgc_warmup": "`algo/dgc_warmup`"}  # fmt: skip
 
 
 #: A lower level than the target, reported beside it (the task's metric): what the compressed methods reach

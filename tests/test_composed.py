@@ -104,6 +104,23 @@ def test_a_method_some_seeds_of_which_miss_the_target_is_not_composed_but_its_ot
     assert composed._minutes(dgc).startswith("1 of 2 seeds reach it: 3.6 min (")
 
 
+def test_a_long_run_is_priced_by_its_shaped_method_and_its_headline_row_quotes_that_time() -> None:
+    """``algo/dgc`` is the long study's ``dgc`` and the shaped runs' ``dgc_warmup`` (the same YAML and warm-up)."""
+    curve = lambda b: [{"seed": 42, "history": _history(0.0, 0.3, [b] * 10, [0.1 * i for i in range(1, 11)])}]  # noqa: E731
+    short = lambda b: _history(4.0, 0.2, [b] * 3, [0.1] * 3)  # noqa: E731
+    record = _record([("ddp", "8mbit", 42, short(1e6)), ("dgc_warmup", "8mbit", 42, short(1e3))], task="cifar10_full")
+    rows = composed.compose_long({"ddp": curve(1e6), "dgc": curve(1e3)}, record)
+    (dgc,) = [r for r in rows if r["curve"] == "dgc"]
+    assert dgc["method"] == "dgc_warmup" and dgc["composed_s"] == pytest.approx(4.0 + 1000 * 0.2 + 1000 * 1e3 * 1e-6)
+    study = {"summary": [{"algo": "ddp", "metric": 0.95, "metric_std": 0.0, "seeds": [42], "link_kb_per_step": 1e3},
+                         {"algo": "dgc", "metric": 0.95, "metric_std": 0.0, "seeds": [42], "difference": 0.0,
+                          "difference_std": None, "paired_seeds": 1, "link_kb_per_step": 1.0, "compression": 1e3}],
+             "runs": [{"global_step": 1000}]}  # fmt: skip
+    shown = [row | {"link": "20mbit"} for row in rows]  # the headline's first link
+    (line,) = [line for line in composed.markdown_headline(study, {"long": shown}) if line.startswith("| DGC at 0.001")]
+    assert line.endswith(f"| {dgc['composed_s'] / 60:.1f} min ({dgc['speedup_vs_ddp']:.2f}x DDP's) | not measured |")
+
+
 def test_ddp_s_long_runs_carry_the_bytes_of_its_ring_all_reduce_which_its_record_leaves_at_zero(tmp_path) -> None:
     folder = tmp_path / "parity_runs" / "study"
     folder.mkdir(parents=True)
@@ -170,3 +187,6 @@ def test_the_verdict_adds_the_paper_s_density_when_its_run_finished() -> None:
     text = composed.markdown_verdict({"summary": rows}, {"long": []})
     assert text.endswith("DGC at the paper's density 0.001 (`algo/dgc`, 1 seed) ends 0.20 points below DDP, which meets"
                          " at most 0.5, on 28.5x fewer link bytes (misses at least 200x).")  # fmt: skip
+    rows[1].update(difference=-0.004, difference_std=0.003, paired_seeds=3)  # three seeds: the gap's standard error
+    assert "(`algo/dgc`, 3 seeds) ends 0.40 ± 0.17 points below DDP, which meets" in composed.markdown_verdict(
+        {"summary": rows}, {"long": []})
