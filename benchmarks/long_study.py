@@ -121,6 +121,22 @@ def length_sentence(rows: list[dict]) -> str:
     return f"DGC less DDP, seed {LENGTH_SEED}, in points at each length's steps: {gaps}"
 
 
+def precision_sentence(runs_dir=None) -> str | None:
+    """The docs' sentence on the protocol's bf16 autocast: DDP's final top-1 on seed :data:`LENGTH_SEED` under it and
+    in fp32 (``ddp_fp32``), or ``None`` until both runs are finished."""
+    runs_dir = runs_dir or parity.RUNS_DIR
+    finals = {}
+    for algo in ("ddp", "ddp_fp32"):
+        path = runs_dir / LENGTHS[20] / f"{TASK}_{algo}_s{LENGTH_SEED}.json"
+        run = json.loads(path.read_text()) if path.is_file() else {}
+        if not run.get("finished"):
+            return None
+        finals[algo] = final_metric(run)
+    bf16, fp32 = finals["ddp"], finals["ddp_fp32"]
+    return (f"DDP, seed {LENGTH_SEED}: {100 * bf16:.2f}% under bf16 autocast, {100 * fp32:.2f}% in fp32"
+            f" ({100 * (bf16 - fp32):+.2f} points)")  # fmt: skip
+
+
 def write_length(rows: list[dict]) -> None:
     """``results/parity_full_length.json`` and its figure: top-1 and the gap against the optimizer steps."""
     path = common.write_json(f"{LENGTH_RECORD}.json", {"rows": rows, "seed": LENGTH_SEED})  # the machine's paths out

@@ -157,6 +157,18 @@ def test_the_length_figure_pairs_ddp_and_dgc_at_each_length_where_both_finished(
     assert row["difference"] == pytest.approx(-0.04) and row["compression"] == 50.0
 
 
+def test_the_precision_sentence_waits_for_both_finished_ddp_runs_of_seed_42(tmp_path) -> None:
+    folder = tmp_path / "parity_full_cifar2"
+    _finished_run(folder / "cifar10_full_ddp_s42.json", [0.8, 0.842, 0.846], 7820)
+    assert long_study.precision_sentence(tmp_path) is None  # fp32 not run yet
+    (folder / "cifar10_full_ddp_fp32_s42.json").write_text(json.dumps({"finished": False, "history": []}))
+    assert long_study.precision_sentence(tmp_path) is None  # stopped part-way: not quoted
+    _finished_run(folder / "cifar10_full_ddp_fp32_s42.json", [0.8, 0.840, 0.842], 7820)
+    assert long_study.precision_sentence(tmp_path) == (
+        "DDP, seed 42: 84.40% under bf16 autocast, 84.10% in fp32 (+0.30 points)"
+    )
+
+
 def test_the_input_pipeline_variants_change_only_the_augmentation_and_the_loader_workers() -> None:
     from benchmarks import input_pipeline
 
