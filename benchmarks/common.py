@@ -153,6 +153,10 @@ def scrub(value: Any, checkout: Path | str = REPO) -> Any:
     return MACHINE_PATH.sub(placeholder, text)
 
 
+def _said_written(path: Path) -> None:
+    console().print(f"[green]wrote[/green] {path.relative_to(REPO) if path.is_relative_to(REPO) else path}")
+
+
 def write_json(name: str, payload: dict[str, Any]) -> Path:
     """Write ``benchmarks/results/<name>`` with an ``environment`` entry added, the measuring machine's
     paths taken out (:func:`scrub`); returns the path."""
@@ -160,7 +164,7 @@ def write_json(name: str, payload: dict[str, Any]) -> Path:
     path = RESULTS / name
     payload = scrub(json.loads(json.dumps({**payload, "environment": environment()}, default=_json_default)))
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    console().print(f"[green]wrote[/green] {path.relative_to(REPO)}")
+    _said_written(path)
     return path
 
 
@@ -192,7 +196,7 @@ def save_figure(fig: Any, name: str) -> Path:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    console().print(f"[green]wrote[/green] {path.relative_to(REPO)}")
+    _said_written(path)
     return path
 
 

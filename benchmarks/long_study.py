@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(s: Study, data_root: str) -> None:
     """``results/<study>.json`` from every finished record of the study (a run not finished is listed as pending)."""
-    parity.main([*s.arguments(s.seeds, s.algos), "--data-root", data_root, "--report-only"])
+    pairs = ",".join(f"{seed}:{algo}" for seed, algo in s.runs)  # its planned runs, not every seed x algorithm
+    parity.main([*s.arguments(s.seeds, s.algos), "--pairs", pairs, "--data-root", data_root, "--report-only"])
 
 
 if __name__ == "__main__":

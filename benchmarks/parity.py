@@ -1050,6 +1050,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help="run every configuration once per seed (e.g. 42,43,44) and report mean ± std;"
                         " default: the configs' seed only")  # fmt: skip
+    parser.add_argument("--pairs", type=lambda s: {(int(x.split(":")[0]), x.split(":")[1]) for x in s.split(",")},
+                        default=None, help="only these SEED:ALGO runs of --seeds x --algos (e.g. 42:ddp,42:deft,43:ddp):"
+                        " a study that runs some algorithms on fewer seeds")  # fmt: skip
     parser.add_argument("--deadline", type=float, default=None,
                         help="Unix time by which to finish: a task whose runs would not fit is skipped")  # fmt: skip
     args = parser.parse_args(argv)
@@ -1091,7 +1094,7 @@ def main(argv: list[str] | None = None) -> int:
                     skipped.append(name)
                     continue
             for seed in args.seeds or [None]:  # seed by seed: a stopped study has whole seeds
-                for algo in args.algos:
+                for algo in (a for a in args.algos if args.pairs is None or (seed, a) in args.pairs):
                     con.print(f"[bold]{name}[/bold] / {algo}{'' if seed is None else f' / seed {seed}'}:"
                               f" {args.devices} processes, {epochs} epoch(s) x {batches or 'all'} batches ...")  # fmt: skip
                     run = run_one(task, algo, args.data_root.resolve(), epochs, batches, workdir, timeout,

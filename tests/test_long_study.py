@@ -145,6 +145,17 @@ def _finished_run(path: Path, accs: list[float], steps: int, ratio: float | None
     path.write_text(json.dumps(run))
 
 
+def test_a_study_s_report_lists_its_planned_runs_not_every_seed_with_every_algorithm(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(parity, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(parity, "data_folder", lambda task, root: root / task.data_subdir)
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")  # the report (the run configs: the ignored folder)
+    study = long_study.Study("t_planned", 2, 20, ((42, "ddp"), (42, "deft"), (43, "ddp")))
+    long_study.report(study, str(tmp_path))
+    record = json.loads((tmp_path / "results" / "t_planned.json").read_text())
+    assert sorted((r["seed"], r["algo"]) for r in record["runs"]) == [(42, "ddp"), (42, "deft"), (43, "ddp")]
+    assert all(r["pending"] for r in record["runs"])  # nothing trained: each planned run is pending
+
+
 def test_the_length_figure_pairs_ddp_and_dgc_at_each_length_where_both_finished(tmp_path) -> None:
     dgc = long_study.RECOMMENDED
     _finished_run(tmp_path / "parity_full_length_e3" / "cifar10_full_ddp_s42.json", [0.5, 0.70, 0.72], 1173)
