@@ -131,6 +131,15 @@ def test_the_dgc_page_quotes_the_long_protocol_at_eight_workers() -> None:
     assert eight_worker_sentence() in " ".join(_text("docs/algorithms/dgc.md").split())
 
 
+def test_the_dgc_page_says_what_bf16_autocast_gave_ddp_against_fp32() -> None:
+    from benchmarks import long_study
+
+    precision = long_study.precision_sentence()
+    if precision is None:
+        pytest.skip("no finished fp32 DDP run of the long protocol")
+    assert f"bf16 did not cost DDP accuracy: {precision};" in " ".join(_text("docs/algorithms/dgc.md").split())
+
+
 def test_the_dgc_page_quotes_the_long_protocol_s_pairs() -> None:
     rows = _summary("parity_full_cifar2")
     ddp = rows["ddp"]

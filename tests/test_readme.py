@@ -125,6 +125,8 @@ def test_the_headline_says_against_each_target_whether_it_is_met_and_where_the_g
                                        study_8=_record("parity_full_cifar8"))
     assert verdict in readme
     assert long_study.length_sentence(_record(long_study.LENGTH_RECORD)["rows"]) in readme
+    precision = long_study.precision_sentence()
+    assert precision is None or f"It trains under bf16 autocast, which DDP's accuracy survives: {precision}." in readme
 
 
 @pytest.mark.parametrize("cell", ["not measured", "not reached"])
