@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
+from benchmarks.long_study import final_metric
 from benchmarks.time_to_accuracy import METHOD_LABELS, link_label
 from lightning_dgc.algorithms.base import ring_allreduce_volume
 
@@ -151,7 +152,7 @@ def compose_long(long_runs: dict[str, list[dict[str, Any]]], shaped: dict[str, A
 
     ``long_runs``: the unshaped long runs' records by algorithm (each with ``history`` and ``final``);
     ``shaped``: the record of the short shaped runs (:mod:`benchmarks.time_to_accuracy`, task ``cifar10_full``)."""
-    finals = [_final(r, metric) for r in long_runs.get("ddp", [])]
+    finals = [final_metric(r, metric) for r in long_runs.get("ddp", [])]
     if not finals:
         raise ValueError("composing the long protocol needs DDP's long runs (parity_full_cifar2)")
     goal = _ddp_target(finals)
@@ -189,12 +190,6 @@ def compose_long(long_runs: dict[str, list[dict[str, Any]]], shaped: dict[str, A
                          "density": chose, "composed_s": None, "composed_reached_s": None, "speedup_vs_ddp": None,
                          "speedup_reached_vs_ddp": None})  # fmt: skip
     return rows
-
-
-def _final(run: dict[str, Any], metric: str) -> float:
-    """A long run's final metric as its study reports it: the mean of its last two evaluations."""
-    values = [e[metric] for e in run["history"] if metric in e][-2:]
-    return statistics.mean(values)
 
 
 def load_long_runs(study: str = "parity_full_cifar2", root: Path = common.RESULTS) -> dict[str, list[dict[str, Any]]]:
@@ -236,6 +231,12 @@ def _minutes(row: dict[str, Any] | None) -> str:
     return f"{row['composed_s'] / 60:.1f} min{speed}"
 
 
+def _standard_error(row: dict[str, Any]) -> float | None:
+    """The standard error of a summary row's difference to DDP, paired by seed (``None`` with one pair)."""
+    n = row["paired_seeds"]
+    return row["difference_std"] / n**0.5 if n > 1 else None
+
+
 def markdown_headline(study: dict[str, Any], composed_record: dict[str, Any]) -> list[str]:
     """The README's headline table: per method of the long study, its final top-1 (mean ± std over its seeds), the
     gap to DDP paired by seed (± its standard error), the link bytes over the run and the composed time to DDP's
@@ -257,7 +258,7 @@ def markdown_headline(study: dict[str, Any], composed_record: dict[str, Any]) ->
         top1 = f"{100 * r['metric']:.2f} ± {100 * r['metric_std']:.2f}% ({n} seeds)" if n > 1 else f"{100 * r['metric']:.2f}% (1 seed)"
         gap = ""
         if "difference" in r:
-            se = r["difference_std"] / r["paired_seeds"] ** 0.5 if r["paired_seeds"] > 1 else None
+            se = _standard_error(r)
             gap = f"{100 * r['difference']:+.2f}" + (f" ± {100 * se:.2f} pp" if se is not None else " pp")
         sent = r["link_kb_per_step"] * 1e3 * steps if steps else None
         volume = "-" if sent is None else _size(sent) + ("" if algo == "ddp" else f" ({r['compression']:.1f}x fewer)")
@@ -281,7 +282,7 @@ def markdown_verdict(study: dict[str, Any], composed_record: dict[str, Any], met
     :data:`TARGETS_8`): each met or missed, with its figure, from the studies' reports and the composed record."""
     row = next(r for r in study["summary"] if r["algo"] == method)
     long = {(r["link"], r["method"]): r for r in composed_record.get("long", [])}
-    gap, se = -100 * row["difference"], 100 * row["difference_std"] / row["paired_seeds"] ** 0.5
+    gap, se = -100 * row["difference"], 100 * _standard_error(row)
     met = lambda ok: "meets" if ok else "misses"  # noqa: E731
     side = lambda gap: "below" if gap > 0 else "above"  # noqa: E731  (gap: points below DDP)
     seeds = lambda n: f"{n} seed{'s' if n > 1 else ''}"  # noqa: E731
@@ -315,9 +316,9 @@ def markdown_verdict(study: dict[str, Any], composed_record: dict[str, Any], met
                      f" at least {TARGETS_8['fewer']:g}x)")  # fmt: skip
     paper = next((r for r in study["summary"] if r["algo"] == "dgc" and "difference" in r), None)
     if paper is not None:
-        gap, n = -100 * paper["difference"], paper["paired_seeds"]
-        spread = f" ± {100 * paper['difference_std'] / n**0.5:.2f}" if n > 1 else ""
-        parts.append(f"DGC at the paper's density 0.001 (`algo/dgc`, {seeds(n)}) ends {abs(gap):.2f}{spread}"
+        gap, se_paper = -100 * paper["difference"], _standard_error(paper)
+        spread = "" if se_paper is None else f" ± {100 * se_paper:.2f}"
+        parts.append(f"DGC at the paper's density 0.001 (`algo/dgc`, {seeds(paper['paired_seeds'])}) ends {abs(gap):.2f}{spread}"
                      f" points {side(gap)} DDP, which {met(gap <= TARGETS_PAPER['gap_pp'])} at"
                      f" most {TARGETS_PAPER['gap_pp']:g}, on {paper['compression']:.1f}x fewer link bytes"
                      f" ({met(paper['compression'] >= TARGETS_PAPER['fewer'])} at least {TARGETS_PAPER['fewer']:g}x)")  # fmt: skip

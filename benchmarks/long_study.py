@@ -78,10 +78,16 @@ def study(name: str) -> Study:
     return next(s for s in STUDIES if s.name == name)
 
 
+def finished_run(name: str, seed: int, algo: str, runs_dir=None) -> dict | None:
+    """The run's record if it says it finished, else ``None`` (the command's key is checked by ``parity --reuse``)."""
+    record = (runs_dir or parity.RUNS_DIR) / name / f"{TASK}_{algo}_s{seed}.json"
+    run = json.loads(record.read_text()) if record.is_file() else {}
+    return run if run.get("finished") else None
+
+
 def finished(name: str, seed: int, algo: str) -> bool:
-    """Whether the run's record says it finished (the command's key is checked by ``parity --reuse``)."""
-    record = parity.RUNS_DIR / name / f"{TASK}_{algo}_s{seed}.json"
-    return record.is_file() and bool(json.loads(record.read_text()).get("finished"))
+    """Whether the run's record says it finished."""
+    return finished_run(name, seed, algo) is not None
 
 
 #: the length figure's studies: epochs -> study (20 epochs: the headline's)
@@ -99,15 +105,9 @@ def final_metric(run: dict, metric: str = "val_acc") -> float:
 def length_summary(runs_dir=None) -> list[dict]:
     """The gap against the schedule's length: per length whose DDP and DGC runs of seed :data:`LENGTH_SEED` are both
     finished, their steps, final top-1 and the difference (DGC less DDP)."""
-    runs_dir = runs_dir or parity.RUNS_DIR
     rows = []
     for epochs, name in LENGTHS.items():
-        runs = {}
-        for algo in PAIR:
-            path = runs_dir / name / f"{TASK}_{algo}_s{LENGTH_SEED}.json"
-            run = json.loads(path.read_text()) if path.is_file() else {}
-            if run.get("finished"):
-                runs[algo] = run
+        runs = {algo: run for algo in PAIR if (run := finished_run(name, LENGTH_SEED, algo, runs_dir)) is not None}
         if len(runs) == len(PAIR):
             ddp, dgc = (final_metric(runs[a]) for a in PAIR)
             rows.append({"epochs": epochs, "steps": runs["ddp"]["global_step"], "study": name, "seed": LENGTH_SEED,
@@ -125,15 +125,10 @@ def length_sentence(rows: list[dict]) -> str:
 def precision_sentence(runs_dir=None) -> str | None:
     """The docs' sentence on the protocol's bf16 autocast: DDP's final top-1 on seed :data:`LENGTH_SEED` under it and
     in fp32 (``ddp_fp32``), or ``None`` until both runs are finished."""
-    runs_dir = runs_dir or parity.RUNS_DIR
-    finals = {}
-    for algo in ("ddp", "ddp_fp32"):
-        path = runs_dir / LENGTHS[20] / f"{TASK}_{algo}_s{LENGTH_SEED}.json"
-        run = json.loads(path.read_text()) if path.is_file() else {}
-        if not run.get("finished"):
-            return None
-        finals[algo] = final_metric(run)
-    bf16, fp32 = finals["ddp"], finals["ddp_fp32"]
+    runs = [finished_run(LENGTHS[20], LENGTH_SEED, algo, runs_dir) for algo in ("ddp", "ddp_fp32")]
+    if None in runs:
+        return None
+    bf16, fp32 = (final_metric(run) for run in runs)
     return (f"DDP, seed {LENGTH_SEED}: {100 * bf16:.2f}% under bf16 autocast, {100 * fp32:.2f}% in fp32"
             f" ({100 * (bf16 - fp32):+.2f} points)")  # fmt: skip
 
