@@ -277,6 +277,8 @@ class AutoDensity:
         self.measuring = True
         self.choice: Choice | None = None
         self.link: LinkEstimate | None = None
+        #: What the last decision priced: each bucket's tensors and dense bytes (two levels: its longest shard).
+        self.priced: list[Bucket] = []
         self.steps = 0  # optimizer steps of this fit
         self.last_measured_s: float | None = None
         self._samples: list[StepSample] = []
@@ -371,7 +373,7 @@ class AutoDensity:
         probe_ranks = len(gathered) if state.topology is not None else None  # two levels: checked by every rank
         link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size, probe_ranks)
         self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
-        buckets = priced_buckets(state.plans)  # two levels: each bucket's longest shard, on every rank
+        buckets = self.priced = priced_buckets(state.plans)  # two levels: each bucket's longest shard, on every rank
         algorithm, config = type(state.algorithm), state.config
         one_host = len({row[6] for row in gathered}) == 1
         choice = self.choice = choose_density(

@@ -48,9 +48,15 @@ class Decision(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *_: Any) -> None:
         auto = trainer.strategy.auto_density
         if self.seen is None and auto is not None and auto.choice is not None:
+            state = trainer.strategy.exchange_state
             self.seen = {"density": auto.choice.density, "reason": auto.choice.reason, "step": auto.steps,
                          "link_mbit_s": auto.link.throughput_bps / 1e6 if auto.link.measurable else None,
-                         "window_ms": auto.link.window_s * 1e3}  # fmt: skip
+                         "window_ms": auto.link.window_s * 1e3,
+                         # what the choice was made from, so that a test can make it again from the figures
+                         "link": [auto.link.throughput_bps, auto.link.latency_s, auto.link.window_s],
+                         "world_size": state.world_size, "min_density": auto.min_density,
+                         "buckets": [[[[s.name, list(s.shape), s.offset, s.numel] for s in layout], dense_bytes]
+                                     for layout, dense_bytes in auto.priced]}  # fmt: skip
 
 
 def main() -> None:
