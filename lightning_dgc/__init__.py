@@ -29,6 +29,7 @@ _EXPORTS = {
     "CompressionStrategy": "lightning_dgc.front.strategy",
     "DEFTStrategy": "lightning_dgc.front.strategy",
     "DGCStrategy": "lightning_dgc.front.strategy",
+    "HSDPCompressionStrategy": "lightning_dgc.front.hsdp",
     "DiLoCoStrategy": "lightning_dgc.local_steps.strategy",
     "FabricCompressionStrategy": "lightning_dgc.front.fabric",
     "FabricDiLoCoStrategy": "lightning_dgc.local_steps.fabric",

@@ -57,10 +57,11 @@ def save_exchange_state(
     committed = state.memory.committed
     layout = sorted((kind, name, list(t.shape)) for kind, by_name in committed.items() for name, t in by_name.items())
     digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()
-    local = state.topology.local_rank if state.topology is not None else 0
+    nodes = state.nodes  # two levels or a sharded model: the ranks of the same local rank hold the same buffers
+    local = nodes.local_rank if nodes is not None else 0
     tag = f"{state.step:08d}-{os.urandom(4).hex()}"  # a new name at every save; rank 0's is taken
     agreed = comm.all_gather_object((local, digest, tag))
-    per_node = state.topology.per_node if state.topology is not None else 1
+    per_node = nodes.per_node if nodes is not None else 1
     if len({(r[0], r[1]) for r in agreed}) != per_node:  # type: ignore[index]
         raise RuntimeError(
             f"{owner}: the ranks hold memory for different parameters and cannot write one"

@@ -76,27 +76,30 @@ def resolve_hierarchical(option: Any, num_nodes: int, world_size: int) -> bool:
     return option is True or (num_nodes > 1 and per_node > 1)
 
 
-def check_node_layout(ranks: Sequence[tuple[int, int, int]], nodes: int) -> int:
+def check_node_layout(
+    ranks: Sequence[tuple[int, int, int]], nodes: int, what: str = "hierarchical: the two-level exchange",
+    otherwise: str = ", or pass hierarchical=False",
+) -> int:  # fmt: skip
     """``per_node`` for every rank's ``(global_rank, node_rank, local_rank)``, or a ``ValueError`` when the
-    ranks are not ``nodes`` nodes of equally many ranks numbered node by node (rank = node * per_node + local)."""
+    ranks are not ``nodes`` nodes of equally many ranks numbered node by node (rank = node * per_node + local);
+    ``what`` needs that layout, ``otherwise`` is the fix besides a launch that gives it."""
     world = len(ranks)
     counts: dict[int, int] = {}
     for _, node, _ in ranks:
         counts[node] = counts.get(node, 0) + 1
     if len(counts) != nodes or len(set(counts.values())) != 1:
         raise ValueError(
-            f"hierarchical: the two-level exchange needs the same number of devices on every node, but the"
+            f"{what} needs the same number of devices on every node, but the"
             f" {world} processes report these nodes (node_rank: processes): {dict(sorted(counts.items()))},"
-            f" with num_nodes={nodes}. Start every node with the same number of processes, or pass"
-            " hierarchical=False."
+            f" with num_nodes={nodes}. Start every node with the same number of processes{otherwise}."
         )
     per_node = world // nodes
     wrong = [r for r in ranks if r[0] != r[1] * per_node + r[2]]
     if wrong:
         raise ValueError(
-            f"hierarchical: global ranks must be numbered node by node (rank = node_rank * {per_node} +"
+            f"{what} needs global ranks numbered node by node (rank = node_rank * {per_node} +"
             f" local_rank), but (rank, node_rank, local_rank) = {wrong[0]}. Use the launcher's default rank"
-            " assignment, or pass hierarchical=False."
+            f" assignment{otherwise}."
         )
     return per_node
 

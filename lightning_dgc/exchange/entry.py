@@ -74,8 +74,9 @@ def check_checkpoint_entry(entry: object) -> None:
     topology = entry.get("topology")
     # a two-level exchange's ranks hold the pieces of their local rank: compare ranks of the same local rank
     per_node = (
-        int(topology.get("per_node", 1)) if isinstance(topology, dict) and topology.get("hierarchical") else 1
-    )
+        int(topology.get("per_node", 1))
+        if isinstance(topology, dict) and (topology.get("hierarchical") or topology.get("sharded")) else 1
+    )  # fmt: skip
     layouts: dict[int, dict[tuple[str, str], tuple[int, ...]]] = {}
     for r, state in enumerate(ranks):
         where = f"{key}['ranks'][{r}]"
@@ -133,6 +134,10 @@ def state_for_topology(
     check_checkpoint_entry(saved)
     world = topology["nodes"] * topology["per_node"]
     old = saved.get("topology") or {"hierarchical": False, "nodes": int(saved["world_size"]), "per_node": 1}
+    if old.get("sharded") or topology.get("sharded"):
+        if old == topology:
+            return saved["ranks"][rank], False
+        raise ValueError(restore_error([sharded_layout_problem(old, topology)]))
     if not old["hierarchical"] and not topology["hierarchical"]:
         return state_for_rank(saved, world, rank)
     ranks = saved["ranks"]
@@ -151,6 +156,22 @@ def state_for_topology(
     merged["memory"] = memory
     merged["topology"] = topology
     return merged, True
+
+
+def sharded_layout_problem(saved: dict[str, Any], run: dict[str, Any]) -> str:
+    """Why a sharded model's exchange state cannot move between these layouts (:func:`state_for_topology`)."""
+
+    def said(layout: dict[str, Any]) -> str:
+        kind = "a sharded model" if layout.get("sharded") else "a replicated model"
+        return f"{kind} on {layout['nodes']} node(s) x {layout['per_node']} process(es)"
+
+    return (
+        f"the exchange state was saved by {said(saved)}, this run is {said(run)}: each process's buffers are its"
+        " shard's, and a sharded exchange state resumes only on the layout that saved it (the model and the"
+        " optimizer reshard, they are saved with torch.distributed.checkpoint). Resume with the same nodes and"
+        " processes per node, or resume with empty exchange buffers (the update they still held is dropped):"
+        " HSDPCompressionStrategy(..., resume_exchange_state=False)."
+    )
 
 
 def state_for_rank(saved: dict[str, Any], world_size: int, rank: int) -> tuple[dict[str, Any], bool]:

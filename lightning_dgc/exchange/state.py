@@ -28,6 +28,12 @@ from lightning_dgc.exchange.two_level import TwoLevelPlan
 from lightning_dgc.tensor_ops.memory import ResidualMemory, bucket_order_flat
 
 
+def local_shard(param: Tensor) -> Tensor:
+    """``param`` as this rank holds it: a ``DTensor``'s local shard (FSDP2 shards parameters as such), else itself."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param
+
+
 class ExchangeState(RandomDraws):
     """One object per run: the algorithm, the memory keyed by parameter name, the step counter, statistics.
 
@@ -45,6 +51,11 @@ class ExchangeState(RandomDraws):
     (:func:`lightning_dgc.exchange.hook.exchange_two_level`). The algorithm then exchanges across the nodes:
     ``world_size`` and ``rank`` (and ``collectives``) are those of the ranks that share this rank's
     local rank, and its bucket is this rank's shard (:mod:`lightning_dgc.exchange.shards`).
+
+    ``sharded`` (a :class:`~lightning_dgc.comm.Topology` too): the model is sharded inside each node (FSDP2), and
+    the state exchanges each group's shard across the nodes (:func:`lightning_dgc.exchange.sharded.exchange_shard`):
+    ``collectives`` are the ranks across the nodes, the registered parameters are sharded (their local shards are
+    what the memory holds, :meth:`param`).
     """
 
     def __init__(
@@ -56,13 +67,19 @@ class ExchangeState(RandomDraws):
         measure_buildup: bool = False,
         topology: Topology | None = None,
         finish_writes_grads: bool = False,
+        sharded: Topology | None = None,
     ) -> None:
         # A copy: schedules change the density of this run, never the caller's configuration object.
         self.config = replace(config) if config is not None else algorithms.get("dgc").config_class()
         #: The two levels (inside the node, across nodes) of a two-level exchange; ``None``: flat.
         self.topology = topology
+        if topology is not None and sharded is not None:
+            raise ValueError("ExchangeState: a sharded model's exchange is not two-level; pass `topology` or `sharded`.")
+        #: The nodes of a sharded model (FSDP inside each, this state across them); ``None``: a replicated model.
+        self.sharded = sharded
         if collectives is None:
-            collectives = topology.across if topology is not None else TorchCollectives(process_group)
+            levels = topology or sharded
+            collectives = levels.across if levels is not None else TorchCollectives(process_group)
         self.collectives = collectives
         self.world_size, self.rank = self.collectives.world_size, self.collectives.rank
         #: Multiplier the incoming gradients carry (a GradScaler's scale); divided out before they enter memory.
@@ -111,14 +128,19 @@ class ExchangeState(RandomDraws):
         return name
 
     def param(self, name: str) -> Tensor:
-        """The parameter ``name``; for a piece ``"<param>[a:b]"`` of a two-level shard, its values ``a:b``
-        (bucket order) shaped as the piece."""
+        """The parameter ``name`` as this rank holds it: a sharded parameter's (FSDP2's ``DTensor``) local shard;
+        for a piece ``"<param>[a:b]"`` of a two-level shard, its values ``a:b`` (bucket order) shaped as the piece."""
         piece = shards.parse_piece(name) if name not in self._params else None
         if piece is None:
-            return self._params[name]
+            return local_shard(self._params[name])
         parent, a, b = piece
         param = self._params[parent]
         return bucket_order_flat(param)[a:b].view(shards.piece_shape(param.shape, a, b))
+
+    def registered(self, name: str) -> Tensor:
+        """The parameter object registered as ``name`` (a sharded one whole, as the optimizer holds it: its
+        ``.grad`` is the one the optimizer reads)."""
+        return self._params[name]
 
     def _parent(self, name: str) -> str:
         piece = shards.parse_piece(name) if name not in self._params else None
@@ -158,7 +180,19 @@ class ExchangeState(RandomDraws):
         ``.grad`` the caller reads only after ``finish_step()`` (the strategies ask for it). Never in a
         two-level exchange, whatever was asked: there the algorithm's local gradient is this rank's shard of
         the node's sum, not the bucket, and its decode runs before the all-gather inside the node."""
-        return self._finish_writes_grads and self.topology is None
+        return self._finish_writes_grads and self.topology is None and self.sharded is None
+
+    @property
+    def nodes(self) -> Topology | None:
+        """The nodes the exchange runs across, whether two-level (:attr:`topology`) or sharded (:attr:`sharded`);
+        ``None`` for a flat run."""
+        return self.topology or self.sharded
+
+    @property
+    def hook_waits(self) -> bool:
+        """Whether the hook waits for its collectives before it returns (two levels, a sharded model): the time
+        it holds the host is the exchange's, not compute."""
+        return self.nodes is not None
 
     @finish_writes_grads.setter
     def finish_writes_grads(self, value: bool) -> None:
@@ -190,6 +224,22 @@ class ExchangeState(RandomDraws):
         if self.passthrough and (bool(self.continuing) or buffer.dtype != torch.float32):
             self.passthrough = False  # the algorithm's step moves each rank's momentum on its own
         key = (tuple(id(p) for p in params), self.algorithm.plan_key())
+        if key not in self._plans:
+            names = [self.name_of(p) for p in params]
+            if buffer.is_sparse:
+                raise ValueError(sparse_gradient_message(names))
+            layout = algorithms.layout_of(names, [tuple(p.shape) for p in params])
+            numel = sum(s.numel for s in layout)
+            if numel != buffer.numel():
+                raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {numel}.")
+        else:
+            layout = []
+        return self.plan_layout(key, layout, buffer)
+
+    def plan_layout(self, key: tuple[Any, ...], layout: list[algorithms.TensorSpec], buffer: Tensor) -> Any:
+        """The plan of a bucket of tensors ``layout`` (made once per ``key``, which ends with the algorithm's
+        :meth:`~lightning_dgc.algorithms.Algorithm.plan_key`), its step noted for :meth:`finish_step`: what
+        :meth:`plan` returns for a DDP bucket, and the sharded exchange's for an FSDP group's shard."""
         if key in self._planned_this_step:  # the previous step was never finished: finish it now
             warnings.warn(
                 "ExchangeState.finish_step() was not called after the previous backward pass; the hook committed"
@@ -202,13 +252,6 @@ class ExchangeState(RandomDraws):
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        names = [self.name_of(p) for p in params]
-        if buffer.is_sparse:
-            raise ValueError(sparse_gradient_message(names))
-        layout = algorithms.layout_of(names, [tuple(p.shape) for p in params])
-        numel = sum(s.numel for s in layout)
-        if numel != buffer.numel():
-            raise RuntimeError(f"DDP bucket holds {buffer.numel()} values but its parameters {numel}.")
         plan = self._plans[key] = self._make_plan(layout, buffer)
         return plan
 
@@ -229,19 +272,20 @@ class ExchangeState(RandomDraws):
         return plan
 
     def parameter_numels(self) -> dict[str, int]:
-        """Every registered parameter's number of values, by name."""
-        return {name: p.numel() for name, p in self._params.items()}
+        """Every registered parameter's number of values on this rank (a sharded one's: its local shard's), by name."""
+        return {name: local_shard(p).numel() for name, p in self._params.items()}
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every registered parameter's shape, by name."""
-        return {name: tuple(p.shape) for name, p in self._params.items()}
+        """Every registered parameter's shape on this rank (a sharded one's: its local shard's), by name."""
+        return {name: tuple(local_shard(p).shape) for name, p in self._params.items()}
 
     @property
     def global_rank(self) -> int:
         """This rank in the whole process group (``rank`` is its rank among the ranks it exchanges with)."""
-        if self.topology is None:
+        nodes = self.nodes
+        if nodes is None:
             return self.rank
-        return self.topology.node_rank * self.topology.per_node + self.topology.local_rank
+        return nodes.node_rank * nodes.per_node + nodes.local_rank
 
     @property
     def plans(self) -> list[Any]:
@@ -352,6 +396,8 @@ class ExchangeState(RandomDraws):
         """Where this run's memory lives: flat, or ``nodes`` x ``per_node`` shards (checkpoints record it)."""
         if self.topology is not None:
             return self.topology.signature
+        if self.sharded is not None:
+            return {"hierarchical": False, "sharded": True, "nodes": self.sharded.nodes, "per_node": self.sharded.per_node}
         return {"hierarchical": False, "nodes": self.world_size, "per_node": 1}
 
     # -- checkpointing -----------------------------------------------------------------------------

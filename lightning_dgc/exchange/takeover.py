@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from lightning_dgc import comm
 from lightning_dgc.algorithms.checks import whole_number
 from lightning_dgc.exchange import shards
-from lightning_dgc.exchange.state import ExchangeState, ParamSettings
+from lightning_dgc.exchange.state import ExchangeState, ParamSettings, local_shard
 from lightning_dgc.tensor_ops.memory import bucket_order_flat
 from lightning_dgc.tensor_ops.momentum import momentum_from_sgd, momentum_to_sgd
 
@@ -167,7 +167,7 @@ class OptimizerTakeOver:
         buffer = opt.state.get(param, {}).pop("momentum_buffer", None)
         if buffer is None or not settings.momentum or state.memory.has("momentum", name):
             return 0  # no buffer, no momentum, or the exchange has its own (checkpoint, earlier fit)
-        flat = bucket_order_flat(buffer.detach()).to(device, torch.float32)
+        flat = bucket_order_flat(local_shard(buffer.detach())).to(device, torch.float32)  # a sharded model's: its shard
         topology = state.topology
         if topology is not None:  # a two-level exchange keeps this rank's pieces only
             pieces = shards.pieces_of(name, param.shape, topology.per_node, topology.local_rank)
@@ -233,6 +233,42 @@ class OptimizerTakeOver:
                     opt.state[param]["momentum_buffer"] = sgd_momentum(state, name, mean, param.detach()).to(
                         param.dtype
                     )
+
+    def hand_back_sharded_momentum(self, state: ExchangeState, optimizers: Sequence[Optimizer]) -> None:
+        """:meth:`hand_back_momentum` for a sharded model (:meth:`sharded_momentum_buffers`; every rank calls it)."""
+        for (oi, name), buffer in self.sharded_momentum_buffers(state, optimizers).items():
+            opt = _unwrapped(optimizers[oi])
+            param = next(p for g in opt.param_groups for p in g["params"] if id(p) in state.param_names
+                         and state.param_names[id(p)] == name)  # fmt: skip
+            opt.state[param]["momentum_buffer"] = buffer
+
+    def sharded_momentum_buffers(
+        self, state: ExchangeState, optimizers: Sequence[Optimizer]
+    ) -> dict[tuple[int, str], torch.Tensor]:
+        """A sharded model's SGD ``momentum_buffer`` of every parameter whose momentum the exchange took over, by
+        ``(optimizer index, parameter name)``: each shard's momentum averaged over its replicas across the nodes
+        (zeros before the first step), as a ``DTensor`` laid out as its parameter (every rank calls it: an
+        all-reduce per parameter across the nodes)."""
+        from torch.distributed.tensor import DTensor
+
+        out = {}
+        for taken in self.groups:
+            if not taken.user.momentum:
+                continue
+            opt = _unwrapped(optimizers[taken.optimizer])
+            for param, name in zip(opt.param_groups[taken.group]["params"], taken.names, strict=True):
+                if not name:
+                    continue
+                local = local_shard(param.detach())
+                held = state.memory.committed.get("momentum", {}).get(name)
+                mine = held.clone() if held is not None else torch.zeros(local.numel(), device=local.device)
+                summed = state.collectives.unwrapped.all_reduce(mine, "all-reduce of the momentum across the nodes").wait()
+                buffer = sgd_momentum(state, name, summed / state.world_size, local).to(param.dtype)
+                out[taken.optimizer, name] = DTensor.from_local(
+                    buffer, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                    stride=param.stride(),
+                )  # fmt: skip
+        return out
 
     def _hand_back_two_level_momentum(self, state: ExchangeState, optimizers: Sequence[Optimizer]) -> None:
         mine = {n: t.detach().cpu() for n, t in state.memory.committed.get("momentum", {}).items()}

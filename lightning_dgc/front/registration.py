@@ -23,13 +23,16 @@ from lightning_dgc import algorithms
 from lightning_dgc.algorithms.base import on_register
 
 #: Every front door: (its module, its class, whose registry: ``"trainer"`` or ``"fabric"``, and its names:
-#: ``"algorithms"``, every registered algorithm's, or ``"diloco"``).
+#: ``"algorithms"``, every registered algorithm's, ``"diloco"``, or ``"sharded"``: every algorithm's ``"<name>_hsdp"``).
 FRONT_DOORS = (
     ("lightning_dgc.front.strategy", "CompressionStrategy", "trainer", "algorithms"),
     ("lightning_dgc.local_steps.strategy", "DiLoCoStrategy", "trainer", "diloco"),
     ("lightning_dgc.front.fabric", "FabricCompressionStrategy", "fabric", "algorithms"),
     ("lightning_dgc.local_steps.fabric", "FabricDiLoCoStrategy", "fabric", "diloco"),
+    ("lightning_dgc.front.hsdp", "HSDPCompressionStrategy", "trainer", "sharded"),
 )
+#: The suffix of a sharded model's names (``"dgc_hsdp"``: FSDP2 inside the node, DGC across nodes).
+SHARDED = "_hsdp"
 #: The Trainer's strategies with the algorithm's settings as typed arguments (the rest take ``algorithm=``).
 TYPED = {"dgc": "DGCStrategy", "deft": "DEFTStrategy"}
 DILOCO = "diloco"
@@ -50,6 +53,12 @@ def register_strategies(finished: str | None = None) -> None:
         registry = registries[kind]
         if names == DILOCO:
             _register(registry, DILOCO, getattr(module, class_name), "DiLoCo: local steps, outer Nesterov SGD", {})
+            continue
+        if names == "sharded":
+            for name in algorithms.registered():
+                strategy = getattr(module, class_name)
+                description = f"{class_name} ({name}): FSDP2 inside the node, {name} across nodes"
+                _register(registry, f"{name}{SHARDED}", strategy, description, {"algorithm": name})
             continue
         for name in algorithms.registered():
             typed = TYPED.get(name) if kind == "trainer" else None

@@ -62,7 +62,49 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, DDPStrategy):
+class TrainerExchangeSteps:
+    """Mixin of a Trainer front door (before its Lightning strategy base, after :class:`ExchangeAccess`): the
+    exchange's step finished right after each backward pass, the optimizer step skipped on every rank when it was not
+    finite, and the rank checks after it."""
+
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        """Lightning's backward, with the exchange's step finished right after the backward pass itself.
+
+        So the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it
+        was) before ``on_after_backward`` and anything after it reads them, as under DDP.
+        """
+        self.pre_backward(closure_loss)  # type: ignore[attr-defined]
+        assert self.lightning_module is not None  # type: ignore[attr-defined]
+        precision, module = self.precision_plugin, self.lightning_module  # type: ignore[attr-defined]
+        closure_loss = precision.pre_backward(closure_loss, module)
+        self._backward_pass(lambda: precision.backward(closure_loss, module, optimizer, *args, **kwargs))  # type: ignore[attr-defined]
+        closure_loss = precision.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)  # type: ignore[attr-defined]
+        return closure_loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        def closure_then_finish() -> Any:
+            result = closure()
+            self._close_step(optimizer)  # type: ignore[attr-defined]
+            return result
+
+        result = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)  # type: ignore[misc]
+        module = self.lightning_module if self.model is not None else None  # type: ignore[attr-defined]
+        self._after_optimizer_step(module.named_parameters() if module is not None else ())  # type: ignore[attr-defined]
+        return result
+
+
+class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, TrainerExchangeSteps, DDPStrategy):
     """Data-parallel training with a compressed gradient exchange (any registered algorithm).
 
     Subclasses Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` and keeps the DDP
@@ -215,25 +257,6 @@ class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, DDPStrategy):
         """Fail fast, on every rank, if ranks were configured differently (instead of hanging later)."""
         check_ranks_agree(self.exchange_state, type(self).__name__, self.max_consecutive_skips)
 
-    # -- the step --------------------------------------------------------------------------------
-    @override
-    def backward(
-        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        """Lightning's backward, with the exchange's step finished right after the backward pass itself.
-
-        So the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it
-        was) before ``on_after_backward`` and anything after it reads them, as under DDP.
-        """
-        self.pre_backward(closure_loss)
-        assert self.lightning_module is not None
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        module = self.lightning_module
-        self._backward_pass(lambda: self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs))
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
     @override
     def _after_exchange(self) -> None:
         self._rebuild_ddp_buckets()
@@ -257,23 +280,6 @@ class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, DDPStrategy):
             and model.reducer._rebuild_buckets()
         ):
             model._has_rebuilt_buckets = True
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        def closure_then_finish() -> Any:
-            result = closure()
-            self._close_step(optimizer)
-            return result
-
-        result = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)
-        self._after_optimizer_step(self.lightning_module.named_parameters() if self.model is not None else ())
-        return result
 
     # -- checkpoints -------------------------------------------------------------------------------
     @override

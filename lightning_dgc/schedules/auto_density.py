@@ -308,7 +308,7 @@ class AutoDensity:
         else:
             self._recorder = state.collectives.recorder
         self.steps, self.measuring, self.checking, self._samples, self._periods = 0, True, False, [], []
-        self._step_end, self._hooks_block = None, state.topology is not None
+        self._step_end, self._hooks_block = None, state.hook_waits
         state.density = self.density
 
     def set_floor(self, value: float, state: Any) -> None:
@@ -368,9 +368,9 @@ class AutoDensity:
                             dtype=torch.float64)  # fmt: skip
         gathered = [t.tolist() for t in comm.all_gather_host(mine, group, "all-gather of the link measurements"
                                                              " (density='auto')")]  # fmt: skip
-        if state.topology is not None:  # (rows in global rank order, node by node)
-            check_nodes_on_hosts([row[6] for row in gathered], state.topology.per_node, self.owner)
-        probe_ranks = len(gathered) if state.topology is not None else None  # two levels: checked by every rank
+        if state.nodes is not None:  # two levels or a sharded model (rows in global rank order, node by node)
+            check_nodes_on_hosts([row[6] for row in gathered], state.nodes.per_node, self.owner)
+        probe_ranks = len(gathered) if state.nodes is not None else None  # across nodes: checked by every rank
         link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size, probe_ranks)
         self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
         buckets = self.priced = priced_buckets(state.plans)  # two levels: each bucket's longest shard, on every rank

@@ -93,6 +93,16 @@ def run_script(
     return proc
 
 
+def run_nodes(script: str, out: Path, *args: str, nodes: int = 2, per_node: int = 2, timeout: int = 400,
+              check: bool = True) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run ``script`` as ``nodes`` nodes of ``per_node`` ranks on this machine (forked from the zygote); every
+    rank's output as one process's, as :func:`run_script`."""
+    proc = _wait(launch_ranks(script, out, *args, world_size=nodes * per_node, per_node=per_node), timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
 def _wait(ranks: list[Rank], timeout: float, grace: float = 20.0) -> subprocess.CompletedProcess:
     """Wait for every rank; once one has failed, give the others ``grace`` seconds, then kill them.
 
@@ -191,14 +201,14 @@ class Rank:
 
 
 def launch_ranks(
-    script: str, out: Path, *args: str, world_size: int = 2, launcher: str = "fork"
+    script: str, out: Path, *args: str, world_size: int = 2, launcher: str = "fork", per_node: int | None = None
 ) -> list[Rank]:
     """Start every rank of ``script`` as its own process, as torchrun or srun do (no Lightning launcher):
     forked from the zygote (``launcher="fork"``) or as fresh interpreters (``"external"``).
 
-    Each process gets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``,
-    which makes Lightning treat the processes as created externally. The caller waits for them (and
-    kills what is left: a stopped rank stays stopped).
+    Each process gets ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK`` and ``NODE_RANK``,
+    which makes Lightning treat the processes as created externally: one node, or nodes of ``per_node`` ranks
+    numbered node by node. The caller waits for them (and kills what is left: a stopped rank stays stopped).
     """
     if launcher not in ("fork", "external"):
         raise ValueError(f"launch_ranks starts ranks by 'fork' or 'external', not {launcher!r}")
@@ -207,7 +217,8 @@ def launch_ranks(
     for rank in range(world_size):
         env = _environment() | {
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world_size),
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0",
+            "RANK": str(rank), "LOCAL_RANK": str(rank % (per_node or world_size)),
+            "NODE_RANK": str(rank // (per_node or world_size)),
         }  # fmt: skip
         stdout, stderr = Path(f"{out}.rank{rank}.stdout"), Path(f"{out}.rank{rank}.stderr")
         if launcher == "fork":
