@@ -9,7 +9,7 @@ Each of ``--runs`` fits ``--steps`` optimizer steps from the same seed in the sa
   mesh (FSDP's own dense all-reduce across the nodes);
 * ``<algorithm>_hsdp`` (``dgc_hsdp``, ``deft_hsdp``, ``powersgd_hsdp``): the sharded strategy by its registered name,
   the algorithm's options from ``--options`` (JSON); ``dense_hsdp``: DGC at density 1, exact, no masking (compression
-  off).
+  off); ``auto_hsdp``: DGC with ``density="auto"``.
 
 The module shards itself as a ``LightningModule`` written for ``ModelParallelStrategy`` does: its blocks, then itself,
 over ``self.device_mesh["data_parallel"]`` (native: over its 2-D mesh), with ``--mp`` a ``MixedPrecisionPolicy`` of bf16
@@ -101,15 +101,18 @@ def dataset(samples: int = 512) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def make_strategy(run: str, options: dict[str, Any]) -> Any:
+def make_strategy(run: str, options: dict[str, Any], resume_exchange_state: bool = True) -> Any:
     if run == "native":
         return ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1)
     if run == "dense_hsdp":
         return lightning_dgc.HSDPCompressionStrategy(
             "dgc", density=1.0, selection="exact", momentum_masking=False, check_ranks_every=1
         )
+    if run == "auto_hsdp":
+        return lightning_dgc.HSDPCompressionStrategy("dgc", density="auto", check_ranks_every=1)
     if options:
-        return lightning_dgc.HSDPCompressionStrategy(run.removesuffix("_hsdp"), options, check_ranks_every=1)
+        return lightning_dgc.HSDPCompressionStrategy(run.removesuffix("_hsdp"), options, check_ranks_every=1,
+                                                     resume_exchange_state=resume_exchange_state)
     return run
 
 
@@ -127,6 +130,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--samples", type=int, default=512, help="96: an epoch of 3 steps (8 samples x 4 ranks each)")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--keep-exchange-state", default="true", help="false: resume_exchange_state=False")
     args = parser.parse_args()
     torch.set_num_threads(1)
     options = json.loads(args.options)
@@ -139,7 +144,8 @@ def main() -> None:
                 filename="{step}",
             ))  # fmt: skip
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, num_nodes=2, strategy=make_strategy(run, options), max_steps=args.steps,
+            accelerator="cpu", devices=4 // args.nodes, num_nodes=args.nodes, strategy=make_strategy(run, options, args.keep_exchange_state == "true"),
+            max_steps=args.steps,
             accumulate_grad_batches=args.accumulate, precision=args.precision, logger=False,
             enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
             callbacks=callbacks, use_distributed_sampler=True,
@@ -148,8 +154,11 @@ def main() -> None:
         trainer.fit(model, DataLoader(dataset(args.samples), batch_size=8, shuffle=False), ckpt_path=args.resume)
         full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
         stats = trainer.strategy.compression_stats() if hasattr(trainer.strategy, "compression_stats") else {}
+        state = getattr(trainer.strategy, "_state", None)
+        memory = {f"{kind}/{name}": (str(t.dtype), t.numel()) for kind, by_name in state.memory.committed.items()
+                  for name, t in by_name.items()} if state is not None else {}  # fmt: skip
         shards = {name: p.to_local().detach().clone() for name, p in model.named_parameters()}
-        torch.save({"losses": model.losses, "params": full, "shards": shards, "stats": stats,
+        torch.save({"losses": model.losses, "params": full, "shards": shards, "stats": stats, "memory": memory,
                     "hook_calls": getattr(trainer.strategy, "hook_calls", 0), "global_step": trainer.global_step},
                    args.out / f"{run}.rank{trainer.global_rank}.pt")  # fmt: skip
     lightning_dgc.destroy_process_group()
