@@ -32,6 +32,7 @@ _EXPORTS = {
     "HSDPCompressionStrategy": "lightning_dgc.front.hsdp",
     "DiLoCoStrategy": "lightning_dgc.local_steps.strategy",
     "FabricCompressionStrategy": "lightning_dgc.front.fabric",
+    "FabricHSDPCompressionStrategy": "lightning_dgc.front.hsdp_fabric",
     "FabricDiLoCoStrategy": "lightning_dgc.local_steps.fabric",
     "DEFTConfig": "lightning_dgc.algorithms.deft",
     "DGCConfig": "lightning_dgc.algorithms.dgc",

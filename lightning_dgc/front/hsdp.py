@@ -10,7 +10,6 @@ that dimension is the node's processes (:func:`lightning_dgc.comm.mesh.sharded_m
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -25,43 +24,21 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_dgc import comm
 from lightning_dgc.algorithms import AlgorithmConfig
-from lightning_dgc.checkpoint.exchange import (
-    CHECKPOINT_KEY,
-    check_entry,
-    finish_save,
-    restore_exchange_state,
-    save_exchange_state,
-)
-from lightning_dgc.checkpoint.rank_files import FileIO
-from lightning_dgc.comm.mesh import across_host_group, mesh_topology, shard_group_ranks, sharded_mesh
-from lightning_dgc.exchange import agreement
+from lightning_dgc.checkpoint.exchange import CHECKPOINT_KEY
 from lightning_dgc.exchange.agreement import DEFAULT_CHECK_RANKS_EVERY
-from lightning_dgc.exchange.sharded import exchange_shard
-from lightning_dgc.exchange.state import ExchangeState, local_shard
-from lightning_dgc.exchange.takeover import (
-    DEFAULT_MAX_CONSECUTIVE_SKIPS,
-    OptimizerTakeOver,
-    check_ranks_agree,
-)
+from lightning_dgc.exchange.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lightning_dgc.front import sharding
-from lightning_dgc.front.core import ExchangeAccess
 from lightning_dgc.front.registration import register_strategies
+from lightning_dgc.front.sharded_core import ShardedExchangeAccess
 from lightning_dgc.front.strategy import TrainerExchangeSteps
 
-__all__ = ["EXCHANGE_FILES", "HSDPCompressionStrategy"]
-
-#: The exchange state's name inside a checkpoint folder: its rank files are in ``<folder>/lightning_dgc.exchange/``.
-EXCHANGE_FILES = "lightning_dgc"
-
-log = logging.getLogger(__name__)
+__all__ = ["HSDPCompressionStrategy"]
 
 
-class HSDPCompressionStrategy(ExchangeAccess, TrainerExchangeSteps, ModelParallelStrategy):
+class HSDPCompressionStrategy(ShardedExchangeAccess, TrainerExchangeSteps, ModelParallelStrategy):
     """A sharded model (FSDP2 inside each node) with a compressed exchange across the nodes (any registered algorithm).
 
     The processes of a node (``Trainer(devices=G)``) shard parameters, gradients and optimizer state among them;
@@ -109,52 +86,23 @@ class HSDPCompressionStrategy(ExchangeAccess, TrainerExchangeSteps, ModelParalle
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        self._take_arguments(
+        self._take_sharded_arguments(
             algorithm, options, kwargs, ModelParallelStrategy, save_exchange_state, max_consecutive_skips,
-            check_ranks_every,
+            check_ranks_every, save_distributed_checkpoint, sharded_modules, mp_policy, resume_exchange_state,
         )  # fmt: skip
-        if kwargs:
-            raise TypeError(
-                f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}: a sharded model has no DDP wrapper,"
-                " so DDP's arguments do not apply; the algorithm's settings and ModelParallelStrategy's"
-                " (save_distributed_checkpoint, process_group_backend, timeout) do."
-            )
-        if not save_distributed_checkpoint and save_exchange_state:
-            raise ValueError(
-                f"{type(self).__name__}(save_distributed_checkpoint=False) gathers the model into one file, which"
-                " holds no process's exchange state: keep save_distributed_checkpoint=True (the default), or pass"
-                " save_exchange_state=False as well to save the model and the optimizer only."
-            )
         super().__init__(
             data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend, timeout=timeout,
         )  # fmt: skip
-        self.sharded_modules = tuple(sharded_modules or ())
-        self.mp_policy = mp_policy
-        self.resume_exchange_state = bool(resume_exchange_state)
-        self._taken_over = OptimizerTakeOver(type(self).__name__)
-        self._topology: comm.Topology | None = None
-        self._across_host_group: Any = None
 
     # -- the processes and the mesh ----------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
         """The process group, then the ``(replicate, data_parallel, tensor_parallel)`` mesh of the nodes, checked."""
         self._setup_distributed()
-        comm.destroy_process_group_at_exit()
-        owner, nodes = type(self).__name__, self.num_nodes
-        ranks = comm.all_gather_object((self.global_rank, self.node_rank, self.local_rank))
-        per_node = comm.check_node_layout(ranks, nodes, f"{owner} (FSDP2 inside each node)", "")  # type: ignore[arg-type]
-        sharding.check_nodes_on_hosts(comm.all_gather_object(comm.host_key()), per_node, owner)  # type: ignore[arg-type]
-        self._device_mesh = sharded_mesh(nodes, per_node, self.root_device.type)
-        self._topology = mesh_topology(self._device_mesh)
-        self._across_host_group = across_host_group(self._topology, self.global_rank)
+        self._device_mesh = self._set_up_nodes()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
-        rank_zero_info(
-            f"{owner}: {nodes} node(s) x {per_node} process(es): FSDP2 inside the node, {self.algorithm} across the"
-            " nodes on each process's shard."
-        )
 
     @property
     @override
@@ -167,59 +115,27 @@ class HSDPCompressionStrategy(ExchangeAccess, TrainerExchangeSteps, ModelParalle
     def setup(self, trainer: pl.Trainer) -> None:
         """Shard the model (its ``configure_model``, or ``sharded_modules``), check it, and hook the exchange into
         every FSDP group's all-reduce."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        owner, mesh = type(self).__name__, self.device_mesh["data_parallel"]
-        if not sharding.fsdp_modules(self.model):
-            if is_overridden("configure_model", self.lightning_module) or not self.sharded_modules:
-                raise TypeError(
-                    f"{owner} shards the model over each node's processes with FSDP2, but"
-                    f" {type(self.lightning_module).__name__} was not sharded: add to it\n{sharding.CONFIGURE_MODEL_LINES}\n"
-                    f"or pass the classes to shard: {owner}(..., sharded_modules={{YourBlock}})."
-                )
-            kwargs = {"mp_policy": self.mp_policy} if self.mp_policy is not None else {}
-            sharding.shard_modules(self.model, self.sharded_modules, mesh, **kwargs)
-        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
-            raise TypeError(f"{owner} shards with FSDP2 (`fully_shard`); the model holds FSDP1 modules.")
+        owner = type(self).__name__
+        if not sharding.fsdp_modules(self.model) and not self.sharded_modules:
+            where = "its configure_model" if is_overridden("configure_model", self.lightning_module) else "it"
+            raise TypeError(
+                f"{owner} shards the model over each node's processes with FSDP2, but"
+                f" {type(self.lightning_module).__name__} was not sharded: add to {where}\n"
+                f"{sharding.CONFIGURE_MODEL_LINES}\nor pass the classes to shard: {owner}(..., sharded_modules={{YourBlock}})."
+            )
+        self.model = self._shard_and_check(self.model, self.device_mesh)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        sharding.check_sharded(self.model, shard_group_ranks(mesh.get_group()), owner)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._set_up_exchange()
+            self._set_up_exchange(self.model, list(self.lightning_module.named_parameters()), self.optimizers)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _set_up_exchange(self) -> None:
-        """The exchange state over the sharded parameters, its hook on every FSDP group, the optimizer taken over."""
-        assert self.lightning_module is not None and self.model is not None and self._topology is not None
-        named = list(self.lightning_module.named_parameters())
-        state = self._state
-        if state is None or list(state.param_names.values()) != [n for n, _ in named]:
-            state = self._state = ExchangeState(self._config, sharded=self._topology)
-        state.register_parameters(named)
-        self._attach_auto_density(state)
-        self._set_up_rank_checks()
-        for fsdp_module, group in sharding.hooked_groups(self.model):
-            fsdp_module.set_all_reduce_hook(self._shard_hook(state, group))
-        if state.algorithm.takes_over_momentum:
-            self._taken_over.take_over(state, self.optimizers, named, self.root_device)
-        check_ranks_agree(state, type(self).__name__, self.max_consecutive_skips)
-        log.debug("%s: hooked the %s exchange into the FSDP groups", type(self).__name__, self.algorithm)
-
-    def _shard_hook(self, state: ExchangeState, group: Any) -> Any:
-        """The all-reduce hook of one FSDP parameter group: the exchange of this rank's shard across the nodes."""
-
-        def hook(shard: torch.Tensor) -> None:
-            layout = sharding.group_shard(group, state.name_of)
-            self._run_exchange(state, lambda: exchange_shard(state, layout, shard))
-
-        return hook
 
     @contextmanager
     @override
@@ -235,16 +151,6 @@ class HSDPCompressionStrategy(ExchangeAccess, TrainerExchangeSteps, ModelParalle
         finally:
             sharding.set_gradient_sync(self.model, True)
 
-    @override
-    def _after_optimizer_step(self, named_params: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The rank check compares the replicas of each shard: this process's local shards, across the nodes."""
-        self._optimizer_steps += 1
-        if self._auto is not None and self._state is not None:
-            self._auto.step_done(self._state, self._host_group)
-        if agreement.rank_check_due(self._optimizer_steps, self.check_ranks_every):
-            local = [(name, local_shard(p)) for name, p in named_params]
-            agreement.check_parameters_agree(local, type(self).__name__, self._optimizer_steps, self._across_host_group)
-
     # -- checkpoints ---------------------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -256,15 +162,7 @@ class HSDPCompressionStrategy(ExchangeAccess, TrainerExchangeSteps, ModelParalle
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         path = Path(self.broadcast(filepath))
-        if self.is_global_zero:
-            if path.is_file():
-                path.unlink()
-            path.mkdir(parents=True, exist_ok=True)
-        self.barrier()
-        io = FileIO(None)
-        manifest = save_exchange_state(
-            self._state, self.algorithm, path / EXCHANGE_FILES, io, type(self).__name__, with_memory=self.save_exchange_state
-        )
+        manifest = self._save_exchange_files(path)
         packed = dict(enumerate(checkpoint.get("optimizer_states", [])))
         if packed:  # the user's SGD hyper-parameters, and the exchange's momentum as SGD's (every rank: sharded)
             self._taken_over.write_user_optimizer_state(self._state, packed, {}, {})
@@ -274,9 +172,7 @@ class HSDPCompressionStrategy(ExchangeAccess, TrainerExchangeSteps, ModelParalle
         if manifest is not None:
             checkpoint[CHECKPOINT_KEY] = manifest
         super().save_checkpoint(checkpoint, path, storage_options)
-        if manifest is not None:
-            finish_save(path / EXCHANGE_FILES, manifest, io)
-        self.barrier()
+        self._finish_exchange_files(path, manifest)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -287,23 +183,10 @@ class HSDPCompressionStrategy(ExchangeAccess, TrainerExchangeSteps, ModelParalle
         self._taken_over.restore(self.optimizers)  # as the checkpoint's optimizer state holds them
         try:
             checkpoint = super().load_checkpoint(path, weights_only)
-            entry = checkpoint.get(CHECKPOINT_KEY)
-            check_entry(entry, self.algorithm, type(self).__name__, "optimizer_states" in checkpoint or bool(self.optimizers))
-            if entry is not None and self._state is not None:
-                if self.resume_exchange_state:
-                    restore_exchange_state(self._state, entry, self.root_device, path / EXCHANGE_FILES, FileIO(None))
-                else:
-                    self._state.step = int(entry.get("step", 0))
-                    rank_zero_warn(
-                        f"{type(self).__name__}(resume_exchange_state=False): the exchange starts with empty buffers;"
-                        " the update they held when the checkpoint was saved is dropped."
-                    )
+            self._restore_exchange_files(path, checkpoint.get(CHECKPOINT_KEY), bool(self.optimizers))
         finally:
-            if self._state is not None and self._state.algorithm.takes_over_momentum:
-                assert self.lightning_module is not None
-                self._taken_over.take_over(
-                    self._state, self.optimizers, self.lightning_module.named_parameters(), self.root_device
-                )
+            assert self.lightning_module is not None
+            self._take_over(self.lightning_module.named_parameters(), self.optimizers)
         return checkpoint
 
     @override
