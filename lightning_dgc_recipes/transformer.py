@@ -176,6 +176,20 @@ class TransformerLanguageModel(L.LightningModule):
                 " model.max_seq_len to at least data.bptt."
             )
 
+    def configure_model(self) -> None:
+        """Under a strategy with a device mesh (the sharded ones, ``algo/*_hsdp``; Lightning's
+        ``ModelParallelStrategy``): FSDP2 on each block, then on the rest (the embeddings, tied to the output, and
+        the final LayerNorm), over ``device_mesh["data_parallel"]`` (the sharded strategies: the node's processes).
+        Under the replicated strategies (DDP, ``dgc``, ...) nothing happens."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(self, mesh=mesh["data_parallel"])
+
     def forward(self, tokens: Tensor) -> Tensor:
         """Next-word logits ``[batch, length, vocab]`` of token windows ``[batch, length]``."""
         if self.embedding is None:

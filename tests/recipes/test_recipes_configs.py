@@ -27,6 +27,8 @@ DILOCO = {"diloco": (10, 0.7, 0.9, "dense", None), "diloco_dgc": (10, 0.7, 0.9, 
           "diloco_streaming": (10, 0.7, 0.9, "dense", None), "dgc_updates": (1, 1.0, 0.0, "dgc", 0.001)}  # fmt: skip
 #: Streaming DiLoCo's configs: fragments, overlap_steps, mixing (the others: one fragment, no overlap).
 STREAMING = {"diloco_streaming": (5, 1, 0.5)}
+#: The sharded models' configs (FSDP2 inside the node): their algorithm and its density (``None``: it has none).
+SHARDED = {"dgc_hsdp": ("dgc", 0.01), "deft_hsdp": ("deft", 0.001), "powersgd_hsdp": ("powersgd", None)}
 #: The densities of the algorithm YAMLs that set one other than DGC's 0.001.
 DENSITIES = {"dgc_adamw": 0.01, "dgc_1pct_int8": 0.01}
 #: The lightning_dgc classes the algorithm YAMLs may name (the package's public API).
@@ -35,6 +37,7 @@ LIGHTNING_DGC_NAMES = {
     "DGCStrategy",
     "DEFTStrategy",
     "DiLoCoStrategy",
+    "HSDPCompressionStrategy",
     "SparsityWarmup",
     "CriticalRegimes",
     "CompressionMonitor",
@@ -94,6 +97,11 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
     assert config["data"]["class_path"].startswith("lightning_dgc_recipes.")
     if algorithm == "ddp":
         assert config["trainer"]["strategy"] == "ddp"
+    elif algorithm in SHARDED:  # no DDP wrapper: the algorithm and its options, nothing of DDP's
+        init_args = config["trainer"]["strategy"]["init_args"]
+        assert config["trainer"]["strategy"]["class_path"] == "lightning_dgc.HSDPCompressionStrategy"
+        assert (init_args["algorithm"], (init_args["options"] or {}).get("density")) == SHARDED[algorithm]
+        return
     elif algorithm in DILOCO:  # local steps: no gradient exchange
         init_args = config["trainer"]["strategy"]["init_args"]
         assert config["trainer"]["strategy"]["class_path"] == "lightning_dgc.DiLoCoStrategy"
@@ -125,7 +133,10 @@ def test_cpu_config_pair_instantiates(task: str, algorithm: str | None, tmp_path
     assert cli.trainer.num_devices == 2
     assert isinstance(cli.trainer.progress_bar_callback, RichProgressBar)
     assert isinstance(cli.trainer.logger, TensorBoardLogger) and cli.trainer.logger.name == task
-    if algorithm is not None:
+    if algorithm in SHARDED:
+        assert type(cli.trainer.strategy).__name__ == "HSDPCompressionStrategy"
+        assert cli.trainer.strategy.algorithm == SHARDED[algorithm][0]
+    elif algorithm is not None:
         assert isinstance(cli.trainer.strategy, DDPStrategy)
         if algorithm in DILOCO:
             assert cli.trainer.strategy.settings.sync_every == DILOCO[algorithm][0]
@@ -171,5 +182,5 @@ def test_an_unknown_config_name_lists_the_builtin_names_on_the_command_line(valu
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"`--config {value}`: no such file" in proc.stderr and f"Did you mean `{closest}`?" in proc.stderr
-    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_1pct_int8, algo/dgc_adamw, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
+    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_1pct_int8, algo/dgc_adamw, algo/dgc_hsdp, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
     assert "Traceback" not in proc.stderr and "File does not exist" not in proc.stderr
