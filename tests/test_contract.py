@@ -247,6 +247,7 @@ SMALL = {"min_compress_numel": 64}
         (DGCConfig(density=0.1, selection="exact", value_dtype="fp16", **SMALL), None),
         (DGCConfig(density=0.1, value_dtype="int8", **SMALL), None),
         (DGCConfig(density=0.1, selection_backend="torch", value_dtype="int8", **SMALL), None),
+        (DGCConfig(density=0.1, value_dtype="int8", compress_vectors=True, min_compress_numel=1), None),
         (DEFTConfig(density=0.1, **SMALL), DEFTConfig(density=1.0, **SMALL)),
         (DEFTConfig(density=0.1, selection_backend="torch", selectors="all", **SMALL), None),
         (DEFTConfig(density=0.1, k_allocation="size", fragmenting=False, **SMALL), None),
@@ -262,6 +263,7 @@ SMALL = {"min_compress_numel": 64}
         "dgc-exact-fp16",
         "dgc-int8",
         "dgc-batched-int8",
+        "dgc-int8-every-tensor",
         "deft",
         "deft-batched-all",
         "deft-size",
@@ -299,3 +301,17 @@ def test_check_algorithm_catches_draws_that_do_not_resume() -> None:
     changes it (DDP's buckets are in their final order from step 2 on, where PowerSGD starts)."""
     with pytest.raises(AssertionError, match="resume"):
         check_algorithm(PowerSGDConfig(start_iter=2), reorder_buckets_on_resume=True)
+
+
+def test_compress_vectors_sends_every_tensor_sparse_with_its_own_residual() -> None:
+    """``compress_vectors`` with ``min_compress_numel=1``: a bias and a 7-value norm are selected like a weight (no
+    dense all-reduce at all); without it they are averaged dense."""
+    from lightning_dgc.algorithms.base import layout_of
+    from lightning_dgc.algorithms.dgc import DGC
+
+    layout = layout_of(["w", "b", "norm"], [(40, 30), (16,), (7,)])
+    every = DGCConfig(density=0.1, compress_vectors=True, min_compress_numel=1)
+    cost = DGC.wire_cost(every, layout, 2, 4 * 1223)
+    assert cost.bytes_of("dense") == 0 and cost.k == 120 + 2 + 1
+    default = DGC.wire_cost(DGCConfig(density=0.1, min_compress_numel=1), layout, 2, 4 * 1223)
+    assert default.bytes_of("dense") == 4 * 23 and default.k == 120

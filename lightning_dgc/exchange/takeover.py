@@ -23,7 +23,8 @@ from torch.optim import Optimizer
 from lightning_dgc import comm
 from lightning_dgc.algorithms.checks import whole_number
 from lightning_dgc.exchange import shards
-from lightning_dgc.exchange.state import ExchangeState, ParamSettings, local_shard
+from lightning_dgc.exchange.params import local_shard
+from lightning_dgc.exchange.state import ExchangeState, ParamSettings
 from lightning_dgc.tensor_ops.memory import bucket_order_flat
 from lightning_dgc.tensor_ops.momentum import momentum_from_sgd, momentum_to_sgd
 

@@ -33,7 +33,7 @@ from lightning_dgc.exchange.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lightning_dgc.front import sharding
 from lightning_dgc.front.registration import register_strategies
 from lightning_dgc.front.sharded_core import ShardedExchangeAccess
-from lightning_dgc.front.strategy import TrainerExchangeSteps
+from lightning_dgc.front.trainer_steps import TrainerExchangeSteps
 
 __all__ = ["HSDPCompressionStrategy"]
 

@@ -22,8 +22,9 @@ from lightning_dgc.checkpoint.exchange import (
 from lightning_dgc.checkpoint.rank_files import FileIO
 from lightning_dgc.comm.mesh import across_host_group, mesh_topology, shard_group_ranks, sharded_mesh
 from lightning_dgc.exchange import agreement
+from lightning_dgc.exchange.params import local_shard
 from lightning_dgc.exchange.sharded import exchange_shard
-from lightning_dgc.exchange.state import ExchangeState, local_shard
+from lightning_dgc.exchange.state import ExchangeState
 from lightning_dgc.exchange.takeover import OptimizerTakeOver, check_ranks_agree
 from lightning_dgc.front import sharding
 from lightning_dgc.front.core import ExchangeAccess

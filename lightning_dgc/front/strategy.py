@@ -9,7 +9,6 @@ names with DGC's and DEFT's arguments spelled out (Lightning's CLI builds its sc
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
@@ -22,7 +21,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dgc import comm
@@ -53,6 +51,7 @@ from lightning_dgc.front.core import (
     sparse_gradient_parameters,
 )
 from lightning_dgc.front.registration import register_strategies
+from lightning_dgc.front.trainer_steps import TrainerExchangeSteps
 
 __all__ = [
     "CHECKPOINT_FORMAT", "CHECKPOINT_KEY", "CompressionStrategy", "DEFTStrategy", "DGCStrategy",
@@ -60,48 +59,6 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
-
-
-class TrainerExchangeSteps:
-    """Mixin of a Trainer front door (before its Lightning strategy base, after :class:`ExchangeAccess`): the
-    exchange's step finished right after each backward pass, the optimizer step skipped on every rank when it was not
-    finite, and the rank checks after it."""
-
-    @override
-    def backward(
-        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        """Lightning's backward, with the exchange's step finished right after the backward pass itself.
-
-        So the parameters' ``.grad`` hold the averaged update (and the memory is committed, or left as it
-        was) before ``on_after_backward`` and anything after it reads them, as under DDP.
-        """
-        self.pre_backward(closure_loss)  # type: ignore[attr-defined]
-        assert self.lightning_module is not None  # type: ignore[attr-defined]
-        precision, module = self.precision_plugin, self.lightning_module  # type: ignore[attr-defined]
-        closure_loss = precision.pre_backward(closure_loss, module)
-        self._backward_pass(lambda: precision.backward(closure_loss, module, optimizer, *args, **kwargs))  # type: ignore[attr-defined]
-        closure_loss = precision.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)  # type: ignore[attr-defined]
-        return closure_loss
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        def closure_then_finish() -> Any:
-            result = closure()
-            self._close_step(optimizer)  # type: ignore[attr-defined]
-            return result
-
-        result = super().optimizer_step(optimizer, closure_then_finish, model, **kwargs)  # type: ignore[misc]
-        module = self.lightning_module if self.model is not None else None  # type: ignore[attr-defined]
-        self._after_optimizer_step(module.named_parameters() if module is not None else ())  # type: ignore[attr-defined]
-        return result
 
 
 class CompressionStrategy(RankFileCheckpoints, ExchangeAccess, TrainerExchangeSteps, DDPStrategy):
@@ -373,6 +330,7 @@ class DGCStrategy(CompressionStrategy):
         selection_backend: SelectionBackend = DGCConfig.selection_backend,
         compile_selection: bool | Literal["auto"] = DGCConfig.compile_selection,
         min_compress_numel: int = DGCConfig.min_compress_numel,
+        compress_vectors: bool = DGCConfig.compress_vectors,
         momentum_correction: bool = DGCConfig.momentum_correction,
         momentum: float = DGCConfig.momentum,
         nesterov: bool = DGCConfig.nesterov,
@@ -392,7 +350,8 @@ class DGCStrategy(CompressionStrategy):
         options = {
             "density": density, "sample_ratio": sample_ratio, "selection": selection,
             "selection_backend": selection_backend, "compile_selection": compile_selection,
-            "min_compress_numel": min_compress_numel, "momentum_correction": momentum_correction,
+            "min_compress_numel": min_compress_numel, "compress_vectors": compress_vectors,
+            "momentum_correction": momentum_correction,
             "momentum": momentum, "nesterov": nesterov,
             "momentum_masking": momentum_masking, "local_clip_norm": local_clip_norm, "value_dtype": value_dtype,
             "seed": seed, "min_density": min_density, "auto_every": auto_every,
