@@ -78,6 +78,8 @@ CONFIG_DEVICES = 2  # the CPU configs' ``trainer.devices``
 ALGOS = ("ddp", "dgc", "deft", "powersgd")
 #: the ``light_warmup`` schedule: the paper's warm-up without its first stage (0.25), each later stage twice as long
 LIGHT_WARMUP = (0.0625, 0.0625, 0.015625, 0.015625)
+#: the ``lean_warmup`` schedule (``algo/dgc_lean``): the paper's warm-up without its first stage, one epoch a stage
+LEAN_WARMUP = (0.0625, 0.015625, 0.004)
 #: DGC at density 0.01 with int8 values, the transformer's (AdamW's) variants' CLI arguments
 DENSITY_0_01_INT8 = ("--trainer.strategy.init_args.density", "0.01", "--trainer.strategy.init_args.value_dtype", "int8")
 #: momentum factor masking off (a coordinate keeps its momentum when it is sent)
@@ -211,6 +213,8 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "dgc_updates": ("configs/algo/dgc_updates.yaml", (), False),
     # the recommended DGC as shipped: density 0.01, int8 values, the light warm-up
     "dgc_1pct_int8": ("configs/algo/dgc_1pct_int8.yaml", (), "light_warmup"),
+    # DGC light in bytes: 0.001, int8, every tensor compressed, the paper's warm-up without its first stage
+    "dgc_lean": ("configs/algo/dgc_lean.yaml", (), "lean_warmup"),
     # DDP in fp32, for a bf16 task: what bf16 autocast costs DDP's accuracy
     "ddp_fp32": ("configs/algo/ddp.yaml", ("--trainer.precision", "32-true"), False),
     # DDP with 5x the recipe's weight decay (5e-4, common for short CIFAR schedules): tuning the schedule for DDP
@@ -384,12 +388,17 @@ def callbacks_yaml(algo: str, record_path: Path, epochs: int, checkpoints: Path 
     parts = set(str(schedule).split("+")) if schedule else set()
     if "regimes" in parts:
         lines.append("    - class_path: lightning_dgc.CriticalRegimes")
-    if parts - {"regimes"}:  # a warm-up: the paper's ("True", "warmup"), "short_warmup" or "light_warmup"
+    if parts - {"regimes"}:  # a warm-up: the paper's ("True", "warmup"), "short_warmup", "light_warmup" or "lean_warmup"
         lines.append("    - class_path: lightning_dgc.SparsityWarmup")
-        if epochs < 8 or parts & {"short_warmup", "light_warmup"}:  # its 4 stages over 20% of the run
-            lines += ["      init_args:", "        run_fraction: 0.2"]
+        settings = []
+        if epochs < 8 or parts & {"short_warmup", "light_warmup"}:  # its stages over the first part of the run
+            settings.append(f"        run_fraction: {0.15 if 'lean_warmup' in parts else 0.2}")
         if "light_warmup" in parts:
-            lines.append(f"        densities: {list(LIGHT_WARMUP)}")
+            settings.append(f"        densities: {list(LIGHT_WARMUP)}")
+        if "lean_warmup" in parts:  # per epoch, as the paper's (its three later stages: 15% of a 20-epoch run)
+            settings.append(f"        densities: {list(LEAN_WARMUP)}")
+        if settings:
+            lines += ["      init_args:", *settings]
     if not algo.startswith("ddp"):  # (plain DDP has no compression statistics)
         lines.append("    - class_path: lightning_dgc.CompressionMonitor")
     lines += [
