@@ -110,9 +110,15 @@ class GroupShard:
             offset += numel
 
 
-def exchange_shard(state: ExchangeState, group: GroupShard, shard: Tensor) -> None:
+def exchange_shard(state: ExchangeState, group: GroupShard, shard: Tensor, aliased: bool = False) -> None:
     """Replace ``shard`` (this rank's flat shard of a group's node-mean gradient, FSDP's reduce-scatter output) in
     place by the average across the nodes that ``state``'s algorithm gives (see the module docstring).
+
+    ``aliased``: the sharded parameters' ``.grad`` will be views of ``shard`` (no gradient was there before, and
+    FSDP keeps the reduce dtype). An fp32 shard without padding then waits for ``state.finish_step()`` to be decoded,
+    as a DDP bucket does (:class:`~lightning_dgc.exchange.hook.DeferredDecode`): until then ``.grad`` holds this
+    rank's (compensated) gradient, which the memory's commit reads where it is, with no copy of its own (one shard
+    less at the peak). Otherwise the decode runs here and the commit keeps a copy of the local gradient.
 
     Raises a ``RuntimeError`` that says why when ``shard`` is not laid out as ``group`` (a parameter of the group
     got no gradient in this backward pass); a failed collective raises its
@@ -135,16 +141,30 @@ def exchange_shard(state: ExchangeState, group: GroupShard, shard: Tensor) -> No
     flat = group.compact(shard)
     if scale != 1.0:
         flat = flat.mul_(1.0 / scale) if flat is not shard else flat.mul(1.0 / scale)
+    state.finish_writes_grads = aliased and flat is shard  # the decode may wait (read by the algorithm)
 
     # Steps 2-4: compensate, select, exchange across the nodes.
     work, pending, selection_s = compensate_select_exchange(state, plan, flat)
 
-    # Step 5: decode once the collectives are done, into FSDP's shard.
+    # Step 5: decode once the collectives are done, into FSDP's shard; or, if the algorithm can tell finiteness
+    # first, leave the local gradient there and decode after the memory's commit (step 6).
     for collective in pending:
         collective.wait()
-    update = algorithm.decode(plan, work)
-    state.memory.note_finite(torch.isfinite(update.sum()))
-    group.write(_in_bucket_units(update, shard, scale), shard)
+    finite = algorithm.decoded_finite(plan, work) if state.finish_writes_grads else None
+    deliver = None
+    if finite is not None:
+        state.memory.note_finite(finite)
 
-    # Step 6: the statistics; the memory staged in steps 2-5 commits with the step (state.finish_step()).
-    state.record(algorithm.cost(plan), work, selection_s, [], lambda: shard, shard.device, keep=work.keep)
+        def deliver(_: bool) -> None:
+            update = algorithm.decode(plan, work)
+            if update is not shard:
+                shard.copy_(update)
+    else:
+        update = algorithm.decode(plan, work)
+        state.memory.note_finite(torch.isfinite(update.sum()))
+        group.write(_in_bucket_units(update, shard, scale), shard)
+
+    # Step 6: the statistics; the memory staged in steps 2-5 commits with the step (state.finish_step()), then a
+    # deferred decode writes the averaged update into the shard (the parameters' .grad).
+    state.record(algorithm.cost(plan), work, selection_s, [], lambda: shard, shard.device, keep=work.keep,
+                 deliver=deliver)  # fmt: skip

@@ -112,7 +112,7 @@ class ExchangeState(RegisteredParameters, RandomDraws):
         ``.grad`` the caller reads only after ``finish_step()`` (the strategies ask for it). Never in a
         two-level exchange, whatever was asked: there the algorithm's local gradient is this rank's shard of
         the node's sum, not the bucket, and its decode runs before the all-gather inside the node."""
-        return self._finish_writes_grads and self.topology is None and self.sharded is None
+        return self._finish_writes_grads and self.topology is None
 
     @property
     def nodes(self) -> Topology | None:

@@ -114,6 +114,7 @@ class ShardedExchangeAccess(ExchangeAccess):
         """The exchange state over the sharded parameters, its hook on every FSDP group, the optimizers taken over
         (every rank)."""
         assert self._topology is not None
+        self._align_replicas(module)
         state = self._state
         if state is None or list(state.param_names.values()) != [n for n, _ in named]:
             state = self._state = ExchangeState(self._config, sharded=self._topology)
@@ -123,6 +124,17 @@ class ShardedExchangeAccess(ExchangeAccess):
         for fsdp_module, group in sharding.hooked_groups(module):
             fsdp_module.set_all_reduce_hook(self._shard_hook(state, group))
         self._take_over(named, optimizers)
+
+    def _align_replicas(self, module: torch.nn.Module) -> None:
+        """Every node starts from node 0's shards and every process from rank 0's buffers, as DDP starts every rank
+        from rank 0's model: FSDP2 shards what each process initialised, and nodes that initialised differently
+        (no common seed) would otherwise train replicas that never agree (every rank; a checkpoint loaded later
+        replaces them all alike)."""
+        assert self._topology is not None
+        with torch.no_grad():
+            shards = [local_shard(p.detach()) for p in module.parameters()]
+            comm.broadcast_(shards, src=self._topology.local_rank, group=getattr(self._topology.across, "group", None))
+            comm.broadcast_(list(module.buffers()), src=0)
 
     def _take_over(self, named: Iterable[tuple[str, torch.Tensor]], optimizers: Any) -> None:
         state = self._state
@@ -136,7 +148,8 @@ class ShardedExchangeAccess(ExchangeAccess):
 
         def hook(shard: torch.Tensor) -> None:
             layout = sharding.group_shard(group, state.name_of)
-            self._run_exchange(state, lambda: exchange_shard(state, layout, shard))
+            aliased = sharding.grads_alias_shard(group, shard)
+            self._run_exchange(state, lambda: exchange_shard(state, layout, shard, aliased))
 
         return hook
 

@@ -140,6 +140,15 @@ def group_shard(group: Any, name_of: Callable[[torch.Tensor], str]) -> GroupShar
     return GroupShard(tuple(names), tuple(shapes), tuple(slots))
 
 
+def grads_alias_shard(group: Any, shard: torch.Tensor) -> bool:
+    """Whether FSDP2 will make the group's sharded ``.grad`` views of ``shard`` (its reduce-scatter output), which it
+    does when no parameter of the group holds a gradient yet (else it adds into it) and the shard is in the
+    parameters' dtype (else it casts a copy)."""
+    return shard.dtype == group._orig_dtype and all(
+        fsdp_param.sharded_param.grad is None for fsdp_param in group.fsdp_params
+    )
+
+
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """FSDP2's ``set_requires_gradient_sync`` on every FSDP module under ``module``: off, a backward pass accumulates
     unsharded gradients and runs neither the reduce-scatter nor the exchange (gradient accumulation)."""

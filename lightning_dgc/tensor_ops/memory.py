@@ -111,6 +111,14 @@ class ResidualMemory:
         self.on_host = False
 
     # -- buffers ---------------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes the memory holds: its committed buffers and their scratch (each storage once, however many
+        views of it the parameters have)."""
+        tensors = [t for by_name in self.committed.values() for t in by_name.values()]
+        tensors += [t for t in self._scratch.values()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+        return sum(storages.values())
+
     def has(self, kind: str, name: str) -> bool:
         return name in self.committed.get(kind, {})
 

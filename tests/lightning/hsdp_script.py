@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--samples", type=int, default=512, help="96: an epoch of 3 steps (8 samples x 4 ranks each)")
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--unseeded", action="store_true", help="each process initialises the model from its own seed")
     parser.add_argument("--keep-exchange-state", default="true", help="false: resume_exchange_state=False")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -150,6 +152,8 @@ def main() -> None:
             enable_checkpointing=bool(args.checkpoint_every), enable_progress_bar=False, enable_model_summary=False,
             callbacks=callbacks, use_distributed_sampler=True,
         )  # fmt: skip
+        if args.unseeded:
+            torch.manual_seed(int(os.environ["RANK"]))
         model = Blocks(args.optimizer, args.mp, native=run == "native", checkpointing=args.checkpointing)
         trainer.fit(model, DataLoader(dataset(args.samples), batch_size=8, shuffle=False), ckpt_path=args.resume)
         full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}

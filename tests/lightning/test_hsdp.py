@@ -91,6 +91,16 @@ def test_every_replica_of_every_shard_agrees_and_the_model_trains(tmp_path: Path
     assert ranks[0]["stats"]["compression_ratio"] > 2.0
 
 
+def test_nodes_that_initialise_differently_start_from_node_0s_shards(tmp_path: Path) -> None:
+    """Each process initialises the model from its own seed (FSDP2 shards what each holds): the strategy gives
+    every node node 0's shards before the first step, as DDP gives every rank rank 0's model, so the replicas agree
+    (the rank check after every step would stop ``fit`` otherwise) and train."""
+    _run(tmp_path, "--runs", "dgc_hsdp", "--steps", "4", "--unseeded", "--options", json.dumps(COMPRESSED["dgc_hsdp"]))
+    ranks = _load(tmp_path, "dgc_hsdp")
+    for rank in ranks[1:]:
+        assert all(torch.equal(rank["params"][n], ranks[0]["params"][n]) for n in ranks[0]["params"])
+
+
 def test_resume_is_bit_identical_and_another_layout_is_refused_unless_told(tmp_path: Path) -> None:
     """A checkpoint (torch.distributed.checkpoint's folder, each process's exchange state inside it) resumed at the
     same layout continues bit for bit; on 4 nodes of 1 process the exchange state is refused with the fix, and with
