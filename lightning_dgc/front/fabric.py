@@ -126,9 +126,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         )
         self._module: DistributedDataParallel | None = None
         self._optimizers: list[Optimizer] = []  # set up through this strategy, in order
-        self._taken_over = OptimizerTakeOver(
-            type(self).__name__, lambda name, value: f"{type(self).__name__}({self.algorithm!r}, {name}={value})"
-        )
+        self._taken_over = OptimizerTakeOver(type(self).__name__, f"{type(self).__name__}({self.algorithm!r}, ")
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:
