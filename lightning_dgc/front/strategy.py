@@ -2,7 +2,8 @@
 
 :class:`CompressionStrategy` runs any registered algorithm (:mod:`lightning_dgc.algorithms`); every
 algorithm is registered with Lightning under its name (``Trainer(strategy="dgc")``, ``"deft"``,
-``"powersgd"``, plus ``"<name>_spawn"``). :class:`DGCStrategy` and :class:`DEFTStrategy` are thin
+``"powersgd"``, and the forms Lightning has for DDP: ``"<name>_spawn"``, ``"<name>_notebook"``, ...;
+:mod:`lightning_dgc.front.registration`). :class:`DGCStrategy` and :class:`DEFTStrategy` are thin
 names with DGC's and DEFT's arguments spelled out (Lightning's CLI builds its schema from them).
 """
 
