@@ -59,8 +59,10 @@ def threads_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def one_rank_process_group() -> Iterator[None]:
-    """The test sets up a real process group of one rank (gloo); it is gone after the test."""
+def no_process_group() -> Iterator[None]:
+    """No process group before the test (a one-device fit of an earlier test in this process keeps its own, as a
+    Trainer does) and none after it (the test may set up a real one of one rank)."""
+    lightning_dgc.destroy_process_group()
     try:
         yield
     finally:
@@ -81,7 +83,9 @@ def test_process_group_backend(name: str, backend: str | None, device: str, expe
 
 @pytest.mark.parametrize("timeout", [timedelta(seconds=30), None])
 @pytest.mark.parametrize("name", list(TRAINER))
-def test_the_process_group_gets_the_timeout_and_no_device_on_cpu(name: str, timeout: timedelta | None) -> None:
+def test_the_process_group_gets_the_timeout_and_no_device_on_cpu(
+    name: str, timeout: timedelta | None, no_process_group: None
+) -> None:
     """``test_set_timeout`` and ``test_device_id_passed_for_cuda_devices_pytorch``: ``init_process_group`` is called
     with the strategy's timeout (Lightning's default when none is given) and no ``device_id`` on the CPU."""
     strategy = TRAINER[name](**({"timeout": timeout} if timeout else {}))
@@ -97,7 +101,7 @@ def test_the_process_group_gets_the_timeout_and_no_device_on_cpu(name: str, time
 
 @pytest.mark.parametrize("fn", [TrainerFn.FITTING, TrainerFn.VALIDATING])
 @pytest.mark.parametrize("name", list(TRAINER))
-def test_the_model_is_wrapped_when_fitting_only(name: str, fn: TrainerFn, one_rank_process_group: None) -> None:
+def test_the_model_is_wrapped_when_fitting_only(name: str, fn: TrainerFn, no_process_group: None) -> None:
     """``test_ddp_configure_ddp``: set up for ``fit`` the model is wrapped in DDP with the exchange's state on its
     parameters; for anything else it is left as it is and no exchange is set up. DiLoCo wraps nothing (flat): its outer
     state is what ``fit`` sets up."""
