@@ -22,8 +22,9 @@ no DDP and has one name per algorithm in the Trainer's registry, ``"<name>_hsdp"
 :func:`register_strategies` adds what is missing and nothing else, so it runs wherever a name may be missing:
 right after ``lightning.pytorch`` is imported (the package's import hook, :mod:`lightning_dgc`), at the end of
 each front-door module, and when an outside algorithm is registered (:func:`lightning_dgc.algorithms.register`).
-A front-door module that is still loading (it imports Lightning first, whose import runs the hook) is left
-alone: its own last line registers its names (``register_strategies(__name__)``).
+While a front-door module is still loading (it imports Lightning first, whose import runs the hook) nothing is
+registered, since the doors import one another (the sharded door imports the Trainer's): the loading module's own
+last line registers every name (``register_strategies(__name__)``).
 """
 
 from __future__ import annotations
@@ -79,12 +80,11 @@ def register_strategies(finished: str | None = None) -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
+    if any(name != finished and _loading(name) for name, *_ in FRONT_DOORS):
+        return  # a front door is still loading: it calls this when done
     registries = {"trainer": StrategyRegistry, "fabric": STRATEGY_REGISTRY}
     families = {kind: ddp_family(kind) for kind in registries}
     for module_name, class_name, kind, names in FRONT_DOORS:
-        loading = sys.modules.get(module_name)
-        if module_name != finished and loading is not None and getattr(loading.__spec__, "_initializing", False):
-            continue  # still loading: it calls this when done
         module = importlib.import_module(module_name)
         registry, family = registries[kind], families[kind]
         if names == DILOCO:
@@ -101,6 +101,12 @@ def register_strategies(finished: str | None = None) -> None:
             strategy = getattr(module, typed or class_name)
             fixed = {} if typed else {"algorithm": name}
             _register_family(registry, family, name, strategy, f"{strategy.__name__} ({name})", fixed)
+
+
+def _loading(module_name: str) -> bool:
+    """Whether the module is being imported (its body has not finished running)."""
+    module = sys.modules.get(module_name)
+    return module is not None and bool(getattr(module.__spec__, "_initializing", False))
 
 
 def _register_family(
