@@ -1,4 +1,4 @@
-"""Every strategy pickles, as Lightning's spawn launcher needs (it pickles the Trainer, with its strategy, into each
+"""Every strategy pickles (the sharded ones too), as Lightning's spawn launcher needs (it pickles the Trainer, with its strategy, into each
 process it starts), ``Trainer(strategy="dgc_spawn")`` fits with 2 CPU processes, and so does DiLoCo with forked ones.
 
 The fits run ``spawn_script.py`` as a subprocess of the test, which Lightning's launcher starts the ranks from (under
@@ -20,6 +20,8 @@ import torch
 
 import lightning_dgc
 from lightning_dgc import PowerSGDConfig
+from lightning_dgc.front.hsdp import HSDPCompressionStrategy
+from lightning_dgc.front.hsdp_fabric import FabricHSDPCompressionStrategy
 from tests.lightning.run import params, results, run_script
 from tests.lightning.spawn_script import SEED
 
@@ -33,12 +35,21 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
     "DiLoCoStrategy": lambda: lightning_dgc.DiLoCoStrategy(sync_every=3, algorithm="dgc", density=0.01),
     "FabricCompressionStrategy": lambda: lightning_dgc.FabricCompressionStrategy("deft", density=0.02),
     "FabricDiLoCoStrategy": lambda: lightning_dgc.FabricDiLoCoStrategy(sync_every=3, outer_lr=0.5),
+    "HSDPCompressionStrategy": lambda: HSDPCompressionStrategy("powersgd", matrix_approximation_rank=2),
+    "FabricHSDPCompressionStrategy": lambda: FabricHSDPCompressionStrategy(
+        "dgc", density=0.01, sharded_modules={torch.nn.Linear}
+    ),
 }
 
 
 def _settings(strategy: Any) -> dict[str, Any]:
-    """What a strategy was built with: the algorithm's configuration or DiLoCo's settings, and DDP's arguments."""
-    settings = {"config": strategy._config, "ddp": strategy._ddp_kwargs, "start_method": strategy._start_method}
+    """What a strategy was built with: the algorithm's configuration or DiLoCo's settings, and DDP's arguments (the
+    sharded strategies have none)."""
+    settings = {
+        "config": strategy._config,
+        "ddp": getattr(strategy, "_ddp_kwargs", None),
+        "start_method": getattr(strategy, "_start_method", None),
+    }
     if hasattr(strategy, "settings"):
         settings["outer"] = strategy.settings
     if hasattr(strategy, "_taken_over"):
