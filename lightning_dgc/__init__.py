@@ -1,8 +1,8 @@
 """lightning-dgc: compressed gradient exchanges (DGC, DEFT, PowerSGD, ...) as PyTorch Lightning strategies.
 
 Importing the package registers every algorithm's strategy name with Lightning (``"dgc"``,
-``"dgc_spawn"``, ``"deft"``, ``"powersgd"``, ...), so ``Trainer(strategy="dgc")`` and
-``Fabric(strategy="dgc")`` work (and ``"diloco"`` through both). The names
+``"deft"``, ``"powersgd"``, ..., each with the forms Lightning has for DDP: ``"dgc_spawn"``, ``"dgc_notebook"``,
+...), so ``Trainer(strategy="dgc")`` and ``Fabric(strategy="dgc")`` work (and ``"diloco"`` through both). The names
 are registered as soon as ``lightning.pytorch`` is imported (at once if it already is): the package
 itself imports Lightning only when a name that needs it is used, so that the pure parts (the
 algorithms, the performance model) load without it.

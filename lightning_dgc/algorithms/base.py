@@ -347,9 +347,9 @@ A = TypeVar("A", bound=type)
 def register(cls: A) -> A:
     """Class decorator: register an :class:`Algorithm` under its ``name``.
 
-    ``Trainer(strategy="<name>")`` (and ``"<name>_spawn"``) then works whatever the import order: if
-    ``lightning.pytorch`` is already imported the strategy names are registered at once, else as soon
-    as it is (see :mod:`lightning_dgc`).
+    ``Trainer(strategy="<name>")`` (and ``"<name>_spawn"``, every form DDP's names have) then works whatever the
+    import order: if ``lightning.pytorch`` is already imported the strategy names are registered at once, else as
+    soon as it is (see :mod:`lightning_dgc`).
     """
     name = cls.name  # type: ignore[attr-defined]
     if name in _REGISTRY and _REGISTRY[name] is not cls:

@@ -53,6 +53,12 @@ class ExchangeStatistics:
         self.last_selection_ms = 0.0  # this rank's selection time in the previous step (DEFT shares it)
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:  # pickled without the lock, which does not pickle; the copy gets its own
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     def request_buildup(self, step: int) -> None:
         """Count the build-up factor in step ``step``."""
         self._buildup_step = step

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -59,14 +59,20 @@ def _unwrapped(optimizer: Any) -> Optimizer:
 class OptimizerTakeOver:
     """The SGD parameter groups whose momentum and weight decay one strategy's exchange applies.
 
-    ``owner`` is the strategy's class name, used in messages; ``spell(name, value)`` writes how the
-    strategy is given a setting, for the fix a message suggests (default: ``Owner(name=value)``).
+    ``owner`` is the strategy's class name, used in messages; ``call`` is how a call of the strategy begins,
+    before the setting a message's fix names (default: ``"Owner("``, for ``Owner(momentum=...)``). Both are
+    strings, not functions, so that the take-over pickles with its strategy (Lightning's spawn launcher
+    pickles the strategy into every process it starts).
     """
 
-    def __init__(self, owner: str, spell: Callable[[str, str], str] | None = None) -> None:
+    def __init__(self, owner: str, call: str | None = None) -> None:
         self.owner = owner
-        self.spell = spell or (lambda name, value: f"{owner}({name}={value})")
+        self.call = call or f"{owner}("
         self.groups: list[_TakenOver] = []
+
+    def spell(self, name: str, value: str) -> str:
+        """How the strategy is given ``name=value``, for the fix a message suggests."""
+        return f"{self.call}{name}={value})"
 
     def __bool__(self) -> bool:
         return bool(self.groups)

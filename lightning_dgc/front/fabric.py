@@ -14,7 +14,8 @@ with the same optimizer take-over (:mod:`lightning_dgc.exchange.takeover`) and t
 * ``fabric.save(path, state)`` writes every rank's memory into its own file beside ``path`` and the user's SGD
   hyper-parameters and momentum into the optimizer's state; ``fabric.load(path, state)`` restores them.
 
-Every algorithm is registered in Fabric's strategy registry under its name, and ``"<name>_spawn"``.
+Every algorithm is registered in Fabric's strategy registry under its name, with the forms Fabric has for DDP
+(``"<name>_spawn"``, ``"<name>_notebook"``, ...; :mod:`lightning_dgc.front.registration`).
 """
 
 from __future__ import annotations
@@ -126,9 +127,7 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         )
         self._module: DistributedDataParallel | None = None
         self._optimizers: list[Optimizer] = []  # set up through this strategy, in order
-        self._taken_over = OptimizerTakeOver(
-            type(self).__name__, lambda name, value: f"{type(self).__name__}({self.algorithm!r}, {name}={value})"
-        )
+        self._taken_over = OptimizerTakeOver(type(self).__name__, f"{type(self).__name__}({self.algorithm!r}, ")
 
     @override
     def setup_module(self, module: Module) -> DistributedDataParallel:

@@ -1,16 +1,30 @@
 """The one place where strategy names are registered with Lightning.
 
-For the Trainer (``Trainer(strategy="dgc")``) and for Fabric (``Fabric(strategy="dgc")``): every registered
-algorithm under its name (``start_method="popen"``) and ``"<name>_spawn"``, and ``"diloco"``. ``"dgc"`` and
-``"deft"`` are the Trainer's :class:`~lightning_dgc.front.strategy.DGCStrategy` and
+Every strategy gets the family of names Lightning registers for its own ``DDPStrategy``, with ``ddp`` replaced by
+the strategy's name, in the Trainer's registry (``Trainer(strategy="dgc")``) and in Fabric's
+(``Fabric(strategy="dgc")``), with the same start method and ``find_unused_parameters`` as its ``ddp`` twin:
+
+* the Trainer's: ``"<name>"`` (``start_method="popen"``), ``"<name>_spawn"``, ``"<name>_fork"``,
+  ``"<name>_notebook"`` (``"fork"``: how a notebook runs several processes),
+  ``"<name>_find_unused_parameters_true"`` / ``"_false"`` and their ``_spawn``, ``_fork`` and ``_notebook``
+  forms (``"<name>_spawn_find_unused_parameters_true"``, ...);
+* Fabric's: ``"<name>"``, ``"<name>_spawn"``, ``"<name>_fork"``, ``"<name>_notebook"`` and
+  ``"<name>_find_unused_parameters_true"``.
+
+``<name>`` is every registered algorithm's (``"dgc"``, ``"deft"``, ``"powersgd"``, an outside one) and
+``"diloco"``. The family is read from Lightning's ``DDPStrategy.register_strategies`` itself, so it follows
+Lightning's. ``"dgc"`` and ``"deft"`` are the Trainer's :class:`~lightning_dgc.front.strategy.DGCStrategy` and
 :class:`~lightning_dgc.front.strategy.DEFTStrategy` (typed arguments for the CLI); any other algorithm is
-:class:`~lightning_dgc.front.strategy.CompressionStrategy` with ``algorithm=<name>``.
+:class:`~lightning_dgc.front.strategy.CompressionStrategy` with ``algorithm=<name>``. A sharded model's strategy is
+no DDP and has one name per algorithm in the Trainer's registry, ``"<name>_hsdp"``
+(:class:`~lightning_dgc.front.hsdp.HSDPCompressionStrategy`).
 
 :func:`register_strategies` adds what is missing and nothing else, so it runs wherever a name may be missing:
 right after ``lightning.pytorch`` is imported (the package's import hook, :mod:`lightning_dgc`), at the end of
 each front-door module, and when an outside algorithm is registered (:func:`lightning_dgc.algorithms.register`).
-A front-door module that is still loading (it imports Lightning first, whose import runs the hook) is left
-alone: its own last line registers its names (``register_strategies(__name__)``).
+While a front-door module is still loading (it imports Lightning first, whose import runs the hook) nothing is
+registered, since the doors import one another (the sharded door imports the Trainer's): the loading module's own
+last line registers every name (``register_strategies(__name__)``).
 """
 
 from __future__ import annotations
@@ -36,6 +50,28 @@ SHARDED = "_hsdp"
 #: The Trainer's strategies with the algorithm's settings as typed arguments (the rest take ``algorithm=``).
 TYPED = {"dgc": "DGCStrategy", "deft": "DEFTStrategy"}
 DILOCO = "diloco"
+#: The prefix of Lightning's DDP names; the rest of each name (``"_spawn"``, ...) is kept.
+DDP = "ddp"
+
+
+class _Recorded(dict):
+    """A stand-in registry that keeps what a strategy class's ``register_strategies`` registers: name -> arguments."""
+
+    def register(self, name: str, strategy: Any = None, description: str | None = None, **init_params: Any) -> None:
+        self[name] = init_params
+
+
+def ddp_family(kind: str) -> dict[str, dict[str, Any]]:
+    """The names Lightning registers for its own ``DDPStrategy`` in the Trainer's (``kind="trainer"``) or Fabric's
+    (``"fabric"``) registry, by what follows ``"ddp"`` (``""``, ``"_spawn"``, ``"_fork_find_unused_parameters_true"``,
+    ...), each with its arguments (``start_method``, ``find_unused_parameters``)."""
+    if kind == "trainer":
+        from lightning.pytorch.strategies import DDPStrategy
+    else:
+        from lightning.fabric.strategies import DDPStrategy
+    recorded = _Recorded()
+    DDPStrategy.register_strategies(recorded)
+    return {name[len(DDP) :]: params for name, params in recorded.items() if name == DDP or name.startswith(f"{DDP}_")}
 
 
 def register_strategies(finished: str | None = None) -> None:
@@ -44,15 +80,15 @@ def register_strategies(finished: str | None = None) -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
+    if any(name != finished and _loading(name) for name, *_ in FRONT_DOORS):
+        return  # a front door is still loading: it calls this when done
     registries = {"trainer": StrategyRegistry, "fabric": STRATEGY_REGISTRY}
+    families = {kind: ddp_family(kind) for kind in registries}
     for module_name, class_name, kind, names in FRONT_DOORS:
-        loading = sys.modules.get(module_name)
-        if module_name != finished and loading is not None and getattr(loading.__spec__, "_initializing", False):
-            continue  # still loading: it calls this when done
         module = importlib.import_module(module_name)
-        registry = registries[kind]
+        registry, family = registries[kind], families[kind]
         if names == DILOCO:
-            _register(registry, DILOCO, getattr(module, class_name), "DiLoCo: local steps, outer Nesterov SGD", {})
+            _register_family(registry, family, DILOCO, getattr(module, class_name), "DiLoCo", {})
             continue
         if names == "sharded":
             for name in algorithms.registered():
@@ -64,9 +100,23 @@ def register_strategies(finished: str | None = None) -> None:
             typed = TYPED.get(name) if kind == "trainer" else None
             strategy = getattr(module, typed or class_name)
             fixed = {} if typed else {"algorithm": name}
-            for registered, start_method in ((name, "popen"), (f"{name}_spawn", "spawn")):
-                description = f"{strategy.__name__} ({name}), start_method '{start_method}'"
-                _register(registry, registered, strategy, description, {**fixed, "start_method": start_method})
+            _register_family(registry, family, name, strategy, f"{strategy.__name__} ({name})", fixed)
+
+
+def _loading(module_name: str) -> bool:
+    """Whether the module is being imported (its body has not finished running)."""
+    module = sys.modules.get(module_name)
+    return module is not None and bool(getattr(module.__spec__, "_initializing", False))
+
+
+def _register_family(
+    registry: Any, family: dict[str, dict[str, Any]], name: str, strategy: type, what: str, fixed: dict[str, Any]
+) -> None:
+    """``name`` and each of its DDP-like forms (``family``), for ``strategy`` with ``fixed`` arguments besides."""
+    for suffix, ddp_params in family.items():
+        settings = ", ".join(f"{key}={value!r}" for key, value in ddp_params.items())
+        description = f"{what}, as '{DDP}{suffix}': {settings}"
+        _register(registry, f"{name}{suffix}", strategy, description, {**fixed, **ddp_params})
 
 
 def _register(registry: Any, name: str, strategy: type, description: str, init_params: dict[str, Any]) -> None:

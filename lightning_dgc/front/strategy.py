@@ -1,8 +1,8 @@
 """Lightning glue: one strategy keeps Lightning's DDP wrapper and swaps the gradient exchange.
 
-:class:`CompressionStrategy` runs any registered algorithm (:mod:`lightning_dgc.algorithms`); every
-algorithm is registered with Lightning under its name (``Trainer(strategy="dgc")``, ``"deft"``,
-``"powersgd"``, plus ``"<name>_spawn"``). :class:`DGCStrategy` and :class:`DEFTStrategy` are thin
+:class:`CompressionStrategy` runs any registered algorithm (:mod:`lightning_dgc.algorithms`); every algorithm is
+registered with Lightning under its name (``Trainer(strategy="dgc")``, ``"deft"``, ``"powersgd"``, with the forms DDP
+has: ``"dgc_spawn"``, ``"dgc_notebook"``, ...). :class:`DGCStrategy` and :class:`DEFTStrategy` are thin
 names with DGC's and DEFT's arguments spelled out (Lightning's CLI builds its schema from them).
 """
 

@@ -75,7 +75,8 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
     One model per strategy. Arguments: those of :class:`~lightning_dgc.DiLoCoStrategy` (``sync_every``,
     ``outer_lr``, ``outer_momentum``, ``outer_nesterov``, ``algorithm``, ``options`` or the algorithm's settings as
     keyword arguments, ``offload``, ``max_consecutive_skips``, ``hierarchical``, ``fragments``,
-    ``overlap_steps``, ``mixing``) and those of Fabric's ``DDPStrategy`` but DDP's own.
+    ``overlap_steps``, ``mixing``, ``find_unused_parameters``) and those of Fabric's ``DDPStrategy`` but DDP's
+    other arguments.
     """
 
     set_up_by = "`fabric.setup(model, ...)`"
@@ -102,6 +103,7 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
         # Validated before anything else, so that a bad value fails at construction, on the launching process.
@@ -112,7 +114,7 @@ class FabricDiLoCoStrategy(OuterAccess, DDPStrategy):
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
-            timeout=timeout, start_method=start_method,
+            timeout=timeout, start_method=start_method, find_unused_parameters=find_unused_parameters,
         )  # fmt: skip
         self._backward_sync_control = _NothingToSync()
         self._module: Module | None = None

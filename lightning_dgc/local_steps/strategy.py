@@ -90,7 +90,10 @@ class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
         overlap_steps: optimizer steps a fragment's exchange runs behind the inner steps before its answer is
             merged (0: wait at once; below ``sync_every``).
         mixing: with ``overlap_steps``, the merge ``local := mixing * local + (1 - mixing) * global``.
-        **kwargs: the algorithm's settings. DDP's own arguments are refused: the model is not wrapped in DDP, or
+        find_unused_parameters: DDP's argument, for the DDP inside each node of a hierarchical run (a flat run wraps
+            the model in no DDP, so a parameter may go unused anyway). It is what
+            ``"diloco_find_unused_parameters_true"`` sets, as ``"ddp_find_unused_parameters_true"`` does for DDP.
+        **kwargs: the algorithm's settings. DDP's other arguments are refused: the model is not wrapped in DDP, or
             only inside the node.
     """
 
@@ -118,6 +121,7 @@ class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
         **kwargs: Any,
     ) -> None:
         # Validated before anything else, so that a bad value fails at construction, on the launching process.
@@ -129,6 +133,7 @@ class DiLoCoStrategy(RankFileCheckpoints, OuterAccess, DDPStrategy):
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
             process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            find_unused_parameters=find_unused_parameters,
         )  # fmt: skip
         self._entry: dict[str, Any] | None = None  # the checkpoint's DiLoCo entry, restored in setup()
         self._inner_optimizer_states: list[Any] | None = None  # this rank's, from its rank file

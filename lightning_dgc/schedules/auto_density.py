@@ -217,6 +217,12 @@ class ExchangeRecorder:
         self._calls: list[list[float]] = []  # [volume, latency steps, issued, done (nan: not yet)]
         self._on_cuda = False  # whether this step's collectives run on CUDA tensors
 
+    def __getstate__(self) -> dict[str, Any]:  # pickled without the lock, which does not pickle; the copy gets its own
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     def issued(self, collective: str, nbytes: int, pending: Pending) -> None:
         """Note a collective just started; its completion is noted when its future is done (on the host: gloo's
         collectives, and every collective on the CPU; NCCL's complete at launch, see :meth:`device_done`)."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -109,6 +110,12 @@ class ResidualMemory:
         #: Whether a buffer lives in host memory: each step then ends by handing the heap's free pages
         #: back if they grew since the last time (:func:`lightning_dgc.tensor_ops.heap.trim_after_step`).
         self.on_host = False
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled without the lock, which does not pickle; the copy gets its own
+        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
 
     # -- buffers ---------------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -75,8 +75,13 @@ def test_strategy_name_registered_in_any_import_order(first: str) -> None:
     second = "tests.extending.randomk" if first == "lightning.pytorch" else "lightning.pytorch"
     code = (
         f"import {first}; import {second}\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
         "from lightning.pytorch.strategies import StrategyRegistry\n"
-        "assert 'randomk' in StrategyRegistry and 'randomk_spawn' in StrategyRegistry, sorted(StrategyRegistry)\n"
+        "from lightning_dgc.front.registration import ddp_family\n"
+        "names = [f'randomk{s}' for s in ddp_family('trainer')]\n"
+        "missing = [n for n in names if n not in StrategyRegistry]\n"
+        "missing += [f'Fabric: randomk{s}' for s in ddp_family('fabric') if f'randomk{s}' not in STRATEGY_REGISTRY]\n"
+        "assert len(names) == 12 and 'randomk_notebook' in names and not missing, missing\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], env=_environment(), cwd=ROOT, capture_output=True, text=True

@@ -184,7 +184,7 @@ def test_a_plain_ddp_checkpoint_starts_a_round_from_its_weights(tmp_path) -> Non
         ({"outer_momentum": math.inf}, ValueError, "outer_momentum"),
         ({"algorithm": "nope"}, ValueError, "algorithm='dense'"),
         ({"density": 0.1}, TypeError, "no setting of algorithm='dense'"),
-        ({"algorithm": "dgc", "find_unused_parameters": True}, TypeError, "does not wrap the model"),
+        ({"algorithm": "dgc", "static_graph": True}, TypeError, "does not wrap the model"),
         ({"hierarchical": "yes"}, ValueError, "hierarchical must be 'auto', True or False"),
         ({"algorithm": "dgc", "densty": 0.1}, TypeError, "did you mean `density`"),
     ],

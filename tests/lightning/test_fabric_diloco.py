@@ -79,7 +79,7 @@ def test_diloco_is_in_fabrics_registry() -> None:
         {"outer_momentum": math.inf},
         {"algorithm": "nope"},
         {"density": 0.1},
-        {"algorithm": "dgc", "find_unused_parameters": True},
+        {"algorithm": "dgc", "static_graph": True},
         {"algorithm": "dgc", "densty": 0.1},
         {"max_consecutive_skips": -1},
     ],
