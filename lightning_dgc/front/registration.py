@@ -1,7 +1,8 @@
 """The one place where strategy names are registered with Lightning.
 
 For the Trainer (``Trainer(strategy="dgc")``) and for Fabric (``Fabric(strategy="dgc")``): every registered
-algorithm under its name (``start_method="popen"``) and ``"<name>_spawn"``, and ``"diloco"``. ``"dgc"`` and
+algorithm under its name (``start_method="popen"``) and ``"<name>_spawn"``, and ``"diloco"``; for the Trainer, each
+algorithm's ``"<name>_hsdp"`` and ``"diloco_hsdp"`` (sharded models). ``"dgc"`` and
 ``"deft"`` are the Trainer's :class:`~lightning_dgc.front.strategy.DGCStrategy` and
 :class:`~lightning_dgc.front.strategy.DEFTStrategy` (typed arguments for the CLI); any other algorithm is
 :class:`~lightning_dgc.front.strategy.CompressionStrategy` with ``algorithm=<name>``.
@@ -23,19 +24,26 @@ from lightning_dgc import algorithms
 from lightning_dgc.algorithms.base import on_register
 
 #: Every front door: (its module, its class, whose registry: ``"trainer"`` or ``"fabric"``, and its names:
-#: ``"algorithms"``, every registered algorithm's, ``"diloco"``, or ``"sharded"``: every algorithm's ``"<name>_hsdp"``).
+#: ``"algorithms"``, every registered algorithm's, ``"sharded"``: every algorithm's ``"<name>_hsdp"``, or one of
+#: :data:`SINGLE`'s names).
 FRONT_DOORS = (
     ("lightning_dgc.front.strategy", "CompressionStrategy", "trainer", "algorithms"),
     ("lightning_dgc.local_steps.strategy", "DiLoCoStrategy", "trainer", "diloco"),
     ("lightning_dgc.front.fabric", "FabricCompressionStrategy", "fabric", "algorithms"),
     ("lightning_dgc.local_steps.fabric", "FabricDiLoCoStrategy", "fabric", "diloco"),
     ("lightning_dgc.front.hsdp", "HSDPCompressionStrategy", "trainer", "sharded"),
+    ("lightning_dgc.local_steps.hsdp", "HSDPDiLoCoStrategy", "trainer", "diloco_hsdp"),
 )
 #: The suffix of a sharded model's names (``"dgc_hsdp"``: FSDP2 inside the node, DGC across nodes).
 SHARDED = "_hsdp"
 #: The Trainer's strategies with the algorithm's settings as typed arguments (the rest take ``algorithm=``).
 TYPED = {"dgc": "DGCStrategy", "deft": "DEFTStrategy"}
 DILOCO = "diloco"
+#: The front doors registered under one name each, with their descriptions.
+SINGLE = {
+    DILOCO: "DiLoCo: local steps, outer Nesterov SGD",
+    f"{DILOCO}{SHARDED}": "DiLoCo on a sharded model: FSDP2 inside the node, outer steps across nodes on each shard",
+}
 
 
 def register_strategies(finished: str | None = None) -> None:
@@ -51,8 +59,8 @@ def register_strategies(finished: str | None = None) -> None:
             continue  # still loading: it calls this when done
         module = importlib.import_module(module_name)
         registry = registries[kind]
-        if names == DILOCO:
-            _register(registry, DILOCO, getattr(module, class_name), "DiLoCo: local steps, outer Nesterov SGD", {})
+        if names in SINGLE:
+            _register(registry, names, getattr(module, class_name), SINGLE[names], {})
             continue
         if names == "sharded":
             for name in algorithms.registered():
