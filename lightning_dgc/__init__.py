@@ -31,6 +31,7 @@ _EXPORTS = {
     "DGCStrategy": "lightning_dgc.front.strategy",
     "HSDPCompressionStrategy": "lightning_dgc.front.hsdp",
     "DiLoCoStrategy": "lightning_dgc.local_steps.strategy",
+    "HSDPDiLoCoStrategy": "lightning_dgc.local_steps.hsdp",
     "FabricCompressionStrategy": "lightning_dgc.front.fabric",
     "FabricHSDPCompressionStrategy": "lightning_dgc.front.hsdp_fabric",
     "FabricDiLoCoStrategy": "lightning_dgc.local_steps.fabric",

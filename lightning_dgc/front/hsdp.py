@@ -23,7 +23,6 @@ from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_dgc.algorithms import AlgorithmConfig
@@ -117,14 +116,7 @@ class HSDPCompressionStrategy(ShardedExchangeAccess, TrainerExchangeSteps, Model
         every FSDP group's all-reduce."""
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        owner = type(self).__name__
-        if not sharding.fsdp_modules(self.model) and not self.sharded_modules:
-            where = "its configure_model" if is_overridden("configure_model", self.lightning_module) else "it"
-            raise TypeError(
-                f"{owner} shards the model over each node's processes with FSDP2, but"
-                f" {type(self.lightning_module).__name__} was not sharded: add to {where}\n"
-                f"{sharding.CONFIGURE_MODEL_LINES}\nor pass the classes to shard: {owner}(..., sharded_modules={{YourBlock}})."
-            )
+        sharding.not_sharded(self.model, self.lightning_module, self.sharded_modules, type(self).__name__)
         self.model = self._shard_and_check(self.model, self.device_mesh)
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)

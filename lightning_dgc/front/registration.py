@@ -17,7 +17,8 @@ Lightning's. ``"dgc"`` and ``"deft"`` are the Trainer's :class:`~lightning_dgc.f
 :class:`~lightning_dgc.front.strategy.DEFTStrategy` (typed arguments for the CLI); any other algorithm is
 :class:`~lightning_dgc.front.strategy.CompressionStrategy` with ``algorithm=<name>``. A sharded model's strategy is
 no DDP and has one name per algorithm in the Trainer's registry, ``"<name>_hsdp"``
-(:class:`~lightning_dgc.front.hsdp.HSDPCompressionStrategy`).
+(:class:`~lightning_dgc.front.hsdp.HSDPCompressionStrategy`), and ``"diloco_hsdp"``
+(:class:`~lightning_dgc.local_steps.hsdp.HSDPDiLoCoStrategy`).
 
 :func:`register_strategies` adds what is missing and nothing else, so it runs wherever a name may be missing:
 right after ``lightning.pytorch`` is imported (the package's import hook, :mod:`lightning_dgc`), at the end of
@@ -37,19 +38,23 @@ from lightning_dgc import algorithms
 from lightning_dgc.algorithms.base import on_register
 
 #: Every front door: (its module, its class, whose registry: ``"trainer"`` or ``"fabric"``, and its names:
-#: ``"algorithms"``, every registered algorithm's, ``"diloco"``, or ``"sharded"``: every algorithm's ``"<name>_hsdp"``).
+#: ``"algorithms"``, every registered algorithm's, ``"diloco"``, ``"sharded"``: every algorithm's ``"<name>_hsdp"``, or
+#: ``"diloco_hsdp"``: that one name).
 FRONT_DOORS = (
     ("lightning_dgc.front.strategy", "CompressionStrategy", "trainer", "algorithms"),
     ("lightning_dgc.local_steps.strategy", "DiLoCoStrategy", "trainer", "diloco"),
     ("lightning_dgc.front.fabric", "FabricCompressionStrategy", "fabric", "algorithms"),
     ("lightning_dgc.local_steps.fabric", "FabricDiLoCoStrategy", "fabric", "diloco"),
     ("lightning_dgc.front.hsdp", "HSDPCompressionStrategy", "trainer", "sharded"),
+    ("lightning_dgc.local_steps.hsdp", "HSDPDiLoCoStrategy", "trainer", "diloco_hsdp"),
 )
 #: The suffix of a sharded model's names (``"dgc_hsdp"``: FSDP2 inside the node, DGC across nodes).
 SHARDED = "_hsdp"
 #: The Trainer's strategies with the algorithm's settings as typed arguments (the rest take ``algorithm=``).
 TYPED = {"dgc": "DGCStrategy", "deft": "DEFTStrategy"}
 DILOCO = "diloco"
+#: DiLoCo on a sharded model's one name (a sharded model's strategy is no DDP: no family of names).
+DILOCO_SHARDED = f"{DILOCO}{SHARDED}"
 #: The prefix of Lightning's DDP names; the rest of each name (``"_spawn"``, ...) is kept.
 DDP = "ddp"
 
@@ -89,6 +94,10 @@ def register_strategies(finished: str | None = None) -> None:
         registry, family = registries[kind], families[kind]
         if names == DILOCO:
             _register_family(registry, family, DILOCO, getattr(module, class_name), "DiLoCo", {})
+            continue
+        if names == DILOCO_SHARDED:
+            description = "DiLoCo on a sharded model: FSDP2 inside the node, outer steps across nodes on each shard"
+            _register(registry, DILOCO_SHARDED, getattr(module, class_name), description, {})
             continue
         if names == "sharded":
             for name in algorithms.registered():

@@ -20,7 +20,7 @@ from lightning_dgc.checkpoint.exchange import (
     save_exchange_state,
 )
 from lightning_dgc.checkpoint.rank_files import FileIO
-from lightning_dgc.comm.mesh import across_host_group, mesh_topology, shard_group_ranks, sharded_mesh
+from lightning_dgc.comm.mesh import across_host_group
 from lightning_dgc.exchange import agreement
 from lightning_dgc.exchange.params import local_shard
 from lightning_dgc.exchange.sharded import exchange_shard
@@ -80,35 +80,20 @@ class ShardedExchangeAccess(ExchangeAccess):
     def _set_up_nodes(self) -> Any:
         """The ``(replicate, data_parallel, tensor_parallel)`` mesh of the nodes (every rank, once its process group
         is up), the ranks checked: numbered node by node, each node's processes on one host."""
-        owner, nodes = type(self).__name__, self.num_nodes  # type: ignore[attr-defined]
+        owner = type(self).__name__
         comm.destroy_process_group_at_exit()
-        ranks = comm.all_gather_object((self.global_rank, self.node_rank, self.local_rank))  # type: ignore[attr-defined]
-        per_node = comm.check_node_layout(ranks, nodes, f"{owner} (FSDP2 inside each node)", "")  # type: ignore[arg-type]
-        sharding.check_nodes_on_hosts(comm.all_gather_object(comm.host_key()), per_node, owner)  # type: ignore[arg-type]
-        mesh = sharded_mesh(nodes, per_node, self.root_device.type)  # type: ignore[attr-defined]
-        self._topology = mesh_topology(mesh)
+        mesh, self._topology = sharding.node_mesh(self, owner)
         self._across_host_group = across_host_group(self._topology, self.global_rank)  # type: ignore[attr-defined]
         rank_zero_info(
-            f"{owner}: {nodes} node(s) x {per_node} process(es): FSDP2 inside the node, {self.algorithm} across the"
-            " nodes on each process's shard."
+            f"{owner}: {self._topology.nodes} node(s) x {self._topology.per_node} process(es): FSDP2 inside the node,"
+            f" {self.algorithm} across the nodes on each process's shard."
         )
         return mesh
 
     def _shard_and_check(self, module: torch.nn.Module, mesh: Any, shard: Any = None) -> torch.nn.Module:
         """``module`` as the exchange reads it: sharded by ``shard(module, mesh)`` (the user's), by
         ``sharded_modules``, or already (a ``configure_model``), over ``mesh["data_parallel"]``, and checked."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        owner, node = type(self).__name__, mesh["data_parallel"]
-        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            raise TypeError(f"{owner} shards with FSDP2 (`fully_shard`); the model holds FSDP1 modules.")
-        if shard is not None:
-            module = shard(module, mesh)
-        elif not sharding.fsdp_modules(module) and self.sharded_modules:
-            kwargs = {"mp_policy": self.mp_policy} if self.mp_policy is not None else {}
-            sharding.shard_modules(module, self.sharded_modules, node, **kwargs)
-        sharding.check_sharded(module, shard_group_ranks(node.get_group()), owner)
-        return module
+        return sharding.shard_and_check(module, mesh, type(self).__name__, self.sharded_modules, self.mp_policy, shard)
 
     def _set_up_exchange(self, module: torch.nn.Module, named: list[tuple[str, torch.Tensor]], optimizers: Any) -> None:
         """The exchange state over the sharded parameters, its hook on every FSDP group, the optimizers taken over

@@ -17,11 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_dgc.comm.mesh import shard_group_ranks
+from lightning_dgc import comm
+from lightning_dgc.comm.mesh import mesh_topology, shard_group_ranks, sharded_mesh
 from lightning_dgc.exchange.sharded import GroupShard
 
 __all__ = [
-    "CONFIGURE_MODEL_LINES", "check_nodes_on_hosts", "check_sharded", "fsdp_modules", "group_shard", "set_gradient_sync", "shard_modules",
+    "CONFIGURE_MODEL_LINES", "check_nodes_on_hosts", "check_sharded", "fsdp_modules", "group_shard", "node_mesh",
+    "not_sharded", "set_gradient_sync", "shard_and_check", "shard_modules",
 ]  # fmt: skip
 
 #: The lines a LightningModule adds to shard itself over the node (shown by the error for a module without them).
@@ -79,7 +81,7 @@ def check_sharded(module: nn.Module, node_ranks: list[int], owner: str) -> None:
         if isinstance(group.mesh_info, DDPMeshInfo):
             raise ValueError(
                 f"{owner}: a module ({where}) was sharded on a mesh of two dimensions (HSDP), whose own all-reduce"
-                f" across the nodes would run besides the compressed exchange.{fix}"
+                f" across the nodes would run at every step besides the strategy's own exchange.{fix}"
             )
         ranks = shard_group_ranks(group.mesh_info.shard_process_group)
         if ranks != node_ranks:
@@ -111,6 +113,55 @@ def check_sharded(module: nn.Module, node_ranks: list[int], owner: str) -> None:
             " average their gradients. Apply `fully_shard` to the module itself after its blocks, which takes"
             " every parameter not yet sharded:\n" + CONFIGURE_MODEL_LINES
         )
+
+
+def node_mesh(strategy: Any, owner: str) -> tuple[Any, comm.Topology]:
+    """The ``(replicate, data_parallel, tensor_parallel)`` mesh of a sharded door's nodes
+    (:func:`~lightning_dgc.comm.mesh.sharded_mesh`) and this rank's view of it, once the ranks are checked: numbered
+    node by node, each node's processes on one host. ``strategy`` has Lightning's ``num_nodes``, ``global_rank``,
+    ``node_rank``, ``local_rank`` and ``root_device``; every rank calls this once its process group is up."""
+    nodes = strategy.num_nodes
+    ranks = comm.all_gather_object((strategy.global_rank, strategy.node_rank, strategy.local_rank))
+    per_node = comm.check_node_layout(ranks, nodes, f"{owner} (FSDP2 inside each node)", "")  # type: ignore[arg-type]
+    check_nodes_on_hosts(comm.all_gather_object(comm.host_key()), per_node, owner)  # type: ignore[arg-type]
+    mesh = sharded_mesh(nodes, per_node, strategy.root_device.type)
+    return mesh, mesh_topology(mesh)
+
+
+def not_sharded(model: nn.Module, lightning_module: Any, sharded_modules: tuple[type, ...], owner: str) -> None:
+    """A ``TypeError`` that shows the lines to add when the Trainer's ``model`` was not sharded by its
+    ``configure_model`` and no ``sharded_modules`` are given to shard it."""
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    if fsdp_modules(model) or sharded_modules:
+        return
+    where = "its configure_model" if is_overridden("configure_model", lightning_module) else "it"
+    raise TypeError(
+        f"{owner} shards the model over each node's processes with FSDP2, but {type(lightning_module).__name__} was"
+        f" not sharded: add to {where}\n{CONFIGURE_MODEL_LINES}\nor pass the classes to shard:"
+        f" {owner}(..., sharded_modules={{YourBlock}})."
+    )
+
+
+def shard_and_check(
+    module: nn.Module, mesh: Any, owner: str, sharded_modules: tuple[type, ...] = (), mp_policy: Any = None,
+    shard: Callable[[nn.Module, Any], nn.Module] | None = None,
+) -> nn.Module:  # fmt: skip
+    """``module`` sharded over ``mesh["data_parallel"]`` (the node) and checked (:func:`check_sharded`): by
+    ``shard(module, mesh)`` (the user's), by ``sharded_modules`` (with ``mp_policy``), or already (a
+    ``configure_model``). FSDP1 modules are refused."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    node = mesh["data_parallel"]
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError(f"{owner} shards with FSDP2 (`fully_shard`); the model holds FSDP1 modules.")
+    if shard is not None:
+        module = shard(module, mesh)
+    elif not fsdp_modules(module) and sharded_modules:
+        kwargs = {"mp_policy": mp_policy} if mp_policy is not None else {}
+        shard_modules(module, sharded_modules, node, **kwargs)
+    check_sharded(module, shard_group_ranks(node.get_group()), owner)
+    return module
 
 
 def check_nodes_on_hosts(host_keys: list[float], per_node: int, owner: str) -> None:

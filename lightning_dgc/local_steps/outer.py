@@ -85,7 +85,7 @@ class OuterStep:
         self.node = node
         #: Whether this rank exchanges across the nodes (the first of its node; every rank in a flat run).
         self.leader = node is None or node.rank == 0
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        named = [(n, p) for n, p in named_parameters if self.trains(p)]
         if not named:
             raise ValueError("DiLoCo needs a model with at least one parameter that requires a gradient.")
         self.names = [n for n, _ in named]
@@ -122,6 +122,11 @@ class OuterStep:
         self.exchanged_this_step = False
         self.step_bytes_sent = 0
         self.step_link_bytes = 0.0
+
+    @staticmethod
+    def trains(param: Tensor) -> bool:
+        """Whether ``param`` (one of ``named_parameters``) takes part: those that require a gradient."""
+        return param.requires_grad
 
     @property
     def algorithm(self) -> str:
@@ -418,10 +423,11 @@ class OuterStep:
         self.last_exchange = dict(state.get("last_exchange", {}))
 
 
-def check_same_everywhere(outer: OuterStep, owner: str) -> None:
-    """Raise on every rank if the ranks were given other outer settings (instead of hanging at the first outer step)."""
+def check_same_everywhere(outer: OuterStep, owner: str, names: list[str] | None = None) -> None:
+    """Raise on every rank if the ranks were given other outer settings (instead of hanging at the first outer step);
+    ``names``: the model's trained parameters, where a rank's :attr:`OuterStep.names` are those it holds values of."""
     config = outer.exchange_state.config.fingerprint(()) if outer.exchange_state is not None else None
-    mine = (asdict(outer.settings), outer.algorithm, config, outer.names)
+    mine = (asdict(outer.settings), outer.algorithm, config, outer.names if names is None else names)
     everyone = comm.all_gather_object(mine)
     if any(other != mine for other in everyone):
         raise ValueError(
