@@ -399,7 +399,7 @@ def callbacks_yaml(algo: str, record_path: Path, epochs: int, checkpoints: Path 
             settings.append(f"        densities: {list(LEAN_WARMUP)}")
         if settings:
             lines += ["      init_args:", *settings]
-    if not algo.startswith("ddp"):  # (plain DDP has no compression statistics)
+    if not algo.startswith("ddp") and algo != "native_hsdp":  # (plain DDP and HSDP have no compression statistics)
         lines.append("    - class_path: lightning_dgc.CompressionMonitor")
     lines += [
         "    - class_path: benchmarks.common.RunRecorder",

@@ -17,34 +17,37 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.strategies import ModelParallelStrategy
+
 from benchmarks import common
 
 NODES, PER_NODE = 2, 2
 
 
 def native_hsdp_strategy() -> Any:
-    """Native HSDP over :data:`NODES` x :data:`PER_NODE` (a :class:`NativeHSDPStrategy`)."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    from lightning_dgc.comm.mesh import sharded_mesh
-
-    class NativeHSDPStrategy(ModelParallelStrategy):
-        """FSDP2 inside the node, FSDP2's own HSDP all-reduce across the nodes (the baseline)."""
-
-        def __init__(self) -> None:
-            super().__init__(data_parallel_size=NODES * PER_NODE, tensor_parallel_size=1)
-
-        def setup_environment(self) -> None:
-            self._setup_distributed()
-            mesh = sharded_mesh(self.num_nodes, self.world_size // self.num_nodes, self.root_device.type)
-            self._device_mesh = mesh
-            self.lightning_module._device_mesh = _HSDPView(mesh)
-
-        @property
-        def distributed_sampler_kwargs(self) -> dict[str, Any]:
-            return {"num_replicas": self.world_size, "rank": self.global_rank}
-
+    """Native HSDP over the nodes of the run (a :class:`NativeHSDPStrategy`)."""
     return NativeHSDPStrategy()
+
+
+class NativeHSDPStrategy(ModelParallelStrategy):
+    """FSDP2 inside the node, FSDP2's own HSDP all-reduce across the nodes (the baseline; ``benchmarks/native_hsdp.yaml``
+    for the recipes' command line)."""
+
+    def __init__(self) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1)
+
+    def setup_environment(self) -> None:
+        from lightning_dgc.comm.mesh import sharded_mesh
+
+        self._setup_distributed()
+        mesh = sharded_mesh(self.num_nodes, self.world_size // self.num_nodes, self.root_device.type)
+        self._device_mesh = mesh
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = _HSDPView(mesh)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
 
 
 class _HSDPView:

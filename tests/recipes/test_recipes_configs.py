@@ -29,6 +29,8 @@ DILOCO = {"diloco": (10, 0.7, 0.9, "dense", None), "diloco_dgc": (10, 0.7, 0.9, 
 STREAMING = {"diloco_streaming": (5, 1, 0.5)}
 #: The sharded models' configs (FSDP2 inside the node): their algorithm and its density (``None``: it has none).
 SHARDED = {"dgc_hsdp": ("dgc", 0.01), "deft_hsdp": ("deft", 0.001), "powersgd_hsdp": ("powersgd", None)}
+#: DiLoCo on a sharded model: sync_every, outer_lr, outer_momentum, algorithm
+SHARDED_DILOCO = {"diloco_hsdp": (10, 0.7, 0.9, "dense")}
 #: The densities of the algorithm YAMLs that set one other than DGC's 0.001.
 DENSITIES = {"dgc_adamw": 0.01, "dgc_1pct_int8": 0.01}
 #: The lightning_dgc classes the algorithm YAMLs may name (the package's public API).
@@ -38,6 +40,7 @@ LIGHTNING_DGC_NAMES = {
     "DEFTStrategy",
     "DiLoCoStrategy",
     "HSDPCompressionStrategy",
+    "HSDPDiLoCoStrategy",
     "SparsityWarmup",
     "CriticalRegimes",
     "CompressionMonitor",
@@ -102,6 +105,12 @@ def test_config_pair_parses(task: str, algorithm: str | None) -> None:
         assert config["trainer"]["strategy"]["class_path"] == "lightning_dgc.HSDPCompressionStrategy"
         assert (init_args["algorithm"], (init_args["options"] or {}).get("density")) == SHARDED[algorithm]
         return
+    elif algorithm in SHARDED_DILOCO:
+        init_args = config["trainer"]["strategy"]["init_args"]
+        assert config["trainer"]["strategy"]["class_path"] == "lightning_dgc.HSDPDiLoCoStrategy"
+        got = (init_args["sync_every"], init_args["outer_lr"], init_args["outer_momentum"], init_args["algorithm"])
+        assert got == SHARDED_DILOCO[algorithm]
+        return
     elif algorithm in DILOCO:  # local steps: no gradient exchange
         init_args = config["trainer"]["strategy"]["init_args"]
         assert config["trainer"]["strategy"]["class_path"] == "lightning_dgc.DiLoCoStrategy"
@@ -136,6 +145,8 @@ def test_cpu_config_pair_instantiates(task: str, algorithm: str | None, tmp_path
     if algorithm in SHARDED:
         assert type(cli.trainer.strategy).__name__ == "HSDPCompressionStrategy"
         assert cli.trainer.strategy.algorithm == SHARDED[algorithm][0]
+    elif algorithm in SHARDED_DILOCO:
+        assert type(cli.trainer.strategy).__name__ == "HSDPDiLoCoStrategy"
     elif algorithm is not None:
         assert isinstance(cli.trainer.strategy, DDPStrategy)
         if algorithm in DILOCO:
@@ -182,5 +193,5 @@ def test_an_unknown_config_name_lists_the_builtin_names_on_the_command_line(valu
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"`--config {value}`: no such file" in proc.stderr and f"Did you mean `{closest}`?" in proc.stderr
-    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_1pct_int8, algo/dgc_adamw, algo/dgc_hsdp, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
+    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_1pct_int8, algo/dgc_adamw, algo/dgc_hsdp, algo/dgc_lean, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
     assert "Traceback" not in proc.stderr and "File does not exist" not in proc.stderr
