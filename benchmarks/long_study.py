@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-root", default=str(common.REPO.parent / "shared" / "data"))
     parser.add_argument("--list", action="store_true", help="list the runs and which are finished")
     parser.add_argument("--report-only", action="store_true", help="rebuild every study's report, train nothing")
+    parser.add_argument("--stop-after", default=None, metavar="STUDY:SEED:ALGO",
+                        help="stop once this run is done (to train something else before the rest)")
     args = parser.parse_args(argv)
     con = common.console()
     if args.list:
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             code |= parity.main([*s.arguments([seed], [algo]), "--data-root", args.data_root])
             report(s, args.data_root)  # the study's report again: the run's own call wrote it for that run alone
             write_length(length_summary())
+            if args.stop_after == f"{name}:{seed}:{algo}":
+                break
     for s in STUDIES:
         report(s, args.data_root)
     write_length(length_summary())
