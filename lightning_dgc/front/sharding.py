@@ -22,7 +22,7 @@ from lightning_dgc.comm.mesh import mesh_topology, shard_group_ranks, sharded_me
 from lightning_dgc.exchange.sharded import GroupShard
 
 __all__ = [
-    "CONFIGURE_MODEL_LINES", "check_nodes_on_hosts", "check_sharded", "fsdp_modules", "group_shard", "node_mesh",
+    "CONFIGURE_MODEL_LINES", "check_nodes_on_hosts", "check_reduce", "check_sharded", "fsdp_modules", "group_shard", "node_mesh",
     "not_sharded", "set_gradient_sync", "shard_and_check", "shard_modules",
 ]  # fmt: skip
 
@@ -113,6 +113,29 @@ def check_sharded(module: nn.Module, node_ranks: list[int], owner: str) -> None:
             " average their gradients. Apply `fully_shard` to the module itself after its blocks, which takes"
             " every parameter not yet sharded:\n" + CONFIGURE_MODEL_LINES
         )
+
+
+def check_reduce(module: nn.Module, owner: str) -> None:
+    """A ``ValueError`` naming the fix unless every FSDP group hands its all-reduce hook the node's mean gradient:
+    FSDP2 averages in the reduce-scatter itself for fp32 and bf16 reduces, but scales an fp16 reduce (or one with
+    ``set_gradient_divide_factor``, or sums only) before and after it, the second time after the hook."""
+    import torch
+
+    for fsdp_module in fsdp_modules(module):
+        group = param_group(fsdp_module)
+        if group is None:
+            continue
+        reduces = {p.mp_policy.reduce_dtype or p.mp_policy.param_dtype or p.sharded_param.dtype
+                   for p in group.fsdp_params if p.sharded_param.requires_grad}  # FSDP2's rule, before its lazy init
+        reduce = next(iter(reduces), torch.float32)
+        if (reduce not in (torch.float32, torch.bfloat16) or group.gradient_divide_factor is not None
+                or group.force_sum_reduction_for_comms):  # fmt: skip
+            raise ValueError(
+                f"{owner}: a module ({type(fsdp_module).__name__}) reduces its gradients in {reduce}"
+                " or with a divide factor of its own, which FSDP2 applies after the exchange's hook. Reduce in"
+                " fp32 or bf16: `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32)` in `fully_shard`,"
+                " and leave `set_gradient_divide_factor` and `set_force_sum_reduction_for_comms` unset."
+            )
 
 
 def node_mesh(strategy: Any, owner: str) -> tuple[Any, comm.Topology]:
