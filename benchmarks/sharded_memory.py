@@ -168,3 +168,21 @@ def summarize(ranks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     raise SystemExit(main())
+
+
+def sentence(record: dict[str, Any] | None = None) -> str:
+    """The docs' sentence on memory per process, from ``results/sharded_memory.json``."""
+    record = record or json.loads((common.RESULTS / "sharded_memory.json").read_text())
+    rows, against = record["strategies"], record["against_dgc"]
+
+    def verdict(figure: str) -> str:
+        v = against[figure]
+        return f"{v['ratio']:.2f}x; target at most {v['target']}x: {'met' if v['met'] else 'missed'}"
+
+    return (
+        f"each process's exchange state is {rows['dgc_hsdp']['exchange_state_model_sizes']:.2f} model sizes under"
+        f" `dgc_hsdp` against {rows['dgc']['exchange_state_model_sizes']:.2f} under `dgc` ({verdict('exchange_state')}),"
+        f" and its training peak {rows['dgc_hsdp']['training_peak_model_sizes']:.2f} model sizes against"
+        f" {rows['dgc']['training_peak_model_sizes']:.2f} ({verdict('training_peak')}); native HSDP's peak is"
+        f" {rows['native_hsdp']['training_peak_model_sizes']:.2f} and DDP's {rows['ddp']['training_peak_model_sizes']:.2f}"
+    )  # fmt: skip
