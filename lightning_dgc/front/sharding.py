@@ -12,6 +12,7 @@ gradient synchronisation for accumulation (:func:`set_gradient_sync`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from lightning_dgc.exchange.sharded import GroupShard
 
 __all__ = [
     "CONFIGURE_MODEL_LINES", "check_nodes_on_hosts", "check_reduce", "check_sharded", "fsdp_modules", "group_shard", "node_mesh",
-    "not_sharded", "set_gradient_sync", "shard_and_check", "shard_modules",
+    "no_gradient_sync", "not_sharded", "set_gradient_sync", "shard_and_check", "shard_modules",
 ]  # fmt: skip
 
 #: The lines a LightningModule adds to shard itself over the node (shown by the error for a module without them).
@@ -228,6 +229,21 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     unsharded gradients and runs neither the reduce-scatter nor the exchange (gradient accumulation)."""
     for fsdp_module in fsdp_modules(module):
         fsdp_module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module | None) -> Iterator[None]:
+    """Gradient sync off inside the block (:func:`set_gradient_sync`), on again after it: a sharded door's
+    ``block_backward_sync``, which Lightning enters for the micro-steps of gradient accumulation (``module`` without
+    FSDP2 modules, or ``None``: nothing)."""
+    if module is None or not fsdp_modules(module):
+        yield
+        return
+    set_gradient_sync(module, False)
+    try:
+        yield
+    finally:
+        set_gradient_sync(module, True)
 
 
 def hooked_groups(module: nn.Module) -> Iterator[tuple[Any, Any]]:

@@ -218,14 +218,8 @@ class HSDPDiLoCoStrategy(OuterAccess, ModelParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: FSDP2 keeps the micro-steps' gradients unsharded, without its reduce-scatter; the
         step's last backward pass runs it once, on their sum."""
-        if self.model is None or not sharding.fsdp_modules(self.model):
+        with sharding.no_gradient_sync(self.model):
             yield None
-            return
-        sharding.set_gradient_sync(self.model, False)
-        try:
-            yield None
-        finally:
-            sharding.set_gradient_sync(self.model, True)
 
     @override
     def optimizer_step(
