@@ -402,3 +402,29 @@ def test_the_paper_s_ratios_stand_in_one_table_that_other_pages_link_to() -> Non
             assert not [r for r in paper if re.search(rf"(?<![\d,.]){re.escape(r)}", page.read_text())], page.name
     for page, link in (("README.md", "docs/algorithms/dgc.md#compression-against-the-papers"),):
         assert link in _text(page)
+
+
+def test_the_deft_page_s_bytes_at_2_and_8_workers_are_the_guide_s() -> None:
+    """The figures of the guide's generated sentence stand on the DEFT page too: 131 kB a step at 2 workers
+    ("twice DGC's"), 422 at 8 (its table)."""
+    from benchmarks import doc_claims
+
+    deft, dgc = doc_claims.growth()["DEFT"], _summary("parity_seeds_cifar2")["dgc"]
+    text = _text("docs/algorithms/deft.md")
+    assert f"its link carried twice DGC's bytes averaged over the run ({deft['kb_2']:.0f} against" \
+        f" {dgc['link_kb_per_step']:.0f} kB per step)" in text
+    assert 1.75 <= deft["kb_2"] / dgc["link_kb_per_step"] <= 2.25  # "twice"
+    (row,) = [line for line in (ROOT / "docs/algorithms/deft.md").read_text().splitlines()
+              if line.startswith("| deft (`algo/deft`: budget `dgc_link`, compact wire) |")]  # fmt: skip
+    assert _cells(row)[-1] == f"{deft['kb_8']:,.0f}"
+
+
+def test_the_readme_gives_algo_deft_dgc_s_optimizer_rules_where_it_corrects_momentum() -> None:
+    """`algo/deft` turns momentum correction on (SGD's momentum taken over): its optimizer cell is not "any"."""
+    from tests.test_readme import _init_args
+
+    corrects = _init_args("deft")["momentum_correction"]
+    (label,) = [label for label in _readme_which_rows() if label.startswith("optimizer")]
+    cell = _readme_which_rows()[label][1]
+    assert (cell == "as DGC (momentum correction on)") == corrects and (cell == "any") == (not corrects), cell
+    assert "`DEFTStrategy(momentum_correction=True)`, as the shipped `algo/deft` sets it" in _text("docs/algorithms/deft.md")
