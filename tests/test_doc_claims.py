@@ -428,3 +428,15 @@ def test_the_readme_gives_algo_deft_dgc_s_optimizer_rules_where_it_corrects_mome
     cell = _readme_which_rows()[label][1]
     assert (cell == "as DGC (momentum correction on)") == corrects and (cell == "any") == (not corrects), cell
     assert "`DEFTStrategy(momentum_correction=True)`, as the shipped `algo/deft` sets it" in _text("docs/algorithms/deft.md")
+
+
+def test_the_2_by_8_answer_says_which_settings_the_model_priced() -> None:
+    """The answer names the recommended configurations; the model's record priced others (its profile's density and
+    values, DEFT's defaults: as published), and the page says so."""
+    from lightning_dgc.algorithms.deft_config import DEFTConfig
+
+    profile = _record("two_level/scaling_resnet50")["profile"]
+    assert profile["configs"] == {} and DEFTConfig().budget == "k"  # DEFT as published
+    text = _text("docs/algorithms/index.md")
+    assert (f"The model prices DGC at density {profile['density']:g} with {profile['value_dtype']} values and DEFT as"
+            f" published (density {profile['density']:g}, budget `k`: flat in N), the record's profile") in text
