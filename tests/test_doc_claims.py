@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from tests.test_docs import GENERATED, PAGES, ROOT, _cells, _record, _text
-from tests.test_packaging import PYPROJECT
 
 
 def _summary(record: str) -> dict[str, dict]:
@@ -63,12 +62,6 @@ def test_the_benchmarks_page_points_every_gpu_figure_to_a_record() -> None:
     assert "without a GPU" not in text and "(GPU: below)" not in text
     for name in re.findall(r"GPU: `([\w.]+)`", text):
         assert (ROOT / "benchmarks" / "results" / name).is_file(), name
-
-
-def test_the_readme_says_which_torch_the_tests_run_on() -> None:
-    dev = PYPROJECT["project"]["optional-dependencies"]["dev"]
-    assert "torch==2.11.0" in [d.split("#")[0].strip() for d in dev]  # the suite's torch: 2.11
-    assert "the tests run on 2.11; the wheel trains a step on 2.13" in _text("README.md")
 
 
 def test_the_readme_demo_paragraph_quotes_no_unrecorded_figure() -> None:
