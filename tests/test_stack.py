@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 from types import ModuleType
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -128,3 +129,24 @@ def test_no_strategy_replaces_how_lightning_builds_ddp() -> None:
                 " stream; a side stream only while a CUDA graph is captured), or call super()._setup_model"
             )
     assert {"DGCStrategy", "DiLoCoStrategy"} <= {cls.__name__ for cls in found}
+
+
+def _default_backend(rank: int, world_size: int) -> str:
+    return type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+
+
+def test_the_torchcomms_switch_without_its_package_leaves_torchs_own_gloo() -> None:
+    """The README's install section: torch's opt-in torchcomms backend (``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``) needs
+    the ``torchcomms`` package, which PyPI does not serve (its placeholder raises on import); without it torch keeps
+    its own process groups, and the exchange runs as it does without the switch."""
+    config = getattr(dist, "config", None)
+    if not hasattr(config, "use_torchcomms"):
+        pytest.skip(f"torch {torch.__version__} has no torchcomms switch")
+    try:
+        import torchcomms  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torchcomms is installed: run the exchange tests with TORCH_DISTRIBUTED_USE_TORCHCOMMS=1")
+    with config.patch(use_torchcomms=True):  # the forked ranks inherit it, as they would the variable
+        assert run_ranks(_default_backend, 2) == ["ProcessGroupGloo"] * 2
