@@ -150,3 +150,15 @@ def test_the_torchcomms_switch_without_its_package_leaves_torchs_own_gloo() -> N
         pytest.skip("torchcomms is installed: run the exchange tests with TORCH_DISTRIBUTED_USE_TORCHCOMMS=1")
     with config.patch(use_torchcomms=True):  # the forked ranks inherit it, as they would the variable
         assert run_ranks(_default_backend, 2) == ["ProcessGroupGloo"] * 2
+
+
+def test_every_page_that_quotes_the_torch_range_quotes_pyproject() -> None:
+    requirement = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    quoted = {
+        f"{page.relative_to(ROOT)}: {found}"
+        for page in pages
+        for found in re.findall(r"torch>=[\d.]+,<[\d.]+", page.read_text())
+        if found != requirement
+    }
+    assert not quoted, f"pyproject.toml requires {requirement}; these pages say otherwise: {sorted(quoted)}"
