@@ -2,9 +2,9 @@
 
 CI tests two stacks (``.ci/run``): ``pinned``, the ``dev`` extra's ``==`` pins in ``pyproject.toml`` (the stack
 the committed records were measured on), and ``newest``, the newest releases pip resolves, held by the floors of
-``.ci/newest.txt`` to a minor release each. The README's install line names both (``tests/test_stack.py`` reads
-them from here), so a stack that pip resolves otherwise fails here, naming the file to update, rather than
-leaving the README wrong.
+``.ci/newest.txt`` to a minor release each. The install sections of the README and of *Getting started* name
+both (``tests/test_stack.py`` reads them from here), so a stack that pip resolves otherwise fails here, naming
+the file to update, rather than leaving the pages wrong.
 
 Usage: ``python .ci/check_stack.py pinned|newest``. Importing each package also loads its compiled libraries
 (torchaudio's among them), so a pair that cannot run together fails here, before the tests.
@@ -55,11 +55,8 @@ def described(name: str) -> str:
 
 
 def readme_sentence() -> str:
-    """The sentence of the README's install section that says what CI tests."""
-    return (
-        f"CI runs the tests on {described('pinned')} (`dev`: the stack of the committed records) and on the"
-        f" newest releases pip resolves, {described('newest')}."
-    )
+    """The sentence of the install sections (README, *Getting started*) that says what CI tests."""
+    return f"CI tests {described('pinned')} (`dev`); {described('newest')} (newest)."
 
 
 def problems(name: str) -> list[str]:
@@ -79,7 +76,7 @@ def problems(name: str) -> list[str]:
         if not ok:
             found.append(
                 f"pip installed {package} {installed}, and {source} says {package}{op}{version}: test the new"
-                f" release, then name it in {source} and in the README's install line (tests/test_stack.py)"
+                f" release, then name it in {source} and in the README's and getting-started's install sections (tests/test_stack.py)"
             )
     return found
 

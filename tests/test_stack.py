@@ -40,18 +40,19 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in version.split("."))
 
 
-def test_the_readme_install_section_names_the_stacks_ci_tests() -> None:
+def test_the_install_sections_name_the_stacks_ci_tests() -> None:
     check_stack = _check_stack()
     run = (ROOT / ".ci" / "run").read_text()
     # each stack is installed, then held to what the README names
     assert run.index('pip install -e ".[dev]"') < run.index("check_stack.py pinned") < run.index("pytest -q -m repeat")
     assert run.index("-r .ci/newest.txt") < run.index("check_stack.py newest")
     assert re.search(r"check_stack.py newest\n(.*\n)*python -m pytest -q\n", run), "the newest stack runs the suite"
-    readme = " ".join((ROOT / "README.md").read_text().split())
-    install = readme[readme.index("## Install") : readme.index("## Quickstart")]
-    assert check_stack.readme_sentence() in install, (
-        f"the README's install section must say what CI tests, in these words: {check_stack.readme_sentence()}"
-    )
+    for page, end in (("README.md", "## Quickstart"), ("docs/getting-started.md", "## A first run")):
+        text = " ".join((ROOT / page).read_text().split())
+        install = text[text.index("## Install") : text.index(end)]
+        assert check_stack.readme_sentence() in install, (
+            f"{page}'s install section must say what CI tests, in these words: {check_stack.readme_sentence()}"
+        )
     assert {p for p, _, _ in check_stack.stack("pinned")} == {"torch", "torchaudio", "lightning"}
     assert {p for p, _, _ in check_stack.stack("newest")} == {"torch", "torchvision", "torchaudio", "lightning"}
 
@@ -136,7 +137,7 @@ def _default_backend(rank: int, world_size: int) -> str:
 
 
 def test_the_torchcomms_switch_without_its_package_leaves_torchs_own_gloo() -> None:
-    """The README's install section: torch's opt-in torchcomms backend (``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``) needs
+    """*Getting started*, Install: torch's opt-in torchcomms backend (``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``) needs
     the ``torchcomms`` package, which PyPI does not serve (its placeholder raises on import); without it torch keeps
     its own process groups, and the exchange runs as it does without the switch."""
     config = getattr(dist, "config", None)
