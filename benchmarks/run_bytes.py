@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -91,6 +92,18 @@ def lever_rows(workers: Sequence[int] = (2, 8)) -> list[dict[str, Any]]:
             }  # fmt: skip
         rows.append(row)
     return rows
+
+
+def table(record: dict[str, Any] | None = None) -> str:
+    """The DGC page's table of the levers, from ``run_bytes.json``: each one's bytes over the run and a step's."""
+    record = record or json.loads((common.RESULTS / "run_bytes.json").read_text())
+    lines = ["| configuration | over the run, 2 workers | warm-up's share | over the run, 8 workers | a step after the"
+             " warm-up, 2 workers |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in record["rows"]:
+        two, eight = r["2_workers"], r["8_workers"]
+        lines.append(f"| {r['lever']} | {two['ratio']:,.1f}x | {100 * two['warmup_share']:.0f}% | {eight['ratio']:,.1f}x"
+                     f" | {two['final_step_ratio']:,.1f}x |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

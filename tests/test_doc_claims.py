@@ -435,3 +435,13 @@ def test_the_2_by_8_answer_says_which_settings_the_model_priced() -> None:
     text = _text("docs/algorithms/index.md")
     assert (f"The model prices DGC at density {profile['density']:g} with {profile['value_dtype']} values and DEFT as"
             f" published (density {profile['density']:g}, budget `k`: flat in N), the record's profile") in text
+
+
+def test_the_dgc_page_gives_the_levers_bytes_over_a_run() -> None:
+    """The lever table comes from ``run_bytes.json``; the lean configuration is the one above 200x at 2 workers."""
+    from benchmarks import run_bytes
+
+    assert run_bytes.table() in (ROOT / "docs/algorithms/dgc.md").read_text()
+    lean = next(r for r in _record("run_bytes")["rows"] if "algo/dgc_lean" in r["lever"])
+    assert lean["2_workers"]["ratio"] >= 200 and "It is the configuration above 200x over a run at 2 workers" in (
+        " ".join(_text("docs/algorithms/dgc.md").split()))
