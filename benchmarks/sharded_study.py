@@ -1,5 +1,5 @@
 """The PTB transformer sharded across 2 nodes of 2 processes: native HSDP against ``dgc_hsdp`` (3 seeds), and
-``diloco_hsdp`` against ``diloco`` (one seed), full length, resumable across sittings.
+``diloco_hsdp`` against ``diloco`` (one seed), full length; a sitting runs what has not finished (a run stopped midway starts again: these runs keep no checkpoint).
 
     nice -n 19 .venv/bin/python -m benchmarks.sharded_study          # run what is left, then report
     .venv/bin/python -m benchmarks.sharded_study --list
@@ -124,9 +124,9 @@ def report(data_root: Path) -> dict[str, Any]:
         gaps = [ours["perplexity"] / native["perplexity"] - 1 for ours, native in pairs]
         ratios = [native["link_bytes"] / ours["link_bytes"] for ours, native in pairs]
         mean = sum(gaps) / len(gaps)
-        se = math.sqrt(sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1) / len(gaps)) if len(gaps) > 1 else None
+        std = math.sqrt(sum((g - mean) ** 2 for g in gaps) / (len(gaps) - 1)) if len(gaps) > 1 else None
         summary["dgc_hsdp"] = {
-            "seeds": len(pairs), "relative_gaps": gaps, "mean_gap": mean, "gap_standard_error": se,
+            "seeds": len(pairs), "relative_gaps": gaps, "mean_gap": mean, "gap_std": std,
             "fewer_bytes": min(ratios), "within": abs(mean) <= TARGETS["perplexity_within"],
             "bytes_met": min(ratios) >= TARGETS["fewer_bytes"],
         }  # fmt: skip
@@ -135,6 +135,25 @@ def report(data_root: Path) -> dict[str, Any]:
         summary["diloco_hsdp"] = {"relative_gap": gap, "within": abs(gap) <= TARGETS["diloco_within"]}
     common.write_json(f"{NAME}.json", summary)
     return summary
+
+
+def sentence(record: dict[str, Any] | None = None) -> str:
+    """The docs' sentence on perplexity and bytes, from ``results/sharded_ptb.json`` (the finished pairs)."""
+    record = record or json.loads((common.RESULTS / f"{NAME}.json").read_text())
+    dgc = record["dgc_hsdp"]
+    std = f" ± {100 * dgc['gap_std']:.1f}" if dgc["gap_std"] is not None else ""
+    out = (
+        f"over {dgc['seeds']} seed{'s' if dgc['seeds'] > 1 else ''} `dgc_hsdp` ends {100 * dgc['mean_gap']:+.1f}{std}%"
+        f" from native HSDP's validation perplexity (paired by seed, ± the standard deviation; target within"
+        f" {100 * TARGETS['perplexity_within']:g}%: {'met' if dgc['within'] else 'missed'}) on"
+        f" {dgc['fewer_bytes']:.0f}x fewer bytes across the nodes over the run, warm-up included (the fewest of the"
+        f" seeds; target at least {TARGETS['fewer_bytes']:g}x: {'met' if dgc['bytes_met'] else 'missed'})"
+    )  # fmt: skip
+    if "diloco_hsdp" in record:
+        gap = record["diloco_hsdp"]
+        out += (f"; `diloco_hsdp` ends {100 * gap['relative_gap']:+.1f}% from `diloco` (one seed; target within"
+                f" {100 * TARGETS['diloco_within']:g}%: {'met' if gap['within'] else 'missed'})")  # fmt: skip
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,21 +181,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def sentence(record: dict[str, Any] | None = None) -> str:
-    """The docs' sentence on perplexity and bytes, from ``results/sharded_ptb.json`` (the finished pairs)."""
-    record = record or json.loads((common.RESULTS / f"{NAME}.json").read_text())
-    dgc = record["dgc_hsdp"]
-    se = f" ± {100 * dgc['gap_standard_error']:.1f}" if dgc["gap_standard_error"] is not None else ""
-    out = (
-        f"over {dgc['seeds']} seed{'s' if dgc['seeds'] > 1 else ''} `dgc_hsdp` ends {100 * dgc['mean_gap']:+.1f}{se}%"
-        f" from native HSDP's validation perplexity (paired by seed, ± the standard error; target within"
-        f" {100 * TARGETS['perplexity_within']:g}%: {'met' if dgc['within'] else 'missed'}) on"
-        f" {dgc['fewer_bytes']:.0f}x fewer bytes across the nodes over the run, warm-up included (the fewest of the"
-        f" seeds; target at least {TARGETS['fewer_bytes']:g}x: {'met' if dgc['bytes_met'] else 'missed'})"
-    )  # fmt: skip
-    if "diloco_hsdp" in record:
-        gap = record["diloco_hsdp"]
-        out += (f"; `diloco_hsdp` ends {100 * gap['relative_gap']:+.1f}% from `diloco` (one seed; target within"
-                f" {100 * TARGETS['diloco_within']:g}%: {'met' if gap['within'] else 'missed'})")  # fmt: skip
-    return out
