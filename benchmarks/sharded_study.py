@@ -1,5 +1,6 @@
 """The PTB transformer sharded across 2 nodes of 2 processes: native HSDP against ``dgc_hsdp`` (3 seeds), and
-``diloco_hsdp`` against ``diloco`` (one seed), full length; a sitting runs what has not finished (a run stopped midway starts again: these runs keep no checkpoint).
+``diloco_hsdp`` against ``diloco`` (one seed), full length; a sitting runs what has not finished (a run stopped
+midway starts again: these runs keep no checkpoint).
 
     nice -n 19 .venv/bin/python -m benchmarks.sharded_study          # run what is left, then report
     .venv/bin/python -m benchmarks.sharded_study --list
