@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks import sharded_links, sharded_memory
+from benchmarks import sharded_links, sharded_memory, sharded_study
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,3 +21,8 @@ def test_the_page_quotes_the_memory_record() -> None:
 def test_the_page_quotes_the_links_record() -> None:
     assert sharded_links.sentence() in _page()
     assert "`sharded_links.json`" in _page()
+
+
+def test_the_page_quotes_the_study_record() -> None:
+    assert sharded_study.sentence() in _page()
+    assert "`sharded_ptb.json`" in _page()
