@@ -217,3 +217,19 @@ def sentence(record: dict[str, Any] | None = None) -> str:
         f" {rows['native_hsdp']['training_peak_model_sizes']:.2f} and DDP's {rows['ddp']['training_peak_model_sizes']:.2f}"
         + diloco
     )  # fmt: skip
+
+
+def two_level_sentence(record: dict[str, Any] | None = None) -> str:
+    """The multi-node page's sentence on the two-level exchange's memory per process, from
+    ``results/sharded_memory.json``."""
+    record = record or json.loads((common.RESULTS / "sharded_memory.json").read_text())
+    rows = record["strategies"]
+    params = record["ranks"]["dgc_two_level"][0]["params"]
+    return (
+        f"the PTB transformer recipe's model at width {record['d_model']} with {record['layers']} blocks"
+        f" ({params / 1e6:.0f} M parameters, AdamW) peaks at {rows['dgc_two_level']['training_peak_model_sizes']:.2f}"
+        f" model sizes per process with two levels, against {rows['dgc']['training_peak_model_sizes']:.2f} flat and"
+        f" {rows['ddp']['training_peak_model_sizes']:.2f} under DDP; its exchange state is"
+        f" {rows['dgc_two_level']['exchange_state_model_sizes']:.2f} model sizes against"
+        f" {rows['dgc']['exchange_state_model_sizes']:.2f} flat"
+    )  # fmt: skip

@@ -1,4 +1,5 @@
-"""The Sharded models page quotes its records: each figure is a sentence generated from the record that holds it."""
+"""The pages that quote the sharded-model records (the Sharded models page, and the Multi-node page on the two-level
+exchange's memory): each figure is a sentence generated from the record that holds it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from benchmarks import sharded_links, sharded_memory, sharded_study
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _page() -> str:
-    return " ".join((ROOT / "docs" / "sharded.md").read_text().split())
+def _page(name: str = "sharded.md") -> str:
+    return " ".join((ROOT / "docs" / name).read_text().split())
 
 
 def test_the_page_quotes_the_memory_record() -> None:
@@ -26,3 +27,8 @@ def test_the_page_quotes_the_links_record() -> None:
 def test_the_page_quotes_the_study_record() -> None:
     assert sharded_study.sentence() in _page()
     assert "`sharded_ptb.json`" in _page()
+
+
+def test_the_multi_node_page_quotes_the_two_level_exchange_s_memory_from_the_record() -> None:
+    assert sharded_memory.two_level_sentence() in _page("multi-node.md")
+    assert "`sharded_memory.json`" in _page("multi-node.md")

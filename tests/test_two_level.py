@@ -204,14 +204,21 @@ def test_hierarchical_option_and_node_layout_errors_name_the_fix() -> None:
 def test_the_shards_cover_the_bucket_once_in_whole_rows() -> None:
     layout = layout_of(["w", "b", "s", "v"], [(5, 3), (7,), (), (2, 2, 2)])
     covered = torch.zeros(sum(s.numel for s in layout), dtype=torch.long)
+    bucket = torch.arange(1, covered.numel() + 1, dtype=torch.float32)
     for index in range(3):
-        shard = shards.shard_layout(layout, 3, index, torch.device("cpu"))
-        assert shard.dest.unique().numel() == shard.bucket_numel
+        shard = shards.shard_layout(layout, 3, index)
+        node = shard.to_node(bucket, torch.full((3 * shard.shard_numel,), math.nan))
+        assert torch.equal(shard.to_bucket(node), bucket)  # every value once in the node layout, and back
+        mine = node[index * shard.shard_numel : (index + 1) * shard.shard_numel]
+        assert not mine[shard.numel :].any()  # the padding is 0
+        values = []
         for piece in shard.pieces:
             parent, a, b = shards.parse_piece(piece.name)  # type: ignore[misc]
             spec = next(s for s in layout if s.name == parent)
             covered[spec.offset + a : spec.offset + b] += 1
+            values.append(bucket[spec.offset + a : spec.offset + b])
             assert math.prod(piece.shape) == b - a and piece.shape[1:] == spec.shape[1:]
+        assert torch.equal(mine[: shard.numel], torch.cat(values))  # this rank's block: its pieces, in order
     assert torch.equal(covered, torch.ones_like(covered))
 
 

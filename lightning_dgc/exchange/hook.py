@@ -185,14 +185,16 @@ def exchange_two_level(state: ExchangeState, two: TwoLevelPlan, buffer: Tensor) 
     0. **plan**: the bucket cut into the node's shards (:mod:`lightning_dgc.exchange.shards`) and the algorithm's
        plan of this rank's shard, whose pieces are tensors of their own
        (:class:`~lightning_dgc.exchange.two_level.TwoLevelPlan`).
-    1. **local gradient**, into the node layout; a dense **reduce-scatter inside the node** sums it, and
-       this rank's shard divided by the ranks per node is the node's mean gradient, whose poison the
-       algorithm carries.
+    1. **local gradient**, into the node layout (a copy made for the step); a dense **reduce-scatter inside the
+       node** sums it, and this rank's shard divided by the ranks per node is the node's mean gradient, whose
+       poison the algorithm carries.
     2-4. **compensate, select, exchange**: :func:`compensate_select_exchange` on the shard, across the nodes
        (``state.collectives``: the ranks sharing this local rank); the memory is this shard's.
     5. **decode** the shard once the exchange across nodes is done (the hook waits for it: on CUDA
        without a host synchronisation, on the CPU blocking), then an **all-gather inside the node** of
-       the decoded shards, put back in bucket order once it is done.
+       the decoded shards, written back into the bucket in bucket order once it is done (the future's result
+       is the bucket itself, of which DDP keeps no copy). The plan holds no buffer of the bucket's size: each
+       exchange's scratch is freed with it.
     6. **memory**: as in :func:`exchange`.
 
     A failed collective at either level completes the bucket's future with the
@@ -201,14 +203,16 @@ def exchange_two_level(state: ExchangeState, two: TwoLevelPlan, buffer: Tensor) 
     algorithm, topology, scale = state.algorithm, state.topology, state.grad_scale
     assert topology is not None
     shard, plan = two.shard, two.inner
-    keep: list[Tensor] = [two.node]
+    keep: list[Tensor] = []
     cost, work, selection_s = None, None, 0.0  # a rank that owns no piece of the bucket exchanges nothing across
     try:
-        # Step 1: the local gradient, fp32, in the node layout, the loss scale divided out.
-        two.node.index_copy_(0, shard.dest, buffer if buffer.dtype == torch.float32 else buffer.float())
-        if scale != 1.0:
-            two.node.mul_(1.0 / scale)
-        summed = topology.node.reduce_scatter(two.node, "reduce-scatter inside the node").wait()
+        # Step 1: the local gradient, fp32, in the node layout, the loss scale divided out; summed inside the node.
+        node = two.node_gradient(buffer, scale)
+        summed = topology.node.reduce_scatter(node, "reduce-scatter inside the node").wait()
+        del node  # a process group's reduce-scatter writes a tensor of its own: only this rank's shard lives on
+        # this rank's decoded shard, zero-padded, which the all-gather sends: the sum's own padding is 0, and so is
+        # the shard of a rank that owns no piece of the bucket
+        decoded = summed
         if plan is not None:  # else this rank owns no piece of the bucket: nothing to exchange across the nodes
             # Steps 2-4: on the node's mean gradient of this rank's shard, across the nodes.
             flat = summed[: shard.numel].div_(topology.per_node)
@@ -219,9 +223,13 @@ def exchange_two_level(state: ExchangeState, two: TwoLevelPlan, buffer: Tensor) 
             # Step 5: decode the shard.
             for collective in pending:
                 collective.wait()
-            two.decoded[: shard.numel].copy_(algorithm.decode(plan, work))
+            update = algorithm.decode(plan, work)
+            if update.data_ptr() != flat.data_ptr():  # decoded elsewhere: the commit may still read the shard
+                decoded = summed.new_zeros(shard.shard_numel)
+                decoded[: shard.numel].copy_(update)
         # ... then the all-gather of the node's decoded shards.
-        gathered = topology.node.all_gather(two.decoded, two.gathered, "all-gather inside the node")
+        gathered = topology.node.all_gather(decoded, decoded.new_empty(shard.parts * shard.shard_numel),
+                                            "all-gather inside the node")  # fmt: skip
     except comm.CollectiveError as error:
         failed: torch.futures.Future = torch.futures.Future()
         failed.set_exception(error)
@@ -229,9 +237,15 @@ def exchange_two_level(state: ExchangeState, two: TwoLevelPlan, buffer: Tensor) 
         return failed
 
     def finish() -> Tensor:
-        update = two.gathered.index_select(0, two.shard.dest)
+        # the update in bucket order, written into the bucket itself (DDP then keeps no copy of it): the local
+        # gradient there was copied out in step 1
+        update = shard.to_bucket(gathered.output, buffer if buffer.dtype == torch.float32 else None)
         state.memory.note_finite(torch.isfinite(update.sum()))
-        return _in_bucket_units(update, buffer, scale)
+        if scale != 1.0:
+            update.mul_(scale)
+        if update is not buffer:
+            buffer.copy_(update)
+        return buffer
 
     # Step 6: the statistics, and the future; the memory staged in steps 2-5 commits with the step.
     return state.record(cost, work, selection_s, [gathered], finish, buffer.device, keep=keep,

@@ -72,18 +72,43 @@ def pieces_of(name: str, shape: Sequence[int], parts: int, index: int) -> list[t
 class ShardLayout:
     """One bucket cut into the shards of ``parts`` local ranks, seen from local rank ``index``.
 
-    ``pieces``: this rank's pieces (offsets within its shard); ``dest``: for every value of the bucket,
-    its position in the node layout, ``parts`` blocks of ``shard_numel`` values (block ``i``: local rank
-    ``i``'s shard, zero-padded); ``numel``: the values of this rank's shard without the padding.
+    ``pieces``: this rank's pieces (offsets within its shard). The *node layout* is ``parts`` blocks of
+    ``shard_numel`` values (block ``i``: local rank ``i``'s shard, zero-padded); ``numel``: the values of this
+    rank's shard without the padding. The bucket is a sequence of *runs*, one per non-empty piece of each tensor
+    in bucket order (``run_numels``), and run ``j`` lies in block ``run_blocks[j]``; :meth:`to_node` and
+    :meth:`to_bucket` copy between the two layouts run by run, with no index tensor (which would hold 8 bytes
+    per value of the bucket).
     """
 
     pieces: list[TensorSpec]
-    dest: Tensor
     shard_numel: int
     numel: int
     parts: int
     index: int
     bucket_numel: int
+    run_numels: list[int]
+    run_blocks: list[int]
+    #: every local rank's shard without its padding, and its runs (in bucket order, their order in the block)
+    block_numels: list[int]
+    block_runs: list[list[int]]
+
+    def to_node(self, bucket: Tensor, node: Tensor) -> Tensor:
+        """Copy ``bucket`` (bucket order, any floating dtype) into ``node`` (the node layout, ``parts *
+        shard_numel`` values), its padding zeroed; returns ``node``."""
+        runs = bucket.split(self.run_numels)
+        for members, count, block in zip(self.block_runs, self.block_numels, node.view(self.parts, -1), strict=True):
+            if members:
+                torch.cat([runs[j] for j in members], out=block[:count])
+            block[count:].zero_()
+        return node
+
+    def to_bucket(self, node: Tensor, out: Tensor | None = None) -> Tensor:
+        """The bucket (bucket order) from ``node`` (the node layout): written into ``out`` when given, else new."""
+        runs: dict[int, Tensor] = {}
+        for members, count, block in zip(self.block_runs, self.block_numels, node.view(self.parts, -1), strict=True):
+            runs.update(zip(members, block[:count].split([self.run_numels[j] for j in members]), strict=True))
+        in_order = [runs[j] for j in range(len(self.run_numels))]
+        return torch.cat(in_order) if out is None else torch.cat(in_order, out=out)
 
 
 def shard_pieces(layout: Sequence[TensorSpec], parts: int, index: int) -> list[TensorSpec]:
@@ -99,26 +124,27 @@ def shard_pieces(layout: Sequence[TensorSpec], parts: int, index: int) -> list[T
     return pieces
 
 
-def shard_layout(layout: Sequence[TensorSpec], parts: int, index: int, device: torch.device) -> ShardLayout:
+def shard_layout(layout: Sequence[TensorSpec], parts: int, index: int) -> ShardLayout:
     """The :class:`ShardLayout` of a bucket of ``layout`` for local rank ``index`` of ``parts``."""
     sizes = [0] * parts
-    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    run_numels: list[int] = []
+    run_blocks: list[int] = []
     pieces: list[TensorSpec] = []
     for spec in layout:
         for i, (a, b) in enumerate(row_ranges(spec.shape, parts)):
             if b == a:
                 continue
-            runs[i].append((spec.offset + a, sizes[i], b - a))
+            run_numels.append(b - a)
+            run_blocks.append(i)
             if i == index:
                 pieces.append(TensorSpec(piece_name(spec.name, a, b), piece_shape(spec.shape, a, b), sizes[i], b - a))
             sizes[i] += b - a
-    shard = max(max(sizes), 1)
+    block_runs: list[list[int]] = [[] for _ in range(parts)]
+    for j, block in enumerate(run_blocks):
+        block_runs[block].append(j)
     total = sum(s.numel for s in layout)
-    dest = torch.empty(total, dtype=torch.long)
-    for i in range(parts):
-        for start, at, count in runs[i]:
-            dest[start : start + count] = torch.arange(i * shard + at, i * shard + at + count)
-    return ShardLayout(pieces, dest.to(device), shard, sizes[index], parts, index, total)
+    return ShardLayout(pieces, max(max(sizes), 1), sizes[index], parts, index, total, run_numels, run_blocks, sizes,
+                       block_runs)  # fmt: skip
 
 
 # -- checkpoints across topologies -------------------------------------------------------------------------
