@@ -161,8 +161,12 @@ def sentence(record: dict[str, Any] | None = None) -> str:
     )
     if "diloco_hsdp" in record:
         gap = record["diloco_hsdp"]
+        runs = record["runs"]
         out += (f"; `diloco_hsdp` ends {100 * gap['relative_gap']:+.1f}% from `diloco` (one seed; target within"
-                f" {100 * TARGETS['diloco_within']:g}%: {'met' if gap['within'] else 'missed'})")  # fmt: skip
+                f" {100 * TARGETS['diloco_within']:g}%: {'met' if gap['within'] else 'missed'}), at perplexities of"
+                f" {runs['diloco_hsdp_s42']['perplexity']:.0f} and {runs['diloco_s42']['perplexity']:.0f} against"
+                f" native HSDP's {runs['native_hsdp_s42']['perplexity']:.0f} on the same seed: on a schedule this"
+                f" short, DiLoCo's local steps cost perplexity, sharded or not")  # fmt: skip
     return out
 
 def main(argv: list[str] | None = None) -> int:
