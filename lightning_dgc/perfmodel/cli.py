@@ -98,7 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=None, help="samples per worker and step")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="> 1: nodes joined by the slow links")
     parser.add_argument("--nic", default="node", choices=["node", "gpu"], help="one network card per node or per GPU")
-    parser.add_argument("--latency-us", type=float, default=50.0, help="per message step on the slow links")
+    parser.add_argument("--latency-us", type=float, default=50.0,
+                        help="per message step on the slow links (gloo: about a round trip)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="collectives a process group runs at once (gloo: 2, NCCL: 1)")
     parser.add_argument("--local-gbps", type=float, default=100.0, help="the node's local bus, Gbit/s")
     parser.add_argument("--no-overlap", action="store_true", help="communication not overlapped with backward")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -154,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         profile = with_times(profile, args.compute_ms, args.selection_ms, args.batch_size)
         network = Network(bandwidths[0], latency=args.latency_us * 1e-6, gpus_per_node=args.gpus_per_node,
-                          local_bandwidth=args.local_gbps * 1e9, nic=args.nic)  # fmt: skip
+                          local_bandwidth=args.local_gbps * 1e9, nic=args.nic, concurrency=args.concurrency)  # fmt: skip
     except ValueError as err:
         raise SystemExit(str(err)) from None
     table = rows(profile, methods, workers, bandwidths, network, overlap=not args.no_overlap)
