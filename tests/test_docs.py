@@ -882,7 +882,7 @@ def test_selector_step_times_quote_the_record(page: str) -> None:
 
 def test_two_level_figures_quote_the_record() -> None:
     """docs/multi-node.md's measured table and the benchmarks README's line (``benchmarks.two_level_links``)."""
-    rows = _record("two_level_links")["bandwidths"]["100"]["rows"]
+    rows = next(e for e in _record("two_level_links")["links"] if (e["rate_mbit"], e["rtt_ms"]) == (100.0, 0.0))["rows"]
 
     def left(name: str) -> float:  # bytes leaving a node per step, mean over the two nodes
         return sum(rows[name]["veth_tx_bytes_per_step"]) / len(rows[name]["veth_tx_bytes_per_step"])
