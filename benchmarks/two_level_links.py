@@ -447,8 +447,12 @@ def _rate(entry: dict[str, Any]) -> str:
     return "unshaped" if rate is None else f"{rate / 1e3:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s"
 
 
+def _percent(error: float) -> str:
+    return f"{error:+.0%}".replace("-0%", "+0%")
+
+
 def _pair(row: dict[str, Any]) -> str:
-    return f"{row['step_ms']:.0f} / {row['predicted_ms']:.0f} ms ({row['error']:+.0%})"
+    return f"{row['step_ms']:.0f} / {row['predicted_ms']:.0f} ms ({_percent(row['error'])})"
 
 
 def markdown_prediction(result: dict[str, Any]) -> list[str]:
