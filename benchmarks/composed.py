@@ -211,6 +211,9 @@ def load_long_runs(study: str = "parity_full_cifar2", root: Path = common.RESULT
 LABELS = {"ddp": "DDP", "dgc_1pct_int8": "`algo/dgc_1pct_int8`", "auto": '`density="auto"`', "dgc": "DGC at 0.001",
           "deft": "`algo/deft`", "powersgd": "`algo/powersgd`"}  # fmt: skip
 LINKS = ("20mbit", "1gbit")
+#: what the bracket after a composed time is: DDP's time over the method's, so that above 1 is faster than DDP (a
+#: bare "Nx DDP's" reads as a speed-up in one cell and as a time ratio in the next)
+SPEED = "DDP's speed"
 
 
 def _size(nbytes: float) -> str:
@@ -223,12 +226,14 @@ def _minutes(row: dict[str, Any] | None) -> str:
     if row["method"] == "auto" and row.get("curve", AUTO_CURVE) is None:
         return f"chose density {row['density']:.3g}: no long run of it"
     if row["composed_s"] is None and row.get("composed_reached_s") is not None:
-        speed = "" if row["speedup_reached_vs_ddp"] is None else f" ({row['speedup_reached_vs_ddp']:.2f}x DDP's)"
+        speed = "" if row["speedup_reached_vs_ddp"] is None else f" ({row['speedup_reached_vs_ddp']:.2f}x {SPEED})"
         return f"{row['reached']} of {len(row['seeds'])} seeds reach it: {row['composed_reached_s'] / 60:.1f} min{speed}"
     if row["composed_s"] is None:
         return f"not reached ({row['reached']} of {len(row['seeds'])} seeds)"
-    speed = "" if row["method"] == "ddp" or row["speedup_vs_ddp"] is None else f" ({row['speedup_vs_ddp']:.2f}x DDP's)"
-    return f"{row['composed_s'] / 60:.1f} min{speed}"
+    notes = [] if row["method"] == "ddp" or row["speedup_vs_ddp"] is None else [f"{row['speedup_vs_ddp']:.2f}x {SPEED}"]
+    if row["method"] == "auto":  # it chose dense: its time is DDP's curve priced at auto's step, not a run of auto
+        notes.append("DDP's curve at auto's step: it chose dense")
+    return f"{row['composed_s'] / 60:.1f} min" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _standard_error(row: dict[str, Any]) -> float | None:
@@ -238,9 +243,10 @@ def _standard_error(row: dict[str, Any]) -> float | None:
 
 
 def markdown_headline(study: dict[str, Any], composed_record: dict[str, Any]) -> list[str]:
-    """The README's headline table: per method of the long study, its final top-1 (mean ± std over its seeds), the
-    gap to DDP paired by seed (± its standard error), the link bytes over the run and the composed time to DDP's
-    final less 0.5 points on each link (in brackets: DDP's time over the method's)."""
+    """The README's headline table: per method of the long study, its final top-1 and its gap to DDP paired by seed,
+    each the mean ± the standard deviation over seeds (one statistic in the whole table), the link bytes over the run
+    and the composed time to DDP's final less 0.5 points on each link (in brackets: :data:`SPEED`, DDP's time over
+    the method's)."""
     rows = {r["algo"]: r for r in study["summary"]}
     steps = max(run["global_step"] for run in study["runs"] if run.get("global_step")) if study.get("runs") else None
     long = {(r["link"], r["method"]): r for r in composed_record.get("long", [])}
@@ -258,8 +264,8 @@ def markdown_headline(study: dict[str, Any], composed_record: dict[str, Any]) ->
         top1 = f"{100 * r['metric']:.2f} ± {100 * r['metric_std']:.2f}% ({n} seeds)" if n > 1 else f"{100 * r['metric']:.2f}% (1 seed)"
         gap = ""
         if "difference" in r:
-            se = _standard_error(r)
-            gap = f"{100 * r['difference']:+.2f}" + (f" ± {100 * se:.2f} pp" if se is not None else " pp")
+            spread = r["difference_std"] if r["paired_seeds"] > 1 else None
+            gap = f"{100 * r['difference']:+.2f}" + (f" ± {100 * spread:.2f} pp" if spread is not None else " pp")
         sent = r["link_kb_per_step"] * 1e3 * steps if steps else None
         volume = "-" if sent is None else _size(sent) + ("" if algo == "ddp" else f" ({r['compression']:.1f}x fewer)")
         lines.append(f"| {LABELS[algo]} | {top1} | {gap} | {volume} | {times} |")
@@ -279,15 +285,17 @@ TARGETS_PAPER = {"gap_pp": 0.5, "fewer": 200.0}
 def markdown_verdict(study: dict[str, Any], composed_record: dict[str, Any], method: str = "dgc_1pct_int8",
                      study_8: dict[str, Any] | None = None) -> str:  # fmt: skip
     """The README's plain sentence on the long protocol's targets (:data:`TARGETS`; at 8 workers, ``study_8``,
-    :data:`TARGETS_8`): each met or missed, with its figure, from the studies' reports and the composed record."""
+    :data:`TARGETS_8`): each met or missed, with its figure, from the studies' reports and the composed record. A gap
+    over several seeds gives its standard error in words, not after a "±": the tables beside it give ± the standard
+    deviation."""
     row = next(r for r in study["summary"] if r["algo"] == method)
     long = {(r["link"], r["method"]): r for r in composed_record.get("long", [])}
     gap, se = -100 * row["difference"], 100 * _standard_error(row)
     met = lambda ok: "meets" if ok else "misses"  # noqa: E731
     side = lambda gap: "below" if gap > 0 else "above"  # noqa: E731  (gap: points below DDP)
     seeds = lambda n: f"{n} seed{'s' if n > 1 else ''}"  # noqa: E731
-    parts = [f"{abs(gap):.2f} ± {se:.2f} points {side(gap)} DDP ({row['paired_seeds']} paired seeds) {met(gap <= TARGETS['gap_pp'])}"
-             f" the target of at most {TARGETS['gap_pp']:g}",
+    parts = [f"{abs(gap):.2f} points {side(gap)} DDP (standard error {se:.2f}, {row['paired_seeds']} paired seeds)"
+             f" {met(gap <= TARGETS['gap_pp'])} the target of at most {TARGETS['gap_pp']:g}",
              f"{row['compression']:.1f}x fewer link bytes {met(row['compression'] >= TARGETS['fewer'])}"
              f" at least {TARGETS['fewer']:g}x"]  # fmt: skip
     slow = long.get(("20mbit", method))
@@ -304,7 +312,7 @@ def markdown_verdict(study: dict[str, Any], composed_record: dict[str, Any], met
     auto = long.get(("1gbit", "auto"))
     if auto is not None and auto["speedup_vs_ddp"] is not None:
         time_ratio = 1 / auto["speedup_vs_ddp"]
-        dense = " (it chose dense)" if auto.get("density") == 1.0 else ""
+        dense = " (it chose dense: DDP's curve priced at its step)" if auto.get("density") == 1.0 else ""
         parts.append(f'at 1 Gbit/s `density="auto"`{dense} takes {time_ratio:.2f}x DDP\'s time, which'
                      f" {met(time_ratio - 1 <= TARGETS['slower_1gbit'])} at most {100 * TARGETS['slower_1gbit']:g}% slower")
     eight = next((r for r in (study_8 or {}).get("summary", []) if r["algo"] == method and "difference" in r), None)
@@ -317,9 +325,9 @@ def markdown_verdict(study: dict[str, Any], composed_record: dict[str, Any], met
     paper = next((r for r in study["summary"] if r["algo"] == "dgc" and "difference" in r), None)
     if paper is not None:
         gap, se_paper = -100 * paper["difference"], _standard_error(paper)
-        spread = "" if se_paper is None else f" ± {100 * se_paper:.2f}"
-        parts.append(f"DGC at the paper's density 0.001 (`algo/dgc`, {seeds(paper['paired_seeds'])}) ends {abs(gap):.2f}{spread}"
-                     f" points {side(gap)} DDP, which {met(gap <= TARGETS_PAPER['gap_pp'])} at"
+        spread = "" if se_paper is None else f" (standard error {100 * se_paper:.2f})"
+        parts.append(f"DGC at the paper's density 0.001 (`algo/dgc`, {seeds(paper['paired_seeds'])}) ends {abs(gap):.2f}"
+                     f" points {side(gap)} DDP{spread}, which {met(gap <= TARGETS_PAPER['gap_pp'])} at"
                      f" most {TARGETS_PAPER['gap_pp']:g}, on {paper['compression']:.1f}x fewer link bytes"
                      f" ({met(paper['compression'] >= TARGETS_PAPER['fewer'])} at least {TARGETS_PAPER['fewer']:g}x)")  # fmt: skip
     return f"Against the targets, `algo/{method}`: " + "; ".join(parts) + "."

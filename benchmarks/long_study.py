@@ -119,9 +119,11 @@ def length_summary(runs_dir=None) -> list[dict]:
 
 
 def length_sentence(rows: list[dict]) -> str:
-    """The docs' sentence on where the gap goes: DGC less DDP at each length of the length record."""
+    """The docs' sentence on where the gap goes: the recommended DGC (the length record's, :data:`RECOMMENDED`) less
+    DDP at each length of the length record. It names the configuration: on the pages it follows a paragraph on
+    another one (``algo/dgc``, at the paper's density)."""
     gaps = ", ".join(f"{100 * r['difference']:+.2f} at {r['steps']:,}" for r in rows)
-    return f"DGC less DDP, seed {LENGTH_SEED}, in points at each length's steps: {gaps}"
+    return f"`algo/{RECOMMENDED}` less DDP, seed {LENGTH_SEED}, in points at each length's steps: {gaps}"
 
 
 def precision_sentence(runs_dir=None) -> str | None:

@@ -156,3 +156,23 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def sentence(record: dict[str, Any] | None = None) -> str:
+    """The docs' sentence on step time across the shaped link, from ``results/sharded_links.json``."""
+    record = record or json.loads((common.RESULTS / "sharded_links.json").read_text())
+    rows, targets = record["rows"], record["targets"]
+    slow, fast = rows["20"], rows["1000"]
+    t20, t1000 = targets["20"], targets["1000"]
+
+    def kb(row: dict[str, Any]) -> str:
+        return f"{max(row['link_bytes_per_step']) / 1e3:,.0f} kB"
+
+    return (
+        f"at 20 Mbit/s a step takes {slow['native_hsdp']['step_s'] * 1e3:,.0f} ms under native HSDP and"
+        f" {slow['dgc_hsdp']['step_s'] * 1e3:,.0f} ms under `dgc_hsdp`, {t20['ratio']:.1f}x faster (target at least"
+        f" {t20['target']:g}x: {'met' if t20['met'] else 'missed'}), sending {kb(slow['dgc_hsdp'])} a step through a"
+        f" node's end of the link against {kb(slow['native_hsdp'])}; at 1 Gbit/s `density=\"auto\"` chose"
+        f" {fast['auto_hsdp']['density']:g} and took {t1000['ratio']:.2f}x native HSDP's time (target at most"
+        f" {t1000['target']:g}x: {'met' if t1000['met'] else 'missed'})"
+    )  # fmt: skip

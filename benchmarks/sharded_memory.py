@@ -13,13 +13,16 @@ the embedding) trains a few AdamW steps on random tokens, 2 windows of 16 a step
   every allocation of 128 kB or more with a mapping of its own, so that the resident size follows the live tensors
   (the record's ``trace`` has the resident size and the peak after each phase of each step).
 
+For ``diloco`` and ``diloco_hsdp`` (an outer step every 2 steps) the ``exchange state`` is the state DiLoCo keeps
+across outer steps: the global weights, the outer momentum and the outer exchange's memory.
+
 Strategies: ``dgc`` (the replicated model, one flat exchange over the 4 processes: ``hierarchical=False``),
 ``dgc_two_level`` (the replicated model, dense inside the node and DGC across it on each process's 1/2 of every
 bucket: ``hierarchical="auto"``, the default on 2 x 2), ``dgc_hsdp`` (``algo/dgc_hsdp``'s exchange) and the two
 baselines, ``ddp`` and native HSDP; DGC at ``algo/dgc_hsdp``'s settings (density 0.01, int8 values) throughout.
 
 Targets at G = 2 processes per node: ``dgc_hsdp``'s exchange state at most 0.55x ``dgc``'s, its training peak at
-most 0.65x. Writes ``benchmarks/results/sharded_memory.json``.
+most 0.65x; ``diloco_hsdp``'s outer state at most 0.55x ``diloco``'s. Writes ``benchmarks/results/sharded_memory.json``.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ from typing import Any
 from benchmarks import common, sharded
 from benchmarks.checkpoint_memory import PeakMemory, _resident_bytes
 
-STRATEGIES = ("ddp", "native_hsdp", "dgc", "dgc_two_level", "dgc_hsdp")
+STRATEGIES = ("ddp", "native_hsdp", "dgc", "dgc_two_level", "dgc_hsdp", "diloco", "diloco_hsdp")
 DGC = {"density": 0.01, "value_dtype": "int8"}
 TARGETS = {"exchange_state": 0.55, "training_peak": 0.65}
+#: ``diloco_hsdp``'s outer state (global weights, outer momentum, outer exchange memory) against ``diloco``'s
+DILOCO_TARGET = 0.55
 #: glibc's malloc serves every allocation of 128 kB or more with its own mapping, returned at once when freed (its
 #: threshold otherwise rises as blocks are freed, and freed tensors stay in the heap): the resident size then follows
 #: the live tensors, not the allocator's history
@@ -51,6 +56,10 @@ def make_strategy(name: str) -> Any:
         return lightning_dgc.HSDPCompressionStrategy("dgc", dict(DGC))
     if name in ("dgc", "dgc_two_level"):
         return lightning_dgc.DGCStrategy(**DGC, hierarchical="auto" if name == "dgc_two_level" else False)
+    if name == "diloco":  # an outer step every 2 steps (the shipped 10 would take none in a short run)
+        return lightning_dgc.DiLoCoStrategy(sync_every=2)
+    if name == "diloco_hsdp":
+        return lightning_dgc.HSDPDiLoCoStrategy(sync_every=2)
     return name
 
 
@@ -101,11 +110,17 @@ def worker(name: str, out: Path, d_model: int, layers: int, steps: int) -> None:
     with PeakMemory() as monitor:
         peak.monitor = monitor
         trainer.fit(model, data)
-    state = getattr(trainer.strategy, "_state", None)
+    state, outer = getattr(trainer.strategy, "_state", None), getattr(trainer.strategy, "_outer", None)
+    if outer is not None:  # DiLoCo's: the state it keeps across outer steps
+        from lightning_dgc.local_steps.sharded import outer_state_bytes
+
+        exchange = outer_state_bytes(outer)
+    else:
+        exchange = state.memory.nbytes() if state is not None else 0
     result = {
         "strategy": name, "rank": trainer.global_rank, "model_bytes": model_bytes,
         "params": sum(p.numel() for p in model.parameters()),
-        "exchange_state_bytes": state.memory.nbytes() if state is not None else 0,
+        "exchange_state_bytes": exchange,
         "training_peak_bytes": peak.peak - baseline, "trace": peak.trace,
     }  # fmt: skip
     out.with_name(f"{out.name}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
@@ -138,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in summary["strategies"].items():
         con.print(f"{name:14s} exchange state {row['exchange_state_model_sizes']:5.2f} model sizes, training peak"
                   f" {row['training_peak_model_sizes']:5.2f} (the largest process's)")  # fmt: skip
+    if summary["diloco_state"]:
+        v = summary["diloco_state"]
+        con.print(f"diloco_hsdp / diloco, outer state: {v['ratio']:.3f} (target <= {v['target']}):"
+                  f" {'met' if v['met'] else 'missed'}")  # fmt: skip
     for figure, verdict in summary["against_dgc"].items():
         con.print(f"dgc_hsdp / dgc, {figure}: {verdict['ratio']:.3f} (target <= {verdict['target']}):"
                   f" {'met' if verdict['met'] else 'missed'}")  # fmt: skip
@@ -162,9 +181,39 @@ def summarize(ranks: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for figure, target in TARGETS.items():
             ratio = rows["dgc_hsdp"][f"{figure}_bytes"] / rows["dgc"][f"{figure}_bytes"]
             against[figure] = {"ratio": ratio, "target": target, "met": ratio <= target}
-    return {"strategies": rows, "against_dgc": against}
+    diloco = {}
+    if "diloco" in rows and "diloco_hsdp" in rows:
+        ratio = rows["diloco_hsdp"]["exchange_state_bytes"] / rows["diloco"]["exchange_state_bytes"]
+        diloco = {"ratio": ratio, "target": DILOCO_TARGET, "met": ratio <= DILOCO_TARGET}
+    return {"strategies": rows, "against_dgc": against, "diloco_state": diloco}
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     raise SystemExit(main())
+
+
+def sentence(record: dict[str, Any] | None = None) -> str:
+    """The docs' sentence on memory per process, from ``results/sharded_memory.json``."""
+    record = record or json.loads((common.RESULTS / "sharded_memory.json").read_text())
+    rows, against = record["strategies"], record["against_dgc"]
+
+    def verdict(figure: str) -> str:
+        v = against[figure]
+        return f"{v['ratio']:.2f}x; target at most {v['target']}x: {'met' if v['met'] else 'missed'}"
+
+    diloco = ""
+    if record.get("diloco_state"):
+        v = record["diloco_state"]
+        diloco = (f"; the state DiLoCo keeps across outer steps (global weights, outer momentum, outer exchange memory)"
+                  f" is {rows['diloco_hsdp']['exchange_state_model_sizes']:.2f} model sizes under `diloco_hsdp` against"
+                  f" {rows['diloco']['exchange_state_model_sizes']:.2f} under `diloco` ({v['ratio']:.2f}x; target at most"
+                  f" {v['target']}x: {'met' if v['met'] else 'missed'})")  # fmt: skip
+    return (
+        f"each process's exchange state is {rows['dgc_hsdp']['exchange_state_model_sizes']:.2f} model sizes under"
+        f" `dgc_hsdp` against {rows['dgc']['exchange_state_model_sizes']:.2f} under `dgc` ({verdict('exchange_state')}),"
+        f" and its training peak {rows['dgc_hsdp']['training_peak_model_sizes']:.2f} model sizes against"
+        f" {rows['dgc']['training_peak_model_sizes']:.2f} ({verdict('training_peak')}); native HSDP's peak is"
+        f" {rows['native_hsdp']['training_peak_model_sizes']:.2f} and DDP's {rows['ddp']['training_peak_model_sizes']:.2f}"
+        + diloco
+    )  # fmt: skip

@@ -40,7 +40,9 @@ NAME = "sharded_ptb"
 TASK = parity.TASKS["ptb_transformer"]
 SEEDS = (42, 43, 44)
 #: the runs, in the order they are trained: the pair at each seed, then DiLoCo's pair
-RUNS = (*((s, a) for s in SEEDS for a in ("native_hsdp", "dgc_hsdp")), (42, "diloco"), (42, "diloco_hsdp"))
+#: seed 42's pair, then DiLoCo's pair, then the other seeds: every target has a figure as early as possible
+RUNS = ((42, "native_hsdp"), (42, "dgc_hsdp"), (42, "diloco"), (42, "diloco_hsdp"),
+        *((s, a) for s in SEEDS[1:] for a in ("native_hsdp", "dgc_hsdp")))
 SPECS = {
     "native_hsdp": ("benchmarks/native_hsdp.yaml", (), False),
     "dgc_hsdp": ("configs/algo/dgc_hsdp.yaml", (), "light_warmup"),
@@ -159,3 +161,22 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def sentence(record: dict[str, Any] | None = None) -> str:
+    """The docs' sentence on perplexity and bytes, from ``results/sharded_ptb.json`` (the finished pairs)."""
+    record = record or json.loads((common.RESULTS / f"{NAME}.json").read_text())
+    dgc = record["dgc_hsdp"]
+    se = f" ± {100 * dgc['gap_standard_error']:.1f}" if dgc["gap_standard_error"] is not None else ""
+    out = (
+        f"over {dgc['seeds']} seed{'s' if dgc['seeds'] > 1 else ''} `dgc_hsdp` ends {100 * dgc['mean_gap']:+.1f}{se}%"
+        f" from native HSDP's validation perplexity (paired by seed, ± the standard error; target within"
+        f" {100 * TARGETS['perplexity_within']:g}%: {'met' if dgc['within'] else 'missed'}) on"
+        f" {dgc['fewer_bytes']:.0f}x fewer bytes across the nodes over the run, warm-up included (the fewest of the"
+        f" seeds; target at least {TARGETS['fewer_bytes']:g}x: {'met' if dgc['bytes_met'] else 'missed'})"
+    )  # fmt: skip
+    if "diloco_hsdp" in record:
+        gap = record["diloco_hsdp"]
+        out += (f"; `diloco_hsdp` ends {100 * gap['relative_gap']:+.1f}% from `diloco` (one seed; target within"
+                f" {100 * TARGETS['diloco_within']:g}%: {'met' if gap['within'] else 'missed'})")  # fmt: skip
+    return out

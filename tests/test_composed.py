@@ -118,7 +118,7 @@ def test_a_long_run_is_priced_by_its_shaped_method_and_its_headline_row_quotes_t
              "runs": [{"global_step": 1000}]}  # fmt: skip
     shown = [row | {"link": "20mbit"} for row in rows]  # the headline's first link
     (line,) = [line for line in composed.markdown_headline(study, {"long": shown}) if line.startswith("| DGC at 0.001")]
-    assert line.endswith(f"| {dgc['composed_s'] / 60:.1f} min ({dgc['speedup_vs_ddp']:.2f}x DDP's) | not measured |")
+    assert line.endswith(f"| {dgc['composed_s'] / 60:.1f} min ({dgc['speedup_vs_ddp']:.2f}x DDP's speed) | not measured |")
 
 
 def test_ddp_s_long_runs_carry_the_bytes_of_its_ring_all_reduce_which_its_record_leaves_at_zero(tmp_path) -> None:
@@ -157,14 +157,14 @@ def test_the_verdict_says_each_target_met_or_missed_with_its_figure() -> None:
              "speedup_reached_vs_ddp": 4.8, "reached": 2, "seeds": [42, 43, 44]},
             {"link": "1gbit", "method": "auto", "composed_s": 500.0, "speedup_vs_ddp": 1 / 1.06, "density": 1.0}]  # fmt: skip
     text = composed.markdown_verdict(study, {"long": long})
-    assert "0.37 ± 0.20 points below DDP (3 paired seeds) misses the target of at most 0.3" in text
+    assert "0.37 points below DDP (standard error 0.20, 3 paired seeds) misses the target of at most 0.3" in text
     assert "59.3x fewer link bytes meets at least 50x" in text
     assert "2 of 3 seeds reach DDP's final less 0.5 points 4.80x sooner than DDP and 1 never reaches it" in text
     assert 'takes 1.06x DDP\'s time, which misses at most 5% slower' in text
     long[0].update(composed_s=600.0, speedup_vs_ddp=2.5)
     study["summary"][0]["difference"] = -0.002
     text = composed.markdown_verdict(study, {"long": long})
-    assert "0.20 ± 0.20 points below DDP (3 paired seeds) meets" in text and "2.50x sooner than DDP, which meets" in text
+    assert "0.20 points below DDP (standard error 0.20, 3 paired seeds) meets" in text and "2.50x sooner than DDP, which meets" in text
 
 
 def test_the_verdict_adds_the_eight_worker_targets_when_their_pair_finished() -> None:
@@ -188,5 +188,5 @@ def test_the_verdict_adds_the_paper_s_density_when_its_run_finished() -> None:
     assert text.endswith("DGC at the paper's density 0.001 (`algo/dgc`, 1 seed) ends 0.20 points below DDP, which meets"
                          " at most 0.5, on 28.5x fewer link bytes (misses at least 200x).")  # fmt: skip
     rows[1].update(difference=-0.004, difference_std=0.003, paired_seeds=3)  # three seeds: the gap's standard error
-    assert "(`algo/dgc`, 3 seeds) ends 0.40 ± 0.17 points below DDP, which meets" in composed.markdown_verdict(
+    assert "(`algo/dgc`, 3 seeds) ends 0.40 points below DDP (standard error 0.17), which meets" in composed.markdown_verdict(
         {"summary": rows}, {"long": []})

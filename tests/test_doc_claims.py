@@ -4,11 +4,11 @@ says of it ("less than half", "the fewest", "without a GPU")."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from tests.test_docs import ROOT, _record, _text
-from tests.test_packaging import PYPROJECT
+from tests.test_docs import GENERATED, PAGES, ROOT, _cells, _record, _text
 
 
 def _summary(record: str) -> dict[str, dict]:
@@ -64,12 +64,6 @@ def test_the_benchmarks_page_points_every_gpu_figure_to_a_record() -> None:
         assert (ROOT / "benchmarks" / "results" / name).is_file(), name
 
 
-def test_the_readme_says_which_torch_the_tests_run_on() -> None:
-    dev = PYPROJECT["project"]["optional-dependencies"]["dev"]
-    assert "torch==2.11.0" in [d.split("#")[0].strip() for d in dev]  # the suite's torch: 2.11
-    assert "the tests run on 2.11; the wheel trains a step on 2.13" in _text("README.md")
-
-
 def test_the_readme_demo_paragraph_quotes_no_unrecorded_figure() -> None:
     text = _text("README.md")
     demo = text[text.index("python -m lightning_dgc_recipes.demo") : text.index("## Which algorithm?")]
@@ -83,20 +77,22 @@ def long_protocol_sentence() -> str:
     ddp, dgc = rows["ddp"], rows["dgc_1pct_int8"]
     top1 = lambda r: f"{100 * r['metric']:.2f}" + (f" ± {100 * r['metric_std']:.2f}%" if len(r["seeds"]) > 1 else "%")  # noqa: E731
     n = dgc["paired_seeds"]
-    gap = f"{100 * dgc['difference']:+.2f}" + (f" ± {100 * dgc['difference_std'] / n**0.5:.2f}" if n > 1 else "")
+    error = f"; standard error {100 * dgc['difference_std'] / n**0.5:.2f}" if n > 1 else ""  # in words: "±" is the std
     final = {(r["algo"], r["seed"]): r["metric_last2"] for r in record["runs"] if r.get("finished")}
     per_seed = ", ".join(f"{100 * (final['dgc_1pct_int8', s] - final['ddp', s]):+.2f}" for s in dgc["seeds"])
     seeds = "seed" if n == 1 else "seeds"
     return (f"{n} {seeds} ({', '.join(map(str, dgc['seeds']))}): DDP {top1(ddp)}, `algo/dgc_1pct_int8` {top1(dgc)}, a"
-            f" gap of {gap} points (paired by seed, ± its standard error; per seed {per_seed}) on"
+            f" gap of {100 * dgc['difference']:+.2f} points (paired by seed{error}; per seed {per_seed}) on"
             f" {dgc['compression']:.1f}x fewer link bytes over the run")  # fmt: skip
 
 
 def eight_worker_sentence() -> str:
     """The DGC page's sentence on the long protocol at 8 workers, from ``parity_full_cifar8.json``."""
     rows = {row["algo"]: row for row in _record("parity_full_cifar8")["summary"]}
-    ddp, dgc = rows["ddp"], rows["dgc_1pct_int8"]
-    return (f"At 8 workers of 16 images (`parity_full_cifar8.json`, seed {dgc['seeds'][0]}): DDP {100 * ddp['metric']:.2f}%,"
+    dgc = rows["dgc_1pct_int8"]
+    ddp = dgc["metric"] - dgc["difference"]  # DDP on the same seed (the gap is paired by seed)
+    assert dgc["paired_seeds"] == 1, "the sentence quotes one seed's pair"
+    return (f"At 8 workers of 16 images (`parity_full_cifar8.json`, seed {dgc['seeds'][0]}): DDP {100 * ddp:.2f}%,"
             f" `algo/dgc_1pct_int8` {100 * dgc['metric']:.2f}%, a gap of {100 * dgc['difference']:+.2f} points on"
             f" {dgc['compression']:.1f}x fewer link bytes over the run")  # fmt: skip
 
@@ -114,7 +110,7 @@ def paper_density_sentence() -> str:
     if n > 1:
         seeds = f"seeds {', '.join(map(str, row['seeds']))}"
         figures = (f"{100 * row['metric']:.2f} ± {100 * row['metric_std']:.2f}%, a gap of {100 * row['difference']:+.2f}"
-                   f" ± {100 * row['difference_std'] / n**0.5:.2f} points (paired by seed, ± its standard error)")  # fmt: skip
+                   f" points (paired by seed; standard error {100 * row['difference_std'] / n**0.5:.2f})")  # fmt: skip
     else:
         seeds, figures = f"seed {row['seeds'][0]}", f"{100 * row['metric']:.2f}%, a gap of {100 * row['difference']:+.2f} points"
     share = f"{100 * at['link_bytes'] / total:.0f}% of them" + (" (seed 42)" if n > 1 else "")
@@ -202,6 +198,240 @@ def test_the_powersgd_page_s_long_protocol_comparison_holds_for_the_records() ->
     composed = [r for r in _record("composed_time")["long"] if r["method"] == "powersgd"]
     assert composed and all(r["reached"] == 0 for r in composed)
     power, dgc, deft = rows["powersgd"], rows["dgc_1pct_int8"], rows["deft"]
-    assert "the same protocol the recommended DGC ends closer to DDP on fewer bytes, and DEFT closer on slightly more" in text
+    assert ("the same protocol the recommended DGC (`algo/dgc_1pct_int8`) ends closer to DDP on fewer bytes, and DEFT"
+            " closer on slightly more") in text  # fmt: skip
     assert dgc["difference"] > power["difference"] and dgc["compression"] > power["compression"]
     assert deft["difference"] > power["difference"] and 1 < power["compression"] / deft["compression"] <= 1.5
+
+
+# -- words read with their numbers: "flat in N", "recommended", "±" ------------------------------------------------
+#: the pages a user reads (the generated per-run tables quote records, not claims)
+CLAIM_PAGES = [p for p in PAGES if p not in GENERATED and p.name != "CHANGELOG.md"]
+
+
+def _pieces(page: Path, leave_out: str = "") -> list[str]:
+    """A page's sentences and table cells, each a claim read on its own: a table cell with its row's label, prose
+    split at a full stop followed by a space; ``leave_out``: a generated sentence checked on its own."""
+    pieces = []
+    for block in re.split(r"\n\s*\n", page.read_text()):
+        if block.lstrip().startswith("|"):  # each cell's sentences, with its column's and its row's labels
+            rows = [_cells(line) for line in block.splitlines() if line.startswith("|") and not line.startswith("| ---")]
+            pieces += [f"{rows[0][i + 1]} | {row[0]} | {sentence}" for row in rows[1:] for i, cell in enumerate(row[1:])
+                       for sentence in re.split(r"(?<=\.)\s+(?=[A-Z`*(\[])", cell)]  # fmt: skip
+        else:
+            prose = " ".join(block.split())
+            pieces += re.split(r"(?<=\.)\s+(?=[A-Z`*(\[])", prose.replace(leave_out, "") if leave_out else prose)
+    return pieces
+
+
+def _readme_which_rows() -> dict[str, list[str]]:
+    from tests.test_readme import _which_rows
+
+    return _which_rows()
+
+
+def test_the_readme_s_bytes_against_n_are_the_records_words() -> None:
+    """"flat in N" / "grow with N" per column: a method is flat where its link bytes grow from 2 to 8 workers as
+    DDP's ring all-reduce's do (the CIFAR-10 subset studies), and the shipped `algo/deft` does not."""
+    from benchmarks import doc_claims
+
+    growth = doc_claims.growth()
+    assert growth["DDP"]["words"] == doc_claims.FLAT  # the yardstick is flat by definition
+    assert growth["DEFT"]["words"] == doc_claims.GROWS and growth["DEFT"]["growth"] > 3  # 131 -> 422 kB
+    rows = _readme_which_rows()
+    (label,) = [label for label in rows if label.startswith("link bytes as workers grow")]
+    assert rows[label] == [growth[column]["words"] for column in ("DGC", "DEFT", "PowerSGD", "DiLoCo")], rows[label]
+    (label,) = [label for label in rows if label.startswith("pick it when")]
+    deft = rows[label][1]
+    assert "flat" not in deft or growth["DEFT"]["words"] == doc_claims.FLAT, deft
+    assert doc_claims.growth_sentence() in _text("docs/algorithms/index.md")
+    assert "docs/algorithms/index.md#link-bytes-as-workers-grow" in _text("README.md")
+
+
+@pytest.mark.parametrize("page", CLAIM_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_page_calls_the_shipped_deft_flat_in_n(page: Path) -> None:
+    """DEFT's bytes are flat in N only with ``budget="k"`` (as published); a sentence or cell that says "flat in N"
+    of DEFT names that budget."""
+    from benchmarks.doc_claims import growth_sentence
+
+    # the generated sentence says what "flat in N" means, and is checked against the records above
+    wrong = [p for p in _pieces(page, growth_sentence()) if re.search(r"flat in N", p, re.I) and re.search(r"\bDEFT\b|algo/deft", p, re.I)
+             and not re.search(r"budget[`\s=:\"]*k\b|budget `k`", p)]  # fmt: skip
+    assert not wrong, wrong
+
+
+def _recommended_names(piece: str) -> list[str]:
+    """The configuration each "recommended" of a sentence names: the ``algo/...`` nearest to the word."""
+    names = [(m.start(), m.group(1)) for m in re.finditer(r"algo/(\w+)", piece)]
+    out = []
+    for word in re.finditer(r"recommended", piece, re.I):
+        of_dgc = piece[word.end() :].lstrip().startswith("DGC")  # "the recommended DGC": a DGC configuration's name
+        near = [n for n in names if n[1].startswith("dgc")] if of_dgc else names
+        if near:
+            out.append(min(near, key=lambda n: abs(n[0] - word.start()))[1])
+        elif of_dgc or re.search(r"\bDGC\b", piece):
+            out.append("")  # "the recommended DGC" without its name
+    return out
+
+
+@pytest.mark.parametrize("page", CLAIM_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_recommended_dgc_names_the_one_configuration(page: Path) -> None:
+    from benchmarks.doc_claims import RECOMMENDED_DGC
+
+    names = [name for piece in _pieces(page) for name in _recommended_names(piece)]
+    wrong = [n for n in names if f"algo/{n}" != RECOMMENDED_DGC and (n == "" or n.startswith("dgc"))]
+    assert not wrong, f"{page.name} calls another DGC (or an unnamed one) recommended: {wrong}"
+
+
+def test_the_readme_s_config_row_is_the_recommended_dgc() -> None:
+    from benchmarks.doc_claims import RECOMMENDED_DGC
+
+    assert _readme_which_rows()["config"][0] == f"`{RECOMMENDED_DGC}`"
+    assert "# The recommended DGC" in (ROOT / "configs" / f"{RECOMMENDED_DGC}.yaml").read_text()
+    assert _recommended_names("the recommended DGC (`algo/dgc_regimes`)") == ["dgc_regimes"]  # the rule catches it
+    assert _recommended_names("`algo/deft` ends there (the recommended DGC there, 3 seeds)") == [""]
+
+
+STD = re.compile(r"standard deviation|\bstd\b")
+
+
+def _tables_with_plus_minus(page: Path) -> list[tuple[str, str, str]]:
+    """Each table of ``page`` that holds a "±": the paragraph before it, the table, the paragraph after it."""
+    blocks = re.split(r"\n\s*\n", page.read_text())
+    found = []
+    for i, block in enumerate(blocks):
+        if block.lstrip().startswith("|") and "±" in block:
+            before = blocks[i - 1] if i and not blocks[i - 1].lstrip().startswith("#") else ""
+            after = blocks[i + 1] if i + 1 < len(blocks) else ""
+            found.append((before, block, after))
+    return found
+
+
+@pytest.mark.parametrize("page", CLAIM_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_table_says_its_plus_minus_is_the_standard_deviation(page: Path) -> None:
+    """One statistic per table, said in its caption (the paragraph before or after it): "±" is the standard
+    deviation over seeds everywhere; a standard error is written out in words, never after a "±"."""
+    for before, table, after in _tables_with_plus_minus(page):
+        before, after = (" ".join(text.split()) for text in (before, after))
+        assert STD.search(before) or STD.search(after), f"{page.name}: which statistic is this table's ±?\n{table[:200]}"
+    assert not re.search(r"±\s*(?:its|the)\s+standard error", " ".join(page.read_text().split()))
+
+
+def test_the_readme_headline_gives_one_statistic() -> None:
+    from benchmarks import composed
+
+    table = composed.markdown_headline(_record("parity_full_cifar2"), _record("composed_time"))
+    row = next(line for line in table if line.startswith("| `algo/dgc_1pct_int8`"))
+    dgc = _summary("parity_full_cifar2")["dgc_1pct_int8"]
+    assert f"{100 * dgc['difference']:+.2f} ± {100 * dgc['difference_std']:.2f} pp" in row  # the std, as top-1's
+    (before, _, _) = [t for t in _tables_with_plus_minus(ROOT / "README.md") if "| method | top-1 |" in t[1]][0]
+    assert "standard error" not in before and STD.search(" ".join(before.split()))
+
+
+def test_a_time_ratio_in_a_cell_says_whether_it_is_a_speed_or_a_time() -> None:
+    """"Nx DDP's" reads both ways; a cell says "DDP's speed" (DDP's time over the method's) or "DDP's time"."""
+    for page in CLAIM_PAGES:
+        cells = [c for line in page.read_text().splitlines() if line.startswith("|") for c in _cells(line)]
+        bare = [c for c in cells if re.search(r"\d x DDP's(?! (?:speed|time|step))".replace(" x", "x"), c)]
+        assert not bare, (page.name, bare)
+
+
+def test_the_auto_cell_at_1_gbit_says_it_is_ddp_s_curve() -> None:
+    from benchmarks import composed
+
+    (auto,) = [r for r in _record("composed_time")["long"] if (r["link"], r["method"]) == ("1gbit", "auto")]
+    assert auto["curve"] == "ddp"  # it chose dense: DDP's run, priced at auto's step
+    (row,) = [line for line in _text("README.md").split(" | `density=\"auto\"` |")[1:2]]
+    assert "DDP's curve at auto's step: it chose dense" in row
+    assert composed._minutes(auto).endswith("DDP's curve at auto's step: it chose dense)")
+
+
+def test_the_memory_figures_say_they_are_the_cpu_path_s() -> None:
+    from benchmarks import doc_claims
+
+    peaks = doc_claims.gpu_memory_peaks()
+    cpu = {s: r[0]["over"]["peak - ddp"] for s, r in _record("checkpoint_memory")["runs"].items()}
+    assert peaks["dgc"] > cpu["dgc"] and peaks["deft"] > cpu["deft"]  # "larger"
+    rows = _readme_which_rows()
+    assert [label for label in rows if label.startswith("memory per rank")] == [
+        "memory per rank over DDP, training peak, CPU"]  # fmt: skip
+    assert f"Memory: {doc_claims.gpu_memory_note(every=False)}" in _text("README.md")
+    assert f"These figures are {doc_claims.gpu_memory_note()}" in _text("docs/migrating-from-ddp.md")
+
+
+def test_the_guide_s_step_times_are_labelled_a_quick_run_and_say_what_a_longer_one_found() -> None:
+    quick, full = _record("slow_links"), _record("slow_links_selectors")
+    q = {r["strategy"]: r["step_time_s"] for r in quick["runs"] if (r["model"], r["bandwidth_mbit"]) == ("resnet110", 100)}
+    f = {r["strategy"]: r["step_time_s"] for r in full["runs"] if (r["model"], r["bandwidth_mbit"]) == ("resnet110", 100)}
+    assert quick["quick"] and quick["settings"]["rounds"] == 1 and not full["quick"]
+    text = _text("docs/algorithms/index.md")
+    assert f"a quick run of {quick['settings']['timed_steps']} timed steps, one round (`slow_links.json`)" in text
+    reversed_ = (q["dgc"] < q["deft"]) != (f["dgc"] < f["deft"])
+    said = (f"A longer run of DGC and DEFT alone, {full['settings']['rounds']} interleaved rounds of"
+            f" {full['settings']['timed_steps']} steps (`slow_links_selectors.json`), reverses their order:"
+            f" {f['dgc']:.3f} s under DGC, {f['deft']:.3f} s under `algo/deft`")  # fmt: skip
+    assert reversed_ and said in text
+    assert "a quick run of 5 timed steps" in _text("docs/algorithms/powersgd.md")
+
+
+def test_the_length_figure_names_whose_it_is() -> None:
+    from benchmarks import long_study
+    from benchmarks.doc_claims import RECOMMENDED_DGC
+
+    rows = _record(long_study.LENGTH_RECORD)["rows"]
+    assert rows and all(long_study.RECOMMENDED in r for r in rows)
+    sentence = long_study.length_sentence(rows)
+    assert sentence.startswith(f"`{RECOMMENDED_DGC}` less DDP")
+    for page in ("README.md", "docs/algorithms/dgc.md"):
+        assert sentence in _text(page), page
+
+
+def test_the_paper_s_ratios_stand_in_one_table_that_other_pages_link_to() -> None:
+    from benchmarks import doc_claims
+
+    text = (ROOT / "docs" / "algorithms" / "dgc.md").read_text()
+    assert "\n".join(doc_claims.paper_table()) in text and "\n".join(doc_claims.paper_why()) in text
+    paper = [f"{ratio}x" for ratio in doc_claims.PAPER.values()]
+    for page in CLAIM_PAGES:
+        if page.name != "dgc.md":
+            assert not [r for r in paper if re.search(rf"(?<![\d,.]){re.escape(r)}", page.read_text())], page.name
+    for page, link in (("README.md", "docs/algorithms/dgc.md#compression-against-the-papers"),):
+        assert link in _text(page)
+
+
+def test_the_deft_page_s_bytes_at_2_and_8_workers_are_the_guide_s() -> None:
+    """The figures of the guide's generated sentence stand on the DEFT page too: 131 kB a step at 2 workers
+    ("twice DGC's"), 422 at 8 (its table)."""
+    from benchmarks import doc_claims
+
+    deft, dgc = doc_claims.growth()["DEFT"], _summary("parity_seeds_cifar2")["dgc"]
+    text = _text("docs/algorithms/deft.md")
+    assert f"its link carried twice DGC's bytes averaged over the run ({deft['kb_2']:.0f} against" \
+        f" {dgc['link_kb_per_step']:.0f} kB per step)" in text
+    assert 1.75 <= deft["kb_2"] / dgc["link_kb_per_step"] <= 2.25  # "twice"
+    (row,) = [line for line in (ROOT / "docs/algorithms/deft.md").read_text().splitlines()
+              if line.startswith("| deft (`algo/deft`: budget `dgc_link`, compact wire) |")]  # fmt: skip
+    assert _cells(row)[-1] == f"{deft['kb_8']:,.0f}"
+
+
+def test_the_readme_gives_algo_deft_dgc_s_optimizer_rules_where_it_corrects_momentum() -> None:
+    """`algo/deft` turns momentum correction on (SGD's momentum taken over): its optimizer cell is not "any"."""
+    from tests.test_readme import _init_args
+
+    corrects = _init_args("deft")["momentum_correction"]
+    (label,) = [label for label in _readme_which_rows() if label.startswith("optimizer")]
+    cell = _readme_which_rows()[label][1]
+    assert (cell == "as DGC (momentum correction on)") == corrects and (cell == "any") == (not corrects), cell
+    assert "`DEFTStrategy(momentum_correction=True)`, as the shipped `algo/deft` sets it" in _text("docs/algorithms/deft.md")
+
+
+def test_the_2_by_8_answer_says_which_settings_the_model_priced() -> None:
+    """The answer names the recommended configurations; the model's record priced others (its profile's density and
+    values, DEFT's defaults: as published), and the page says so."""
+    from lightning_dgc.algorithms.deft_config import DEFTConfig
+
+    profile = _record("two_level/scaling_resnet50")["profile"]
+    assert profile["configs"] == {} and DEFTConfig().budget == "k"  # DEFT as published
+    text = _text("docs/algorithms/index.md")
+    assert (f"The model prices DGC at density {profile['density']:g} with {profile['value_dtype']} values and DEFT as"
+            f" published (density {profile['density']:g}, budget `k`: flat in N), the record's profile") in text

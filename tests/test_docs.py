@@ -734,7 +734,7 @@ def test_the_time_to_accuracy_page_quotes_the_slow_links_gaps_and_steps() -> Non
     for expected in (
         f"chose 1/16 on every seed ({ratio['auto'].pop():.1f}x fewer bytes than DDP over the run) and ended"
         f" {(ddp['final'] - auto['final']) * 100:.1f} points below DDP (mean of {auto['seeds']} seeds)",
-        f"the recommended DGC recipe ({ratio['dgc'].pop():.1f}x fewer bytes) {(ddp['final'] - dgc['final']) * 100:.1f}"
+        f"`algo/dgc_regimes` ({ratio['dgc'].pop():.1f}x fewer bytes) {(ddp['final'] - dgc['final']) * 100:.1f}"
         " points below",
         f"({step['auto']} and {step['dgc']} ms against {report['none', 'ddp']['median_step_s'] * 1e3:.0f}; DDP"
         f" {step['ddp']} ms)",

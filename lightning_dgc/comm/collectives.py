@@ -72,6 +72,22 @@ class Pending:
         return self.output
 
 
+def _collective(name: str, before: str) -> Callable[..., Any]:
+    """``torch.distributed``'s collective ``name``, or ``before`` on a torch that does not have it yet.
+
+    torch 2.13 renamed ``all_gather_into_tensor`` to ``all_gather_single`` and ``reduce_scatter_tensor`` to
+    ``reduce_scatter_single`` (same arguments); 2.13 and 2.14 warn on the old names, 2.11 and 2.12 have only
+    those. Taking the new name where it exists keeps every supported torch free of the warning.
+    """
+    return getattr(dist, name, None) or getattr(dist, before)
+
+
+#: Every rank's tensor into one output tensor (``dist.all_gather_single``, ``all_gather_into_tensor`` before 2.13).
+_all_gather_single = _collective("all_gather_single", "all_gather_into_tensor")
+#: A sum over the ranks, scattered in blocks (``dist.reduce_scatter_single``, ``reduce_scatter_tensor`` before 2.13).
+_reduce_scatter_single = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+
+
 def _devices(device: torch.device) -> list[torch.device]:
     return [device] if device.type == "cuda" else []
 
@@ -136,16 +152,15 @@ class TorchCollectives(Collectives):
         if self.world_size == 1:
             out.copy_(tensor.reshape(-1))
             return _done(what, out, self.global_rank)
-        work = dist.all_gather_into_tensor(out, tensor, group=self.group, async_op=True)
+        work = _all_gather_single(out, tensor, group=self.group, async_op=True)
         return Pending(what, work.get_future(), out, self.global_rank)
-
 
     def reduce_scatter(self, tensor: Tensor, what: str) -> Pending:
         block = tensor.numel() // self.world_size
         if self.world_size == 1:
             return _done(what, tensor[:block], self.global_rank)
         out = torch.empty(block, dtype=tensor.dtype, device=tensor.device)
-        work = dist.reduce_scatter_tensor(out, tensor, group=self.group, async_op=True)
+        work = _reduce_scatter_single(out, tensor, group=self.group, async_op=True)
         try:
             return Pending(what, work.get_future(), out, self.global_rank)
         except RuntimeError:  # gloo's reduce-scatter has no future: wait here (the hook waits for it next)
@@ -164,6 +179,8 @@ def _done(what: str, output: Tensor, rank: int) -> Pending:
 
 #: The first torch whose gloo futures carry their CUDA device (see :func:`when_all`).
 DEVICE_FUTURES_TORCH = (2, 11)
+#: The torch releases lightning-dgc supports, as ``pyproject.toml`` requires them (named in the error below).
+SUPPORTED_TORCH = "torch>=2.11,<2.16"
 _DEVICE_FUTURES_CHECKED = False  # this process's torch passed the check
 
 
@@ -176,7 +193,7 @@ def _check_device_futures(version: str | None = None) -> None:
             f"lightning_dgc needs torch >= {'.'.join(map(str, DEVICE_FUTURES_TORCH))} for compressed exchanges of"
             f" CUDA gradients (this is torch {version or torch.__version__}): on older releases a collective's"
             " future does not order the CUDA stream that decodes it, and ranks could decode different updates."
-            " Install a torch release lightning-dgc supports (`pip install 'torch>=2.11,<2.14'`)."
+            f" Install a torch release lightning-dgc supports (`pip install '{SUPPORTED_TORCH}'`)."
         )
     if version is None:
         _DEVICE_FUTURES_CHECKED = True

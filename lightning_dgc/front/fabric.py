@@ -30,7 +30,6 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.utilities.types import Optimizable
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -55,11 +54,12 @@ from lightning_dgc.exchange.takeover import (
     check_ranks_agree,
 )
 from lightning_dgc.front.core import ExchangeAccess, check_model_first
+from lightning_dgc.front.fabric_steps import FabricExchangeSteps
 from lightning_dgc.front.registration import register_strategies
 
 log = logging.getLogger(__name__)
 
-class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
+class FabricCompressionStrategy(ExchangeAccess, FabricExchangeSteps, DDPStrategy):
     """Fabric's data-parallel strategy with a compressed gradient exchange (any registered algorithm).
 
     The optimizer contract is the Trainer strategy's (:class:`~lightning_dgc.CompressionStrategy`): for
@@ -167,35 +167,8 @@ class FabricCompressionStrategy(ExchangeAccess, DDPStrategy):
         self._taken_over.take_over(state, self._optimizers, self._module.module.named_parameters(), self.root_device)
         check_ranks_agree(state, type(self).__name__, self.max_consecutive_skips)
 
-    # -- the step --------------------------------------------------------------------------------
-    @override
-    def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        """The backward pass, with the exchange's step finished right after it (``.grad`` then holds the
-        averaged update, and the memory is committed, or left as it was, as under DDP)."""
-        backward = super().backward
-        self._backward_pass(lambda: backward(tensor, module, *args, **kwargs))
-
-    @override
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """Skip the step on every rank if the gradients it applies were not finite, then step.
-
-        With a ``closure`` (e.g. LBFGS) this is checked after each call of the closure, which runs backward.
-        """
-        closure = kwargs.get("closure")
-        if closure is None:
-            self._close_step(optimizer)
-        else:
-
-            def closure_then_finish() -> Any:
-                result = closure()
-                self._close_step(optimizer)
-                return result
-
-            kwargs["closure"] = closure_then_finish
-        result = super().optimizer_step(optimizer, **kwargs)
-        if self._module is not None:
-            self._after_optimizer_step(self._module.module.named_parameters())
-        return result
+    def _checked_parameters(self) -> Any:
+        return self._module.module.named_parameters() if self._module is not None else None
 
     # -- checkpoints -----------------------------------------------------------------------------
     @override

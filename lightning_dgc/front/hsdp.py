@@ -134,14 +134,8 @@ class HSDPCompressionStrategy(ShardedExchangeAccess, TrainerExchangeSteps, Model
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: FSDP2 keeps the micro-steps' gradients unsharded, with neither its reduce-scatter
         nor the exchange; the step's last backward pass runs both once, on their sum."""
-        if self.model is None or not sharding.fsdp_modules(self.model):
+        with sharding.no_gradient_sync(self.model):
             yield None
-            return
-        sharding.set_gradient_sync(self.model, False)
-        try:
-            yield None
-        finally:
-            sharding.set_gradient_sync(self.model, True)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     @override

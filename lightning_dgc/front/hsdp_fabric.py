@@ -20,11 +20,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.types import Optimizable
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -34,6 +32,7 @@ from lightning_dgc.checkpoint.exchange import CHECKPOINT_KEY
 from lightning_dgc.exchange.agreement import DEFAULT_CHECK_RANKS_EVERY
 from lightning_dgc.exchange.takeover import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from lightning_dgc.front.core import check_model_first
+from lightning_dgc.front.fabric_steps import FabricExchangeSteps
 from lightning_dgc.front.sharded_core import ShardedExchangeAccess
 
 __all__ = ["FabricHSDPCompressionStrategy"]
@@ -44,7 +43,7 @@ def _as_it_is(module: Module, mesh: Any) -> Module:
     return module
 
 
-class FabricHSDPCompressionStrategy(ShardedExchangeAccess, ModelParallelStrategy):
+class FabricHSDPCompressionStrategy(ShardedExchangeAccess, FabricExchangeSteps, ModelParallelStrategy):
     """Fabric's door to :class:`~lightning_dgc.HSDPCompressionStrategy`: FSDP2 inside each node, the algorithm
     across the nodes on each process's gradient shard. Arguments as the Trainer door's, and ``parallelize_fn``
     (Fabric's ``ModelParallelStrategy``'s: ``parallelize_fn(module, device_mesh) -> module``, sharding over
@@ -133,32 +132,8 @@ class FabricHSDPCompressionStrategy(ShardedExchangeAccess, ModelParallelStrategy
         self._taken_over.restore(self._optimizers)  # the live groups hold the user's values again
         self._take_over(self._module.named_parameters(), self._optimizers)
 
-    # -- the step --------------------------------------------------------------------------------------------
-    @override
-    def backward(self, tensor: torch.Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        """The backward pass (FSDP's reduce-scatter inside the node, the exchange across the nodes), with the
-        exchange's step finished right after it."""
-        backward = super().backward
-        self._backward_pass(lambda: backward(tensor, module, *args, **kwargs))
-
-    @override
-    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        """Skip the step on every rank if the gradients it applies were not finite, then step."""
-        closure = kwargs.get("closure")
-        if closure is None:
-            self._close_step(optimizer)
-        else:
-
-            def closure_then_finish() -> Any:
-                result = closure()
-                self._close_step(optimizer)
-                return result
-
-            kwargs["closure"] = closure_then_finish
-        result = super().optimizer_step(optimizer, **kwargs)
-        if self._module is not None:
-            self._after_optimizer_step(self._module.named_parameters())
-        return result
+    def _checked_parameters(self) -> Any:
+        return self._module.named_parameters() if self._module is not None else None
 
     # -- checkpoints -------------------------------------------------------------------------------------------
     @override

@@ -99,6 +99,7 @@ class ShardedExchangeAccess(ExchangeAccess):
         """The exchange state over the sharded parameters, its hook on every FSDP group, the optimizers taken over
         (every rank)."""
         assert self._topology is not None
+        sharding.check_reduce(module, type(self).__name__)
         self._align_replicas(module)
         state = self._state
         if state is None or list(state.param_names.values()) != [n for n, _ in named]:

@@ -12,6 +12,7 @@ gradient synchronisation for accumulation (:func:`set_gradient_sync`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,8 +23,8 @@ from lightning_dgc.comm.mesh import mesh_topology, shard_group_ranks, sharded_me
 from lightning_dgc.exchange.sharded import GroupShard
 
 __all__ = [
-    "CONFIGURE_MODEL_LINES", "check_nodes_on_hosts", "check_sharded", "fsdp_modules", "group_shard", "node_mesh",
-    "not_sharded", "set_gradient_sync", "shard_and_check", "shard_modules",
+    "CONFIGURE_MODEL_LINES", "check_nodes_on_hosts", "check_reduce", "check_sharded", "fsdp_modules", "group_shard", "node_mesh",
+    "no_gradient_sync", "not_sharded", "set_gradient_sync", "shard_and_check", "shard_modules",
 ]  # fmt: skip
 
 #: The lines a LightningModule adds to shard itself over the node (shown by the error for a module without them).
@@ -113,6 +114,29 @@ def check_sharded(module: nn.Module, node_ranks: list[int], owner: str) -> None:
             " average their gradients. Apply `fully_shard` to the module itself after its blocks, which takes"
             " every parameter not yet sharded:\n" + CONFIGURE_MODEL_LINES
         )
+
+
+def check_reduce(module: nn.Module, owner: str) -> None:
+    """A ``ValueError`` naming the fix unless every FSDP group hands its all-reduce hook the node's mean gradient:
+    FSDP2 averages in the reduce-scatter itself for fp32 and bf16 reduces, but scales an fp16 reduce (or one with
+    ``set_gradient_divide_factor``, or sums only) before and after it, the second time after the hook."""
+    import torch
+
+    for fsdp_module in fsdp_modules(module):
+        group = param_group(fsdp_module)
+        if group is None:
+            continue
+        reduces = {p.mp_policy.reduce_dtype or p.mp_policy.param_dtype or p.sharded_param.dtype
+                   for p in group.fsdp_params if p.sharded_param.requires_grad}  # FSDP2's rule, before its lazy init
+        reduce = next(iter(reduces), torch.float32)
+        if (reduce not in (torch.float32, torch.bfloat16) or group.gradient_divide_factor is not None
+                or group.force_sum_reduction_for_comms):  # fmt: skip
+            raise ValueError(
+                f"{owner}: a module ({type(fsdp_module).__name__}) reduces its gradients in {reduce}"
+                " or with a divide factor of its own, which FSDP2 applies after the exchange's hook. Reduce in"
+                " fp32 or bf16: `MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32)` in `fully_shard`,"
+                " and leave `set_gradient_divide_factor` and `set_force_sum_reduction_for_comms` unset."
+            )
 
 
 def node_mesh(strategy: Any, owner: str) -> tuple[Any, comm.Topology]:
@@ -205,6 +229,21 @@ def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     unsharded gradients and runs neither the reduce-scatter nor the exchange (gradient accumulation)."""
     for fsdp_module in fsdp_modules(module):
         fsdp_module.set_requires_gradient_sync(enabled, recurse=False)
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module | None) -> Iterator[None]:
+    """Gradient sync off inside the block (:func:`set_gradient_sync`), on again after it: a sharded door's
+    ``block_backward_sync``, which Lightning enters for the micro-steps of gradient accumulation (``module`` without
+    FSDP2 modules, or ``None``: nothing)."""
+    if module is None or not fsdp_modules(module):
+        yield
+        return
+    set_gradient_sync(module, False)
+    try:
+        yield
+    finally:
+        set_gradient_sync(module, True)
 
 
 def hooked_groups(module: nn.Module) -> Iterator[tuple[Any, Any]]:

@@ -88,9 +88,9 @@ class HSDPDiLoCoStrategy(OuterAccess, ModelParallelStrategy):
     offload, ranks numbered node by node, each node on one host).
 
     Args:
-        sync_every, outer_lr, outer_momentum, outer_nesterov, algorithm, options, offload, max_consecutive_skips,
-            fragments, overlap_steps, mixing, **kwargs: as for :class:`~lightning_dgc.DiLoCoStrategy`, on each
-            process's shard (``offload``: the global shard and its momentum in host memory).
+        sync_every, outer_lr, outer_momentum, outer_nesterov, algorithm, options, offload, max_consecutive_skips, fragments, overlap_steps, mixing, **kwargs: as for
+            :class:`~lightning_dgc.DiLoCoStrategy`, on each process's shard (``offload``: the global shard and its
+            momentum in host memory).
         sharded_modules: for a ``LightningModule`` without ``configure_model``: the module classes to shard (each
             instance, innermost first), then the module itself.
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` for the modules the strategy shards (``sharded_modules``).
@@ -218,14 +218,8 @@ class HSDPDiLoCoStrategy(OuterAccess, ModelParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Gradient accumulation: FSDP2 keeps the micro-steps' gradients unsharded, without its reduce-scatter; the
         step's last backward pass runs it once, on their sum."""
-        if self.model is None or not sharding.fsdp_modules(self.model):
+        with sharding.no_gradient_sync(self.model):
             yield None
-            return
-        sharding.set_gradient_sync(self.model, False)
-        try:
-            yield None
-        finally:
-            sharding.set_gradient_sync(self.model, True)
 
     @override
     def optimizer_step(

@@ -40,8 +40,8 @@ count is at most ``(span - K) // 65535 <= span // 65535 = F``. (The worst case p
 unselected positions in one gap; spreading them over several gaps only loses fillers to rounding.)
 
 Compared with int32 indices a value costs ``2 + value_bytes`` bytes instead of ``4 + value_bytes``
-(plus ``2 F`` bytes per bucket: 778 bytes for a bucket of 25.6 M values). One
-``all_gather_into_tensor`` moves every rank's payload; tensors too small to compress travel in one
+(plus ``2 F`` bytes per bucket: 778 bytes for a bucket of 25.6 M values). One all-gather
+(``all_gather_single``) moves every rank's payload; tensors too small to compress travel in one
 dense ``all_reduce``.
 """
 

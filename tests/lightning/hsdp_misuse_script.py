@@ -66,12 +66,23 @@ class Offloaded(Blocks):
         fully_shard(self, mesh=self.device_mesh["data_parallel"], offload_policy=CPUOffloadPolicy(pin_memory=False))
 
 
+class HalfReduce(Blocks):
+    """fp16 parameters reduced in fp16: FSDP2 divides that reduce after the hook."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+        fully_shard(self, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+
+
 CASES: dict[str, tuple[type[L.LightningModule], dict[str, Any]]] = {
     "no configure_model": (Unsharded, {}),
     "blocks only": (BlocksOnly, {}),
     "over the whole world": (OnTheWholeWorld, {}),
     "HSDP of FSDP's own": (HSDPItself, {}),
     "CPU offload": (Offloaded, {}),
+    "fp16 reduce": (HalfReduce, {}),
     "sharded_modules": (Unsharded, {"sharded_modules": [Block]}),
 }
 

@@ -134,6 +134,7 @@ def test_misuses_fail_at_setup_with_the_fix(tmp_path: Path) -> None:
         "over the whole world": ("ValueError", r"sharded over the processes \[0, 1, 2, 3\].*node is \[\d, \d\]"),
         "HSDP of FSDP's own": ("ValueError", r"mesh of two dimensions \(HSDP\).*data_parallel"),
         "CPU offload": ("ValueError", r"does not support FSDP2's CPU offload.*Drop the offload policy"),
+        "fp16 reduce": ("ValueError", r"reduces its gradients in torch.float16.*reduce_dtype=torch.float32"),
     }
     for rank in seen:
         for case, (kind, pattern) in expected.items():
