@@ -1,13 +1,13 @@
 """Two nodes of two processes joined by a slow link: flat against two-level exchanges, bytes and step time.
 
-    sudo .venv/bin/python -m benchmarks.two_level_links                 # 100 Mbit/s
-    sudo .venv/bin/python -m benchmarks.two_level_links --bandwidths 100,1000
+    sudo .venv/bin/python -m benchmarks.two_level_links                 # unshaped, 100 Mbit/s, 1 Gbit/s
+    sudo .venv/bin/python -m benchmarks.two_level_links --links none/0,100/0,100/20,100/80 --name two_level_links_latency
 
 Setup as :mod:`benchmarks.slow_links` (root, ``ip`` and ``tc``): two network namespaces joined by a veth
 pair shaped with ``tc tbf``. Each namespace is a node: one ``torchrun`` agent starts 2 processes there
 (``--nnodes 2 --nproc-per-node 2 --node-rank i``), which talk to each other on the node's own addresses
 (the kernel keeps that traffic inside the namespace) and to the other node through the veth (gloo bound
-to it with ``GLOO_SOCKET_IFNAME``). Every process runs, in turn, every strategy on an MLP of about 2 M
+to it with ``GLOO_SOCKET_IFNAME``). Every process runs, in turn, every strategy on an MLP of 1.58 M
 parameters with ``Trainer(num_nodes=2, devices=2)``: ``ddp``, ``dgc`` (flat, ``hierarchical=False``),
 ``dgc_node`` (two-level), ``deft`` / ``deft_node`` and ``powersgd`` / ``powersgd_node``. Per strategy, local
 rank 0 of each node reads the bytes its end of the veth sent (``/sys/class/net/<veth>/statistics/tx_bytes``)
@@ -426,97 +426,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# -- the tables the docs quote -------------------------------------------------------------------------------
-LABELS = {"ddp": "DDP", "dgc": "DGC, flat", "dgc_node": "DGC, two-level", "deft": "DEFT, flat",
-          "deft_node": "DEFT, two-level", "powersgd": "PowerSGD, flat", "powersgd_node": "PowerSGD, two-level",
-          "diloco": "DiLoCo (H = 10)"}  # fmt: skip
+COLUMNS = ["Mbit/s", "round trip ms", "strategy", "step ms", "predicted ms", "error", "collectives/step",
+           "bytes leaving a node/step"]  # fmt: skip
 
 
-def _link(result: dict[str, Any], rate: float | None, rtt: float = 0.0) -> dict[str, Any]:
-    return next(e for e in result["links"] if (e["rate_mbit"], e["rtt_ms"]) == (rate, rtt))
-
-
-def largest_error(result: dict[str, Any]) -> tuple[float, str, dict[str, Any]]:
-    """The model's largest error on the record's shaped links: ``(error, strategy, link)``."""
-    return max(((row["error"], name, entry) for entry in result["links"] for name, row in entry["rows"].items()
-                if row.get("error") is not None), key=lambda t: abs(t[0]))  # fmt: skip
-
-
-def _rate(entry: dict[str, Any]) -> str:
-    rate = entry["rate_mbit"]
-    return "unshaped" if rate is None else f"{rate / 1e3:g} Gbit/s" if rate >= 1000 else f"{rate:g} Mbit/s"
-
-
-def _percent(error: float) -> str:
-    return f"{error:+.0%}".replace("-0%", "+0%")
-
-
-def _pair(row: dict[str, Any]) -> str:
-    return f"{row['step_ms']:.0f} / {row['predicted_ms']:.0f} ms ({_percent(row['error'])})"
-
-
-def markdown_prediction(result: dict[str, Any]) -> list[str]:
-    """Measured against predicted at every shaped rate (no added delay), per strategy."""
-    shaped = [e for e in result["links"] if e["rate_mbit"] is not None and e["rtt_ms"] == 0]
-    lines = ["| strategy | " + " | ".join(f"{_rate(e)}: measured / predicted" for e in shaped) + " |",
-             "| --- |" + " --- |" * len(shaped)]  # fmt: skip
-    for name, label in LABELS.items():
-        if all(e["rows"].get(name, {}).get("predicted_ms") is not None for e in shaped):
-            lines.append(f"| {label} | " + " | ".join(_pair(e["rows"][name]) for e in shaped) + " |")
-    return lines
-
-
-def markdown_terms(result: dict[str, Any], rate: float = 100.0) -> list[str]:
-    """Where a step's time goes at ``rate`` Mbit/s: the terms measured apart, and the whole step."""
-    ref, link = _link(result, None), _link(result, rate)
-    compute = link["rows"]["compute"]["step_ms"]
-    lines = ["| strategy | compute (no exchange) | the hook's host work alone | exchange apart from the link |"
-             " collectives per step | the link (model) | step: measured / predicted |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for name, label in LABELS.items():
-        row = link["rows"].get(name)
-        if row is None or row.get("predicted_ms") is None:
-            continue
-        hook = ref["shared"]["hook_host_s"].get(name)
-        exchange = ref["rows"][name]["exchange_ms"]
-        lines.append(
-            f"| {label} | {compute:.1f} ms | {'-' if hook is None else f'{hook * 1e3:.1f} ms'} | {exchange:.1f} ms |"
-            f" {collectives(ref, name):g} | {row['predicted_ms'] - compute - exchange:.1f} ms | {_pair(row)} |"
-        )
-    return lines
-
-
-def collectives(entry: dict[str, Any], name: str) -> float:
-    """The collectives a step of ``name`` issues beyond the step without exchange (Lightning's own), counted."""
-    counts, base = entry["rows"][name]["collectives_per_step"], entry["rows"]["compute"]["collectives_per_step"]
-    return round(sum(counts.values()) - sum(base.values()), 1)
-
-
-def markdown_latency(result: dict[str, Any], rate: float = 100.0) -> list[str]:
-    """Every strategy's step at ``rate`` Mbit/s and each added round trip: measured, and the model's."""
-    links = [e for e in result["links"] if e["rate_mbit"] == rate]
-    ref = _link(result, None)
-    lines = ["| strategy | collectives per step | " + " | ".join(
-        f"{e['rtt_ms']:g} ms round trip: measured / predicted" for e in links) + " |",
-             "| --- | --- |" + " --- |" * len(links)]  # fmt: skip
-    for name, label in LABELS.items():
-        if name not in ref["rows"]:
-            continue
-        cells = [_pair(e["rows"][name]) if e["rows"][name].get("predicted_ms") is not None
-                 else f"{e['rows'][name]['step_ms']:.0f} ms" for e in links]  # fmt: skip
-        lines.append(f"| {label} | {collectives(ref, name):g} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def show(result: dict[str, Any]) -> None:
+def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    """Every measured step beside the model's, link by link (the report's page and :func:`show`)."""
     rows = []
     for entry in result["links"]:
         for name, row in entry["rows"].items():
+            tx = row.get("veth_tx_bytes_per_step") or []
             rows.append([f"{entry['rate_mbit'] or 'unshaped'}", f"{entry['rtt_ms']:g}", name, row["step_ms"], row.get("predicted_ms"),
                          None if row.get("error") is None else f"{row['error']:+.0%}",
-                         common.fmt(sum((row["collectives_per_step"] or {}).values()))])  # fmt: skip
-    common.print_table("Two nodes of two processes over a shaped link", ["Mbit/s", "round trip ms", "strategy",
-                       "step ms", "predicted ms", "error", "collectives/step"], rows)  # fmt: skip
+                         common.fmt(sum(row["collectives_per_step"].values())) if row["collectives_per_step"] else None,
+                         common.fmt(sum(tx) / len(tx)) if tx else None])  # fmt: skip
+    return [("Two nodes of two processes over a shaped link", COLUMNS, rows)]
+
+
+def show(result: dict[str, Any]) -> None:
+    for title, columns, rows in tables(result):
+        common.print_table(title, columns, rows)
 
 
 if __name__ == "__main__":
