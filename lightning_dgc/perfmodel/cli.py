@@ -1,17 +1,17 @@
 """``lightning-dgc-predict``: what speedup DDP, DGC, DEFT and PowerSGD would give on your cluster.
 
-    lightning-dgc-predict --model resnet50 --compute-ms 65.3 --selection-ms 12.6 --batch-size 64 \\
-        --workers 512 --gpus-per-node 8 --bandwidths 1,10
+    lightning-dgc-predict --model resnet50_h100 --workers 512 --gpus-per-node 8 --bandwidths 1,10
+    lightning-dgc-predict --model resnet50 --compute-ms 40 --selection-ms 8 --batch-size 64 --workers 512
     lightning-dgc-predict --profile profile.json --workers 8,64 --bandwidths 0.1,1
     python -m lightning_dgc.perfmodel.cli --list
 
-Evaluates :mod:`lightning_dgc.perfmodel` on a profile of one node: one of the profiles that ship with
-the package (``--model``: the tensor shapes of the model and the times measured on a CPU) or a JSON
-written by :class:`lightning_dgc.ExchangeProfiler` on your hardware (``--profile``). ``--compute-ms`` and
-``--selection-ms`` replace the profile's times by yours (the bytes stay exact). Prints, per method,
-worker count and bandwidth, the step time, the speedup over one worker (over one node with
-``--gpus-per-node`` above 1) and the bytes each worker receives per step (for a two-level method,
-``<algorithm>_node``, those that cross the nodes); ``--json`` prints the rows as JSON instead. These are predictions of a model, not measurements.
+Evaluates :mod:`lightning_dgc.perfmodel` on a profile of one node: one of the profiles that ship with the package
+(``--model``: the tensor shapes of the model and the times measured on a CPU, or on one H100 for ``resnet50_h100``)
+or a JSON written by :class:`lightning_dgc.ExchangeProfiler` on your hardware (``--profile``). ``--compute-ms`` and
+``--selection-ms`` replace the profile's times by yours (the bytes stay exact). Prints, per method, worker count and
+bandwidth, the step time, the speedup over one worker (over one node with ``--gpus-per-node`` above 1) and the bytes
+each worker receives per step (for a two-level method, ``<algorithm>_node``, those that cross the nodes); ``--json``
+prints the rows as JSON instead. These are predictions of a model, not measurements.
 """
 
 from __future__ import annotations
