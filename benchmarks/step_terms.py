@@ -142,12 +142,14 @@ def collective_s(group: Any = None, repeats: int = 9, nbytes: int = 256) -> dict
     steps than any gradient's)."""
     import torch.distributed as dist
 
-    n = dist.get_world_size(group)
+    from lightning_dgc.comm import TorchCollectives
+
+    ops = TorchCollectives(group)  # the all-gather by the name the installed torch has
     x = torch.zeros(max(1, nbytes // 4))
-    out = torch.zeros(n * x.numel())
+    out = torch.zeros(ops.world_size * x.numel())
     result = {}
-    for kind, run in (("all_reduce", lambda: dist.all_reduce(x, group=group)),
-                      ("all_gather", lambda: dist.all_gather_into_tensor(out, x, group=group))):  # fmt: skip
+    for kind, run in (("all_reduce", lambda: ops.all_reduce(x, "latency").wait()),
+                      ("all_gather", lambda: ops.all_gather(x, out, "latency").wait())):  # fmt: skip
         times = []
         for _ in range(repeats + 1):
             dist.barrier(group=group)
