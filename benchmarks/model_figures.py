@@ -181,6 +181,17 @@ def latency_table(latency: dict[str, Any] | None = None, rate: float = 100.0) ->
     return "\n".join(lines)
 
 
+def rerun_spread(links: dict[str, Any] | None = None, latency: dict[str, Any] | None = None) -> str:
+    """How far apart the two records' steps on the same link (100 Mbit/s, no delay) were: the noise of one invocation
+    on these shared cores, beside which the model's errors are read."""
+    first, second = link(_links(links), 100.0)["rows"], link(_latency(latency), 100.0)["rows"]
+    spread = {n: max(first[n]["step_ms"], second[n]["step_ms"]) / min(first[n]["step_ms"], second[n]["step_ms"]) - 1
+              for n in NAMES if n in first and n in second}  # fmt: skip
+    name = max(spread, key=spread.__getitem__)
+    return (f"The same 100 Mbit/s link without delay, measured in both invocations, gave steps up to {spread[name]:.0%}"
+            f" apart ({NAMES[name]}: {first[name]['step_ms']:.0f} and {second[name]['step_ms']:.0f} ms)")
+
+
 def against_ddp(latency: dict[str, Any] | None = None, rtt: float = 80.0) -> dict[str, float]:
     """Each strategy's speed at ``rtt`` ms on 100 Mbit/s as a multiple of DDP's (above 1: faster than DDP)."""
     rows = link(_latency(latency), 100.0, rtt)["rows"]
@@ -332,7 +343,7 @@ def assumptions(scaling: dict[str, Any] | None = None) -> str:
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     for name in ("agreement", "settings", "prediction_table", "terms_table", "link_share", "message_step", "latency_table",
-                 "round_trip_sentence", "shipped_collectives", "auto_sentence", "bytes_table", "bytes_sentence", "measured_agreement",
+                 "rerun_spread", "round_trip_sentence", "shipped_collectives", "auto_sentence", "bytes_table", "bytes_sentence", "measured_agreement",
                  "inputs_label", "assumptions"):  # fmt: skip
         print(f"-- {name}\n{globals()[name]()}\n")
     print(f"-- largest errors\n{largest_error_text(_links(None))}\n{largest_error_text(_latency(None), delayed=True)}")

@@ -44,7 +44,7 @@ def test_the_performance_page_quotes_the_measured_links() -> None:
     for text in (figures.prediction_table(links), figures.terms_table(links), figures.latency_table(latency)):
         assert text in (ROOT / PERF).read_text(), text.splitlines()[0]
     for text in (figures.settings(links), figures.largest_error_text(links), figures.link_share(links),
-                 figures.message_step(latency), figures.round_trip_sentence(latency),
+                 figures.message_step(latency), figures.round_trip_sentence(latency), figures.rerun_spread(links, latency),
                  figures.largest_error_text(latency, delayed=True)):  # fmt: skip
         _quotes(PERF, text)
     assert "(algorithms/index.md#links-of-long-round-trips)" in _page(PERF)
