@@ -50,6 +50,8 @@ DENSITY = 0.001
 #: PowerSGD settings: rank 2 (Vogels et al. 2019 use rank 1-4), compression from the 3rd step on.
 POWERSGD_RANK = 2
 POWERSGD_START_ITER = 2
+#: DiLoCo's round in the speed benchmarks (``configs/algo/diloco.yaml``): its step time is the mean over whole rounds.
+DILOCO_SYNC_EVERY = 10
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -360,6 +362,10 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
                            value_dtype="int8" if name.endswith("int8") else "fp32", **common)  # fmt: skip
     if name == "dgc_auto":
         return DGCStrategy(density="auto", **common)
+    if name == "diloco":  # configs/algo/diloco.yaml: H = 10, the dense outer exchange
+        from lightning_dgc import DiLoCoStrategy
+
+        return DiLoCoStrategy(sync_every=DILOCO_SYNC_EVERY, **common)
     if name == "deft":  # k by size, as configs/algo/deft.yaml
         return DEFTStrategy(density=density, k_allocation="size", budget="dgc_link", **common)
     if name == "deft_all":  # every rank selecting its share of every fragment (DEFTConfig.selectors="all")
@@ -367,7 +373,7 @@ def make_strategy(name: str, density: float = DENSITY, timeout_s: float = 180.0)
             density=density, k_allocation="size", budget="dgc_link", selectors="all", **common
         )
     raise ValueError(
-        f"unknown strategy {name!r}; expected one of ddp, powersgd, dgc, dgc_dense, deft, deft_all"
+        f"unknown strategy {name!r}; expected one of ddp, powersgd, dgc, dgc_dense, deft, deft_all, diloco"
     )
 
 
@@ -466,12 +472,17 @@ def train_steps(
     num_nodes: int = 1,
     seed: int = 0,
     density: float = DENSITY,
+    count: bool = False,
 ) -> dict[str, Any]:
     """Run ``warmup + steps`` real training steps; returns the timed steps and what was exchanged.
 
-    ``strategy="single"`` is one process without any exchange (``num_nodes`` must be 1); anything
+    ``strategy="single"`` is one process without any exchange (``num_nodes`` must be 1); ``"compute"``, DDP whose
+    buckets are handed back untouched (:func:`benchmarks.step_terms.no_exchange_strategy`); anything
     else is :func:`make_strategy` over ``num_nodes`` processes of one device each, connected through
-    Lightning's environment variables (see :func:`distributed_env`).
+    Lightning's environment variables (see :func:`distributed_env`). The step time is the median of the
+    timed steps; DiLoCo's, whose steps differ within a round, the mean (``steps`` a multiple of its round).
+    ``count``: after the timed steps, the collectives of one more step (DiLoCo: of a round) are counted
+    (:class:`benchmarks.step_terms.CollectiveCount`, ``collectives_per_step``).
     """
     import torch
 
@@ -479,11 +490,23 @@ def train_steps(
     L.seed_everything(seed, verbose=False)
     if strategy == "single":
         num_nodes = 1
-    module, loader, extra = build_workload(model, batch_size, (warmup + steps) * num_nodes, seed)
+    counter = None
+    if count and strategy != "single":
+        from benchmarks.step_terms import CollectiveCount
+
+        counter = CollectiveCount(warmup + steps, DILOCO_SYNC_EVERY if strategy == "diloco" else 1)
+    extra_steps = counter.span if counter else 0
+    module, loader, extra = build_workload(model, batch_size, (warmup + steps + extra_steps) * num_nodes, seed)
     timer = StepTimer()
+    callbacks: list[Any] = []
     if strategy == "single":
         # This process trains alone (in a 2-process launch, each process does, at the same time).
         strategy_obj: Any = "auto"
+    elif strategy == "compute":  # DDP's step with its buckets handed back: everything but the exchange
+        from benchmarks.step_terms import no_exchange_strategy
+
+        strategy_obj, callback = no_exchange_strategy(process_group_backend="gloo", timeout=timedelta(seconds=180))
+        callbacks.append(callback)
     else:
         strategy_obj = make_strategy(strategy, density=density)
     trainer = L.Trainer(
@@ -491,7 +514,7 @@ def train_steps(
         devices=1,
         num_nodes=num_nodes,
         strategy=strategy_obj,
-        max_steps=warmup + steps,
+        max_steps=warmup + steps + extra_steps,
         max_epochs=1,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -499,13 +522,13 @@ def train_steps(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=[timer, *callbacks, *([counter] if counter else [])],
         **extra,
     )
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=loader)
     wall = time.perf_counter() - t0
-    timed = timer.times[warmup:]
+    timed = timer.times[warmup : warmup + steps]
     numel = sum(p.numel() for p in module.parameters())
     result: dict[str, Any] = {
         "model": model,
@@ -515,12 +538,14 @@ def train_steps(
         "warmup_steps": warmup,
         "steps": len(timed),
         "step_times_s": timed,
-        "step_time_s": median(timed),
+        "step_time_s": statistics.fmean(timed) if strategy == "diloco" else median(timed),
         "fit_wall_s": wall,
         "parameters": numel,
         "dense_bytes": numel * 4,
         "hook_registered": getattr(trainer.strategy, "hook_calls", 0) > 0,
     }
+    if counter is not None:
+        result["collectives_per_step"] = counter.per_step
     if timer.stats and timer.stats[-1]:
         last = timer.stats[-1]
         result["bytes_sent"] = last.get("bytes_sent")
@@ -749,6 +774,9 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--density", type=float, default=DENSITY)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--count", action="store_true", help="count each strategy's collectives per step (round 0)")
+    parser.add_argument("--latency", action="store_true",
+                        help="after the runs, time a small all-reduce and all-gather on the process group")  # fmt: skip
     args = parser.parse_args(argv)
 
     import logging
@@ -775,15 +803,21 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
             args.steps,
             args.num_nodes,
             density=args.density,
+            count=args.count and round_index == 0,
         )
         run["round"] = round_index
         runs.append(run)
         print(
             f"rank {rank} round {round_index} {strategy}: median step {run['step_time_s']:.4f} s", flush=True
         )
+    report: dict[str, Any] = {"rank": rank, "runs": runs}
+    if args.latency and dist.is_available() and dist.is_initialized():
+        from benchmarks.step_terms import collective_s
+
+        report["latency_s"] = collective_s()
     out = args.out.with_name(f"{args.out.stem}.rank{rank}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rank": rank, "runs": runs}, indent=2, default=_json_default) + "\n")
+    out.write_text(json.dumps(report, indent=2, default=_json_default) + "\n")
     return 0
 
 

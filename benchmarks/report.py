@@ -89,6 +89,7 @@ OTHERS: tuple[tuple[str, str], ...] = (
     ("tensorboard_", "benchmarks.tensorboard_figure"),
     ("buildup", "benchmarks.buildup"),
     ("gpu_check", "benchmarks.gpu_check"),
+    ("two_level_links", "benchmarks.two_level_links"),
 )
 SECTION_TITLES = {
     "slow_links": "Slow links, end to end (1 Gbit/s and 100 Mbit/s)",

@@ -5,9 +5,11 @@
 
 Setup (root, ``ip`` and ``tc`` from iproute2; otherwise skipped with a message): the emulated link of
 :mod:`benchmarks.netns`, two network namespaces joined by a veth pair whose ends are shaped with ``tc tbf``
-(``--delay`` adds a ``netem`` delay each way). Each rate of ``--rates`` is one link: ``10mbit``, ``1gbit``, or
-``none`` (unshaped: the compute-only bound). One node per namespace, one process each
-(``Trainer(num_nodes=2, devices=1)``, gloo bound to the veth, one compute thread each).
+(``--delay`` adds a delay each way, a round trip of twice it: ``netem``, or the delay line of
+:mod:`benchmarks.link_delay` where the kernel has no ``netem``; one delay per invocation, on every link). Each
+rate of ``--rates`` is one link: ``10mbit``, ``1gbit``, or ``none`` (unshaped: the compute-only bound). One node
+per namespace, one process each (``Trainer(num_nodes=2, devices=1)``, gloo bound to the veth, one compute thread
+each).
 
 Each run is a recipe, ``python -m lightning_dgc_recipes fit`` with the task's CPU config and the method's
 algorithm config, as :mod:`benchmarks.parity` builds it (the same global batch, warm-up and learning-rate
@@ -505,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK[1]} steps, evaluated every {QUICK[2]}")
     parser.add_argument("--rates", type=lambda s: [parse_rate(x) for x in s.split(",")], default=[10.0, 100.0, None],
                         help="links, comma-separated: 10mbit, 1gbit, none (unshaped) (default 10mbit,100mbit,none)")  # fmt: skip
-    parser.add_argument("--delay", type=parse_delay, default=None, help="extra delay each way, e.g. 10ms (netem)")
+    parser.add_argument("--delay", type=parse_delay, default=None,
+                        help="extra delay each way, e.g. 40ms for an 80 ms round trip (netem, or benchmarks.link_delay)")  # fmt: skip
     parser.add_argument("--tasks", type=lambda s: s.split(","), default=["cifar10", "ptb"],
                         help=f"of {', '.join(TASKS)} (cifar10_full: the long protocol's short shaped runs, only when named)")
     parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),

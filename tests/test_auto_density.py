@@ -110,6 +110,23 @@ def test_a_latency_bound_link_stays_dense() -> None:
     assert choice.density == 1.0 and "latency" in choice.reason
 
 
+def test_every_compressed_density_pays_the_settings_check() -> None:
+    """Below density 1 every step runs the settings check first (an all-gather over every rank), which DDP's own
+    step skips: on a link of long round trips it decides against compression where the buckets alone would not."""
+    link = fake_link(2e9, 1e-3, 0.01)  # 2 Gbit/s, 1 ms a message step, a short window: nothing fits
+    dense = time_at(DGC, DGCConfig(), 1.0, link, 4)
+    lowest = time_at(DGC, DGCConfig(), 0.001, link, 4)
+    check = 3 * 1e-3  # 4 ranks: 3 steps
+    assert lowest < dense < lowest + check  # the buckets alone would compress
+    without = choose_density(link, buckets(), 4, DGC, DGCConfig(), 0.001)
+    assert without.density < 1.0
+    choice = choose_density(link, buckets(), 4, DGC, DGCConfig(), 0.001, check_s=check)
+    assert choice.density == 1.0 and choice.dense_s == pytest.approx(dense) and "latency" in choice.reason
+    slow = fake_link(10e6, 1e-3, 0.5)  # where bytes dominate, the check changes the price, not the choice
+    cheap, checked = (choose_density(slow, buckets(), 4, DGC, DGCConfig(), 0.001, check_s=c) for c in (0.0, check))
+    assert checked.density == cheap.density < 1.0 and checked.predicted_s == pytest.approx(cheap.predicted_s + check)
+
+
 def test_a_link_too_fast_to_time_is_dense_and_one_rank_exchanges_nothing() -> None:
     choice = choose_density(fake_link(math.inf, 0.0, 0.01), buckets(), 2, DGC, DGCConfig(), 0.001)
     assert choice.density == 1.0 and "too fast" in choice.reason

@@ -880,29 +880,6 @@ def test_selector_step_times_quote_the_record(page: str) -> None:
     assert expected in text, f"{page} does not quote slow_links_selectors.json: {expected!r}"
 
 
-def test_two_level_figures_quote_the_record() -> None:
-    """docs/multi-node.md's measured table and the benchmarks README's line (``benchmarks.two_level_links``)."""
-    rows = _record("two_level_links")["bandwidths"]["100"]["rows"]
-
-    def left(name: str) -> float:  # bytes leaving a node per step, mean over the two nodes
-        return sum(rows[name]["veth_tx_bytes_per_step"]) / len(rows[name]["veth_tx_bytes_per_step"])
-
-    text = (ROOT / "docs" / "multi-node.md").read_text()
-    page = text[text.index("### Measured") :].splitlines()  # (the predicted table above has the same labels)
-    (ddp,) = [x for x in page if x.startswith("| DDP |")]
-    assert _cells(ddp)[1:] == [f"{left('ddp') / 1e6:.2f} MB", f"{rows['ddp']['step_ms']:.0f} ms"]
-    for label, name in (("DGC", "dgc"), ("DEFT", "deft"), ("PowerSGD", "powersgd")):
-        (line,) = [x for x in page if x.startswith(f"| {label} |")]
-        flat, node = left(name), left(f"{name}_node")
-        digits = 0 if flat >= 1e5 else 1
-        assert _cells(line)[1:] == [
-            f"{flat / 1e3:.{digits}f} kB / {node / 1e3:.{digits}f} kB",
-            f"{rows[name]['step_ms']:.0f} / {rows[f'{name}_node']['step_ms']:.0f} ms",
-        ], f"multi-node.md {label} row"
-    line = f"({left('dgc_node') / 1e3:.1f} against {left('dgc') / 1e3:.1f} kB per step)"
-    assert line in _text("benchmarks/README.md")
-
-
 def test_monitoring_residual_norm_figures_quote_the_record() -> None:
     """docs/monitoring.md describes the figure's residual norm: the last steps at the final density."""
     record = _record("tensorboard_compression")["scalars"]

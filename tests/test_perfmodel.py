@@ -225,10 +225,13 @@ def test_selection_and_blocking_are_not_overlapped() -> None:
     assert deft.selection_s == pytest.approx(0.2 / 8)  # DEFT splits the selection
     b = p.buckets[0]
     control, indices = (m.nbytes for m in p.cost("deft", b, 8).messages if m.blocking)
-    one = net.allreduce(control, 8) + net.allreduce(indices, 8)
+    one = net.duration("all_reduce", control, 8)[0] + net.duration("all_reduce", indices, 8)[0]
     assert indices == 4 * k_of((999_000,), 0.001)
     assert deft.blocking_comm_s == pytest.approx(2 * one)
-    assert deft.total_s == pytest.approx(1.0 + 0.2 / 8 + 2 * one + deft.exposed_comm_s)
+    check = net.duration("all_gather", 16, 8)[0]  # the settings check before the first bucket
+    assert deft.control_s == pytest.approx(check) == dgc.control_s
+    assert deft.total_s == pytest.approx(1.0 + 0.2 / 8 + check + 2 * one + deft.exposed_comm_s)
+    assert step_time(p, "ddp", 8, net).control_s == 0.0  # DDP checks nothing
 
 
 def test_overlap_is_never_slower_and_speedup_is_n_c_over_t() -> None:
@@ -378,3 +381,47 @@ def test_validate(tmp_path, capsys) -> None:
     shared = rows[1]["predicted_shared_compute_s"]
     assert shared == pytest.approx(pred.step_time("dgc", 2, 1e8).total_s + 0.1)
     assert rows[1]["error_shared_compute"] == pytest.approx(shared / 0.15 - 1)
+
+
+# -- latency, channels, the exchange's measured time ---------------------------------------------------------
+def test_a_collective_takes_the_longer_of_its_latency_steps_and_its_bytes_plus_one_step() -> None:
+    net = Network(8e6, latency=0.01)  # 1 MB/s, 10 ms a step
+    # 4 workers: 6 steps of all-reduce; 100 bytes are latency-bound, 1 MB bandwidth-bound
+    assert net.duration("all_reduce", 100, 4) == pytest.approx((0.06, 1.5 * 100 / 1e6))
+    assert net.duration("all_reduce", 1e6, 4) == pytest.approx((1.5 + 0.01, 1.5))
+    assert net.duration("all_gather", 100, 4) == pytest.approx((0.03, 300 / 1e6))
+    assert net.parts("all_reduce", 1e6, 4) == pytest.approx((0.06, 1.5))
+
+
+def test_channels_run_collectives_in_order_and_blocking_ones_hold_the_next() -> None:
+    from lightning_dgc.perfmodel.network import channels_end
+
+    # two channels: 3 and 5 side by side, the third (3) after the first
+    assert channels_end([(3.0, False), (5.0, False), (3.0, False)], 2) == 6.0
+    assert channels_end([(3.0, False), (5.0, False), (3.0, False)], 1) == 11.0
+    # a blocking one is waited for before the next is issued
+    assert channels_end([(3.0, True), (5.0, False)], 2) == 8.0
+
+
+def test_the_timeline_of_a_latency_bound_step_by_hand() -> None:
+    """DGC on 4 workers, 10 ms a step, two channels (gloo's threads): the settings check (an all-gather: 3 steps),
+    then each bucket's all-gather (3 steps) and all-reduce (6 steps) side by side, the second bucket's once a channel
+    is free; nothing overlaps the backward pass, which is over by then."""
+    b = BucketProfile([[1000, 100], [100]], 4 * 100_100)
+    p = Profile("toy", [b, b], compute_s=0.002, backward_s=0.001, density=0.001)
+    net = Network(1e12, latency=0.01, concurrency=2)
+    t = step_time(p, "dgc", 4, net)
+    assert t.control_s == pytest.approx(0.03, rel=1e-3)
+    # after the check (30 ms): AG1 [30, 60], AR1 [30, 90]; AG2 [60, 90], AR2 [90, 150] on the first free channel
+    assert t.total_s == pytest.approx(0.002 - 0.001 + 0.150, rel=1e-3)
+    serial = step_time(p, "dgc", 4, Network(1e12, latency=0.01))
+    assert serial.total_s == pytest.approx(0.001 + 0.03 + 2 * 0.09, rel=1e-3)
+
+
+def test_a_measured_exchange_time_replaces_the_selection() -> None:
+    p = profile([bucket()], compute=1.0, selection_s=0.2, exchange_s={"dgc": 0.05})
+    net = Network(1e9)
+    dgc, deft = step_time(p, "dgc", 8, net), step_time(p, "deft", 8, net)
+    assert (dgc.selection_s, dgc.exchange_s) == (0.0, 0.05)
+    assert (deft.selection_s, deft.exchange_s) == (pytest.approx(0.2 / 8), 0.0)  # not measured: its selection
+    assert dgc.total_s == pytest.approx(step_time(profile([bucket()], compute=1.0), "dgc", 8, net).total_s + 0.05)

@@ -16,8 +16,8 @@ from lightning_dgc.perfmodel.cli import main, shipped_profiles
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "benchmarks" / "results" / "two_level" / "scaling_resnet50.json"
-#: The figures of the docs' ResNet-50 example, as the command line takes them.
-GPU = ["--compute-ms", "65.3", "--selection-ms", "12.6", "--batch-size", "64", "--gpus-per-node", "8"]
+#: The docs' ResNet-50 example: the shipped GPU profile on nodes of 8 GPUs.
+GPU = ["--model", "resnet50_h100", "--gpus-per-node", "8"]
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -30,13 +30,15 @@ def test_the_command_prints_the_prediction_of_the_record_outside_the_checkout(tm
     figures of the committed record (DGC on 1 Gbit/s at 64 nodes of 8 GPUs)."""
     script = Path(sys.executable).with_name("lightning-dgc-predict")
     assert script.exists(), "reinstall the package (pip install -e .) to get the lightning-dgc-predict command"
-    result = _run(str(script), "--model", "resnet50", *GPU, "--workers", "512", "--bandwidths", "1",
+    result = _run(str(script), *GPU, "--workers", "512", "--bandwidths", "1",
                   "--methods", "dgc,dgc_node", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     highlights = json.loads(RECORD.read_text())["highlights"]
     lines = {line.split()[0]: line.split() for line in result.stdout.splitlines() if line.startswith("dgc")}
     assert lines["dgc"][5] == f"{highlights['dgc_1g']:.1f}x" and lines["dgc_node"][5] == f"{highlights['dgc_node_1g']:.1f}x"
-    assert "predicted, not measured" in result.stdout and "selection_s set to 12.6 ms" in result.stdout
+    profile = json.loads(RECORD.read_text())["profile"]  # the record's times are the shipped GPU profile's
+    times = f"compute {profile['compute_s'] * 1e3:.1f} ms, selection {profile['selection_s'] * 1e3:.1f} ms per step"
+    assert "predicted, not measured" in result.stdout and times in result.stdout
     probe = _run(sys.executable, "-c", "import benchmarks", cwd=tmp_path)
     assert probe.returncode != 0  # the checkout's benchmarks were not on the path
 

@@ -7,7 +7,8 @@ at N workers on links of bandwidth B" from what one node *measures* (a :class:`P
 time, and the exact bytes every bucket puts on the wire, while communication is modelled
 analytically. No process group and no Lightning: every function can be checked by hand.
 
-Units: bytes for sizes, **bits per second** for bandwidths, seconds for times.
+Units: bytes for sizes, **bits per second** for bandwidths, seconds for times. ``L`` is a message step's latency:
+gloo's step waits for the receiver to be ready, so on a network link it is about a round trip.
 
 Collectives (flat network, ``n`` workers, bandwidth ``B``, latency ``L`` per message step):
 
@@ -47,26 +48,34 @@ and recursive doubling (``ceil(log2 n)`` steps; all-reduce ``log2 n * 8 S / B``,
 
 What each method sends per bucket comes from the algorithm itself
 (:meth:`lightning_dgc.algorithms.Algorithm.wire_cost`, the formula the runtime statistics use too):
-a list of collectives (all-reduce or all-gather of so many bytes), some *blocking* (the hook waits for
-them before it can go on, e.g. DEFT's norms and union indices, PowerSGD's P), which are never
-overlapped with the backward pass. ``ddp`` is one all-reduce of the bucket; ``sparse_allreduce`` is
+a list of collectives (all-reduce or all-gather of so many bytes) in the order the hook issues them, some
+*blocking* (the hook waits for them before it can go on, e.g. DEFT's norms and union indices, PowerSGD's P). ``ddp`` is one all-reduce of the bucket; ``sparse_allreduce`` is
 DGC's payload exchanged by the worst-case sparse all-reduce above, plus the dense all-reduce (a bound,
 not an implementation). The selection time of the profile (DGC's top-k over the whole gradient) is
 charged as the algorithm says (:meth:`~lightning_dgc.algorithms.Algorithm.selection_share`): DGC in
 full, DEFT split among the workers, PowerSGD not at all.
 
-Step time of one worker (``C`` compute: forward + backward + optimizer, measured; ``W`` the part of
-it that communication can hide behind, the backward pass when the profile measured it; ``X`` the work
-on the critical path that only compression adds: top-k selection, DEFT's blocking collectives;
-``c`` the overlappable communication of all buckets and ``c_last`` that of the last bucket, which only
-becomes ready when backward ends)::
+Step time of one worker: ``C`` compute (forward + backward + optimizer, measured), ``W`` the part of it that
+communication can hide behind (the backward pass when the profile measured it), ``X`` the exchange's own work on the
+host (the profile's measured ``exchange_s`` of the method, or else its top-k selection: DGC's in full, DEFT's split
+among the workers), and the collectives on a timeline:
 
-    no overlap:  T = C + X + c
-    overlap:     T = C + X + max(0, c - c_last - W) + c_last
+* a collective takes the longer of its latency steps and its bytes plus one step (a ring's steps overlap its
+  bytes): ``max(steps L, 8 V / B + L)``, ``V`` its volume; a small message pays its steps, a large one its bytes;
+* every compressing exchange first runs the settings check (an all-gather of 16 bytes over every worker, which the
+  hook waits for: :data:`~lightning_dgc.perfmodel.step.SETTINGS_CHECK_BYTES`);
+* the backward pass makes every bucket but the last ready at its start, the last at its end; each bucket's hook
+  issues the algorithm's collectives in order (:meth:`~lightning_dgc.algorithms.Algorithm.wire_cost`); they run on
+  ``Network.concurrency`` channels, each as soon as one is free (gloo: 2 threads per process group; NCCL: 1), and a
+  blocking one (DEFT's norms and indices, PowerSGD's ``P``; the two-level exchange's reduce-scatter and exchange
+  across nodes on the CPU) holds the hook, and the rest of the backward pass, until it ends;
+* the step's bytes share one link: the last collective ends no sooner than the first began plus all their bytes;
 
-so overlap is never slower, and equals ``max(C, c) + X`` when the whole step can overlap and the
-last bucket is negligible. With one worker nothing is exchanged: ``T(1) = C`` for every method, so
-``speedup(1) = 1`` and ``speedup(n) = n C / T(n)``; throughput is ``n * batch_size / T(n)``.
+then ``T = C + X + (held) + max(0, end - W - held)``, ``held`` what the hooks waited for, ``end`` when the last
+collective ends. With one channel, no latency and nothing blocking this is ``C + X + max(0, c - c_last - W) +
+c_last``, ``c`` the communication of all buckets and ``c_last`` the last bucket's, so overlap is never slower. With
+one worker nothing is exchanged: ``T(1) = C`` for every method, so ``speedup(1) = 1`` and ``speedup(n) = n C /
+T(n)``; throughput is ``n * batch_size / T(n)``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """``lightning-dgc-predict``: what speedup DDP, DGC, DEFT and PowerSGD would give on your cluster.
 
-    lightning-dgc-predict --model resnet50 --compute-ms 65.3 --selection-ms 12.6 --batch-size 64 \\
-        --workers 512 --gpus-per-node 8 --bandwidths 1,10
+    lightning-dgc-predict --model resnet50_h100 --workers 512 --gpus-per-node 8 --bandwidths 1,10
+    lightning-dgc-predict --model resnet50 --compute-ms 40 --selection-ms 8 --batch-size 64 --workers 512
     lightning-dgc-predict --profile profile.json --workers 8,64 --bandwidths 0.1,1
     python -m lightning_dgc.perfmodel.cli --list
 
-Evaluates :mod:`lightning_dgc.perfmodel` on a profile of one node: one of the profiles that ship with
-the package (``--model``: the tensor shapes of the model and the times measured on a CPU) or a JSON
-written by :class:`lightning_dgc.ExchangeProfiler` on your hardware (``--profile``). ``--compute-ms`` and
-``--selection-ms`` replace the profile's times by yours (the bytes stay exact). Prints, per method,
-worker count and bandwidth, the step time, the speedup over one worker (over one node with
-``--gpus-per-node`` above 1) and the bytes each worker receives per step (for a two-level method,
-``<algorithm>_node``, those that cross the nodes); ``--json`` prints the rows as JSON instead. These are predictions of a model, not measurements.
+Evaluates :mod:`lightning_dgc.perfmodel` on a profile of one node: one of the profiles that ship with the package
+(``--model``: the tensor shapes of the model and the times measured on a CPU, or on one H100 for ``resnet50_h100``)
+or a JSON written by :class:`lightning_dgc.ExchangeProfiler` on your hardware (``--profile``). ``--compute-ms`` and
+``--selection-ms`` replace the profile's times by yours (the bytes stay exact). Prints, per method, worker count and
+bandwidth, the step time, the speedup over one worker (over one node with ``--gpus-per-node`` above 1) and the bytes
+each worker receives per step (for a two-level method, ``<algorithm>_node``, those that cross the nodes); ``--json``
+prints the rows as JSON instead. These are predictions of a model, not measurements.
 """
 
 from __future__ import annotations
@@ -98,7 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=None, help="samples per worker and step")
     parser.add_argument("--gpus-per-node", type=int, default=1, help="> 1: nodes joined by the slow links")
     parser.add_argument("--nic", default="node", choices=["node", "gpu"], help="one network card per node or per GPU")
-    parser.add_argument("--latency-us", type=float, default=50.0, help="per message step on the slow links")
+    parser.add_argument("--latency-us", type=float, default=50.0,
+                        help="per message step on the slow links (gloo: about a round trip)")
+    parser.add_argument("--concurrency", type=int, default=1,
+                        help="collectives a process group runs at once (gloo: 2, NCCL: 1)")
     parser.add_argument("--local-gbps", type=float, default=100.0, help="the node's local bus, Gbit/s")
     parser.add_argument("--no-overlap", action="store_true", help="communication not overlapped with backward")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -154,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         profile = with_times(profile, args.compute_ms, args.selection_ms, args.batch_size)
         network = Network(bandwidths[0], latency=args.latency_us * 1e-6, gpus_per_node=args.gpus_per_node,
-                          local_bandwidth=args.local_gbps * 1e9, nic=args.nic)  # fmt: skip
+                          local_bandwidth=args.local_gbps * 1e9, nic=args.nic, concurrency=args.concurrency)  # fmt: skip
     except ValueError as err:
         raise SystemExit(str(err)) from None
     table = rows(profile, methods, workers, bandwidths, network, overlap=not args.no_overlap)

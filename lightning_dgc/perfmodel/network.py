@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from lightning_dgc.algorithms import WireCost
@@ -36,6 +36,9 @@ class Network:
         nic: for the two-level exchange (``<algorithm>_node``): ``"node"``, one network card of
             ``bandwidth`` per node, shared by the node's ``gpus_per_node`` exchanges that run at once
             (each sees ``bandwidth / gpus_per_node``); ``"gpu"``, one card of ``bandwidth`` per GPU.
+        concurrency: collectives a process group runs at once (gloo: 2 threads per group; NCCL: 1, one
+            stream): the step's collectives run in the order they are issued on that many channels, each as
+            soon as one is free (:func:`channels_end`), their bytes one after the other on the link.
     """
 
     bandwidth: float
@@ -45,6 +48,7 @@ class Network:
     local_latency: float = 5e-6
     algorithm: Literal["ring", "best"] = "ring"
     nic: Literal["node", "gpu"] = "node"
+    concurrency: int = 1
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or not self.local_bandwidth > 0:
@@ -57,6 +61,8 @@ class Network:
             raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}.")
         if self.algorithm not in ("ring", "best"):
             raise ValueError(f"algorithm must be 'ring' or 'best', got {self.algorithm!r}.")
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1 collective at once, got {self.concurrency}.")
         if self.nic not in ("node", "gpu"):
             raise ValueError(f"nic must be 'node' (one network card per node) or 'gpu', got {self.nic!r}.")
 
@@ -99,6 +105,21 @@ class Network:
             + broadcast_time(n * payload, g, *local)
         )
 
+    def parts(self, collective: str, nbytes: float, n: int) -> tuple[float, float]:
+        """``(latency, transfer)`` seconds of one collective (``"all_reduce"`` or ``"all_gather"``): its time on this
+        network and the part of it that is bytes (its time with no latency)."""
+        time_of = Network.allreduce if collective == "all_reduce" else Network.allgather
+        total = time_of(self, nbytes, n)
+        transfer = time_of(replace(self, latency=0.0, local_latency=0.0), nbytes, n)
+        return total - transfer, transfer
+
+    def duration(self, collective: str, nbytes: float, n: int) -> tuple[float, float]:
+        """``(duration, transfer)`` of one collective: a ring's steps overlap its bytes, so it takes the longer of its
+        latency steps and its bytes plus one step (what a small message pays, steps times latency, and a large one,
+        its bytes, both stay); ``transfer``: its bytes alone, on the link the step's collectives share."""
+        latency, transfer = self.parts(collective, nbytes, n)
+        return max(latency, transfer + min(latency, self.latency)), transfer
+
     def two_level(self, cost: WireCost, dense_bytes: float, shard_bytes: float, n: int) -> tuple[float, float]:
         """``(overlappable, blocking)`` time of one bucket's two-level exchange (``cost``: the algorithm's
         wire cost of one shard across the nodes): a reduce-scatter inside the node, the algorithm's
@@ -108,10 +129,9 @@ class Network:
         g, m = self.split(n)
         local = (self.local_bandwidth, self.local_latency)
         bandwidth = self.bandwidth / g if self.nic == "node" else self.bandwidth
-        across = 0.0
-        for message in cost.messages:
-            collective = self._allreduce if message.collective == "all_reduce" else self._allgather
-            across += collective(message.nbytes, m, bandwidth, self.latency)
+        across_net = replace(self, bandwidth=bandwidth, gpus_per_node=1)
+        runs = [(across_net.duration(msg.collective, msg.nbytes, m)[0], msg.blocking) for msg in cost.messages]
+        across = channels_end(runs, self.concurrency)
         scatter = (g - 1) * self.local_latency + (g - 1) / g * 8 * dense_bytes / self.local_bandwidth if g > 1 else 0.0
         return allgather_time(shard_bytes, g, *local), scatter + across
 
@@ -124,3 +144,18 @@ class Network:
         )  # fmt: skip
 
 
+
+
+
+def channels_end(runs: list[tuple[float, bool]], channels: int, start: float = 0.0) -> float:
+    """When the last of ``runs`` (each ``(duration, blocking)``, in the order they are issued from ``start``) ends on
+    ``channels`` channels that take the next collective as soon as one is free; a blocking one is waited for before
+    the next is issued."""
+    free, issued, end = [start] * channels, start, start
+    for duration, blocking in runs:
+        i = min(range(channels), key=free.__getitem__)
+        free[i] = max(issued, free[i]) + duration
+        end = max(end, free[i])
+        if blocking:
+            issued = free[i]
+    return end

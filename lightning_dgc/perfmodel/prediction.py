@@ -27,7 +27,9 @@ class Prediction:
     """Throughput and speedup of every method for every worker count, bandwidth and overlap setting.
 
     ``rows`` are plain dicts (JSON): method, workers, bandwidth_bps, overlap, step_s, comm_s,
-    exposed_comm_s, selection_s, throughput (samples/s), speedup, wire_bytes (received per worker).
+    exposed_comm_s (both with the settings check and what the hooks waited for), selection_s, exchange_s (the
+    profile's measured exchange time of the method), throughput (samples/s), speedup, wire_bytes (received per
+    worker).
     """
 
     profile: Profile
@@ -78,9 +80,10 @@ def predict(
                             "bandwidth_bps": bandwidth,
                             "overlap": overlap,
                             "step_s": t.total_s,
-                            "comm_s": t.comm_s + t.blocking_comm_s,
-                            "exposed_comm_s": t.exposed_comm_s + t.blocking_comm_s,
+                            "comm_s": t.comm_s + t.blocking_comm_s + t.control_s,
+                            "exposed_comm_s": t.exposed_comm_s + t.blocking_comm_s + t.control_s,
                             "selection_s": t.selection_s,
+                            "exchange_s": t.exchange_s,
                             "throughput": n * profile.batch_size / t.total_s,
                             "speedup": n * profile.compute_s / t.total_s,
                             "wire_bytes": wire_bytes(profile, method, n, network.gpus_per_node),

@@ -60,6 +60,12 @@ class Profile:
         step_s: median measured step time as is (for reference).
         stats: the last ``compression_stats()`` of the profiled run (empty under plain DDP).
         stats_match: whether the per-bucket byte counts summed to the ``compression_stats()`` totals.
+        exchange_s: seconds per step each method's exchange takes on the profiled machine besides its
+            collectives' bytes and latency, by method (``"dgc"``, ``"dgc_node"``, ...): the hook's host work
+            (selection included), the decode, the memory's commit, and the waits of ranks that share cores.
+            A method listed is charged this in place of ``selection_s`` times its share; the slow-link
+            benchmarks measure it (:mod:`benchmarks.step_terms`); a method not listed is charged its
+            selection alone.
     """
 
     model: str
@@ -79,6 +85,7 @@ class Profile:
     stats: dict[str, Any] = field(default_factory=dict)
     stats_match: bool | None = None
     notes: list[str] = field(default_factory=list)
+    exchange_s: dict[str, float] = field(default_factory=dict)
 
     # -- what each method sends ----------------------------------------------------------------------
     def config(self, method: str) -> algorithms.AlgorithmConfig:

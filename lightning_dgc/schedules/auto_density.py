@@ -15,15 +15,15 @@ the quickest settings check is the latency, the highest throughput and the short
 rank that waited least for the others measured the link best; the shortest window is the conservative one).
 :func:`choose_density` (pure) then prices every candidate density with the algorithm's own
 :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a :class:`~lightning_dgc.perfmodel.Network` of that
-throughput and latency, and keeps the largest density whose exchange takes at most :data:`AUTO_MARGIN` of the
-window, never below ``min_density``: 1 (dense, which is DDP's own step: :mod:`lightning_dgc.exchange.passthrough`) when
-every rank is on one host (:func:`~lightning_dgc.comm.host_key`), when DDP's all-reduce fits, when no density
-is faster than it (a latency-bound link), or when the link is too fast to time. The same figures on every rank
-give the same density on every rank. The model prices bytes and latency only, not the selection or the
-memory's work: a compressed choice is then checked, its next :data:`MEASURE_STEPS` steps (after the first)
-timed end to end against the dense steps measured (the slowest rank's median each, one all-gather of 8 bytes),
-and the exchange goes back to dense if they were no faster. The phase comes back every ``auto_every``
-optimizer steps (0: never), since links change.
+throughput and latency, every density below 1 with the settings check too (DDP's own step skips it), and keeps the
+largest density whose exchange takes at most :data:`AUTO_MARGIN` of the window, never below ``min_density``: 1 (dense,
+DDP's own step: :mod:`lightning_dgc.exchange.passthrough`) when every rank is on one host
+(:func:`~lightning_dgc.comm.host_key`), when DDP's all-reduce fits, when no density is faster than it (a
+latency-bound link), or when the link is too fast to time. The same figures on every rank give the same density on
+every rank. The model prices bytes and latency only, not the selection or the memory's work: a compressed choice is
+then checked, its next :data:`MEASURE_STEPS` steps (after the first) timed end to end against the dense steps
+measured (the slowest rank's median each, one all-gather of 8 bytes), and the exchange goes back to dense if they
+were no faster. The phase comes back every ``auto_every`` optimizer steps (0: never), since links change.
 
 Under the two-level exchange (``state.topology``) the same steps measure and price the exchange across nodes
 alone, the only one the density changes (:mod:`lightning_dgc.schedules.auto_levels`).
@@ -107,17 +107,15 @@ def exchange_time(
     world_size: int, network: Network,
 ) -> float:  # fmt: skip
     """Seconds the collectives of one step take on ``network`` (one after the other: a conservative sum)."""
-    total = 0.0
-    for layout, dense_bytes in buckets:
-        cost = algorithm.wire_cost(config, list(layout), world_size, dense_bytes)
-        for m in cost.messages:
-            total += (network.allreduce if m.collective == "all_reduce" else network.allgather)(m.nbytes, world_size)
-    return total
+    costs = [algorithm.wire_cost(config, list(layout), world_size, dense_bytes) for layout, dense_bytes in buckets]
+    return sum((network.allreduce if m.collective == "all_reduce" else network.allgather)(m.nbytes, world_size)
+               for cost in costs for m in cost.messages)  # fmt: skip
 
 
 def choose_density(
     link: LinkEstimate, buckets: Sequence[Bucket], world_size: int, algorithm: type[Algorithm[Any, Any, Any]],
     config: AlgorithmConfig, min_density: float, margin: float = AUTO_MARGIN, one_host: bool = False,
+    check_s: float = 0.0,
 ) -> Choice:  # fmt: skip
     """The largest density in [``min_density``, 1] whose exchange fits ``margin`` of the compute window (pure).
 
@@ -130,11 +128,12 @@ def choose_density(
         min_density: the lowest density allowed.
         margin: the share of the window the exchange may take.
         one_host: whether every rank runs on one host (:func:`lightning_dgc.comm.host_key`).
+        check_s: the settings check a compressed step waits for before its first bucket (one all-gather over every
+            rank, ``ranks - 1`` latency steps), charged to every density below 1; DDP's own step skips it.
 
-    Dense (1) when every rank is on one host (their collectives go through loopback, shared memory or NVLink,
-    where compression does not pay, and where two processes sharing cores time their waits for each other, not
-    the link), when the link cannot be timed, when DDP's all-reduce fits, or when no density is faster than it;
-    when none fits but some are faster, the fastest (the lowest such).
+    Dense (1) when every rank is on one host (loopback, shared memory or NVLink, where compression does not pay and
+    processes sharing cores time their waits for each other), when the link cannot be timed, when DDP's all-reduce
+    fits, or when no density is faster than it; when none fits but some are faster, the fastest (the lowest such).
     """
     if world_size <= 1 or not buckets:
         return Choice(1.0, 0.0, 0.0, "nothing to exchange")
@@ -144,12 +143,11 @@ def choose_density(
         return Choice(1.0, 0.0, 0.0, "the link is too fast to time: dense")
     network = Network(bandwidth=link.throughput_bps, latency=link.latency_s)
     times = {d: exchange_time(algorithm, replace(config, density=d), buckets, world_size, network)
-             for d in candidate_densities(min_density)}  # fmt: skip
+             + (check_s if d < 1 else 0.0) for d in candidate_densities(min_density)}  # fmt: skip
     dense, budget = times[1.0], margin * link.window_s
     if dense <= budget:
         return Choice(1.0, dense, dense, "DDP's all-reduce fits the compute window: dense")
-    fitting = [d for d, t in times.items() if t <= budget]
-    if fitting:
+    if fitting := [d for d, t in times.items() if t <= budget]:
         d = max(fitting)
         return Choice(d, times[d], dense, "the largest density whose exchange fits the compute window")
     fastest = min(times, key=lambda d: (times[d], -d))
@@ -378,12 +376,13 @@ class AutoDensity:
             check_nodes_on_hosts([row[6] for row in gathered], state.nodes.per_node, self.owner)
         probe_ranks = len(gathered) if state.nodes is not None else None  # across nodes: checked by every rank
         link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size, probe_ranks)
+        check_s = link.latency_s * max(0, (probe_ranks or state.world_size) - 1)  # the settings check: an all-gather
         self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
         buckets = self.priced = priced_buckets(state.plans)  # two levels: each bucket's longest shard, on every rank
         algorithm, config = type(state.algorithm), state.config
         one_host = len({row[6] for row in gathered}) == 1
         choice = self.choice = choose_density(
-            link, buckets, state.world_size, algorithm, config, self.min_density, one_host=one_host
+            link, buckets, state.world_size, algorithm, config, self.min_density, one_host=one_host, check_s=check_s
         )
         self.measuring, self._samples, self._periods, self.link_density = False, [], [], choice.density
         self.checking = choice.density < 1.0
@@ -393,7 +392,8 @@ class AutoDensity:
 
             def predict(d: float) -> float:
                 if d not in cache:
-                    cache[d] = exchange_time(algorithm, replace(config, density=d), buckets, state.world_size, network)
+                    cache[d] = exchange_time(algorithm, replace(config, density=d), buckets, state.world_size,
+                                             network) + (check_s if d < 1 else 0.0)
                 return cache[d]
 
             self._predict = predict
