@@ -140,7 +140,9 @@ def test_a_slow_link_inside_the_nodes_alone_stays_dense(every_rank) -> None:
     autos = _measure(node_bits=20e6)
     assert [auto.choice.density for auto in autos] == [1.0] * NODES * PER_NODE, autos[0].choice.reason
     for auto in autos:
-        assert not auto.link.measurable or auto.link.throughput_bps > 200e6
+        # the fast wire across the nodes, not the 20 Mbit/s one inside them (3x its rate: a busy machine slows the
+        # unthrottled wire's timing, never down to the slow one's)
+        assert not auto.link.measurable or auto.link.throughput_bps > 3 * 20e6
 
 
 def test_every_rank_prices_the_longest_shard_across_the_nodes() -> None:
