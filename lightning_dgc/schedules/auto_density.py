@@ -112,6 +112,16 @@ def exchange_time(
                for cost in costs for m in cost.messages)  # fmt: skip
 
 
+def priced_time(
+    algorithm: type[Algorithm[Any, Any, Any]], config: AlgorithmConfig, density: float, buckets: Sequence[Bucket],
+    world_size: int, network: Network, check_s: float = 0.0,
+) -> float:  # fmt: skip
+    """What :func:`choose_density` charges ``density``: its collectives, plus the settings check below 1 (DDP's own
+    step skips it)."""
+    return exchange_time(algorithm, replace(config, density=density), buckets, world_size, network) + (
+        check_s if density < 1 else 0.0)
+
+
 def choose_density(
     link: LinkEstimate, buckets: Sequence[Bucket], world_size: int, algorithm: type[Algorithm[Any, Any, Any]],
     config: AlgorithmConfig, min_density: float, margin: float = AUTO_MARGIN, one_host: bool = False,
@@ -142,8 +152,8 @@ def choose_density(
     if not link.measurable:
         return Choice(1.0, 0.0, 0.0, "the link is too fast to time: dense")
     network = Network(bandwidth=link.throughput_bps, latency=link.latency_s)
-    times = {d: exchange_time(algorithm, replace(config, density=d), buckets, world_size, network)
-             + (check_s if d < 1 else 0.0) for d in candidate_densities(min_density)}  # fmt: skip
+    times = {d: priced_time(algorithm, config, d, buckets, world_size, network, check_s)
+             for d in candidate_densities(min_density)}  # fmt: skip
     dense, budget = times[1.0], margin * link.window_s
     if dense <= budget:
         return Choice(1.0, dense, dense, "DDP's all-reduce fits the compute window: dense")
@@ -392,8 +402,7 @@ class AutoDensity:
 
             def predict(d: float) -> float:
                 if d not in cache:
-                    cache[d] = exchange_time(algorithm, replace(config, density=d), buckets, state.world_size,
-                                             network) + (check_s if d < 1 else 0.0)
+                    cache[d] = priced_time(algorithm, config, d, buckets, state.world_size, network, check_s)
                 return cache[d]
 
             self._predict = predict
