@@ -155,8 +155,7 @@ def sentence(record: dict[str, Any] | None = None) -> str:
         f" evaluations; target within {100 * TARGETS['perplexity_within']:g}% over {len(SEEDS)} seeds:"
         f" {'met' if dgc['within'] else 'missed'}" + (f" so far, {left} still to run" if left else "")
         + f") on {dgc['fewer_bytes']:.0f}x fewer bytes across the nodes over the run, warm-up included"
-        + (" (the fewest of the seeds" if len(seeds) > 1 else " (")
-        + f"{'; ' if len(seeds) > 1 else ''}target at least {TARGETS['fewer_bytes']:g}x:"
+        f" ({'the fewest of the seeds; ' if len(seeds) > 1 else ''}target at least {TARGETS['fewer_bytes']:g}x:"
         f" {'met' if dgc['bytes_met'] else 'missed'})"
     )
     if "diloco_hsdp" in record:
