@@ -219,7 +219,8 @@ def auto_choice(latency: dict[str, Any] | None = None, rtt: float = 80.0, value_
     goodput, the step without exchange as the compute window, the settings check over the 4 workers."""
     from benchmarks.two_level_links import link_network, mlp_profile
     from lightning_dgc.algorithms.dgc import DGC, DGCConfig
-    from lightning_dgc.schedules.auto_density import LinkEstimate, choose_density
+    from lightning_dgc.schedules.auto_density import choose_density
+    from lightning_dgc.schedules.link_measure import LinkEstimate
 
     latency = _latency(latency)
     entry, plain = link(latency, 100.0, rtt), link(latency, 100.0)

@@ -19,13 +19,15 @@ from lightning_dgc.schedules.auto_density import (
     AUTO_MARGIN,
     MEASURE_STEPS,
     AutoDensity,
+    candidate_densities,
+    choose_density,
+    exchange_time,
+)
+from lightning_dgc.schedules.link_measure import (
     ExchangeRecorder,
     LinkEstimate,
     StepSample,
-    candidate_densities,
-    choose_density,
     estimate_link,
-    exchange_time,
     link_from_ranks,
 )
 

@@ -10,8 +10,8 @@ of every bucket, as DDP's, with nothing selected and nothing held back) and time
 * the **compute window**: from the end of the previous optimizer step to the last bucket's hook (the data,
   the forward and the backward pass; the optimizer step of the step before).
 
-Every rank gathers every rank's figures once (one all-gather of 56 bytes per rank, :func:`link_from_ranks`):
-the quickest settings check is the latency, the highest throughput and the shortest window are taken (the
+Every rank gathers every rank's figures once (one all-gather of 56 bytes per rank,
+:func:`~lightning_dgc.schedules.link_measure.link_from_ranks`): the quickest settings check is the latency, the highest throughput and the shortest window are taken (the
 rank that waited least for the others measured the link best; the shortest window is the conservative one).
 :func:`choose_density` (pure) then prices every candidate density with the algorithm's own
 :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a :class:`~lightning_dgc.perfmodel.Network` of that
@@ -34,9 +34,7 @@ floor: the density in force is ``max(floor, the link's)``, 1 while measuring.
 
 from __future__ import annotations
 
-import math
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -46,15 +44,20 @@ import torch
 
 from lightning_dgc import comm
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, TensorSpec
-from lightning_dgc.algorithms.base import allgather_volume, ring_allreduce_volume
 from lightning_dgc.algorithms.checks import check_density
-from lightning_dgc.comm import Pending, TimedCollectives
+from lightning_dgc.comm import TimedCollectives
 from lightning_dgc.perfmodel.network import Network
 from lightning_dgc.schedules.auto_levels import check_nodes_on_hosts, priced_buckets
+from lightning_dgc.schedules.link_measure import (
+    ExchangeRecorder,
+    LinkEstimate,
+    StepSample,
+    link_from_ranks,
+    summarize,
+)
 
 __all__ = [
-    "AUTO_MARGIN", "MEASURE_STEPS", "AutoDensity", "Choice", "LinkEstimate", "StepSample", "candidate_densities",
-    "choose_density", "estimate_link", "exchange_time", "link_from_ranks", "summarize",
+    "AUTO_MARGIN", "MEASURE_STEPS", "AutoDensity", "Choice", "candidate_densities", "choose_density", "exchange_time",
 ]  # fmt: skip
 
 #: The share of the compute window the chosen exchange may take: without any overlap it adds at most a
@@ -62,25 +65,9 @@ __all__ = [
 AUTO_MARGIN = 0.25
 #: Optimizer steps of a measuring phase (the run's first step, DDP's warm-up bucket, is not counted).
 MEASURE_STEPS = 5
-#: Transfer time per step below which a link is taken as too fast to time (loopback, a fast LAN): dense.
-MIN_TRANSFER_S = 20e-6
 
 #: A bucket as the decision sees it: its tensors, and what DDP would all-reduce for it (bytes).
 Bucket = tuple[Sequence[TensorSpec], int]
-
-
-@dataclass(frozen=True)
-class LinkEstimate:
-    """What the measuring phase found: ``throughput_bps`` (bits/s; ``inf``: too fast to time), ``latency_s`` (per
-    message step) and ``window_s`` (the compute window of a step)."""
-
-    throughput_bps: float
-    latency_s: float
-    window_s: float
-
-    @property
-    def measurable(self) -> bool:
-        return math.isfinite(self.throughput_bps) and self.throughput_bps > 0
 
 
 @dataclass(frozen=True)
@@ -166,114 +153,6 @@ def choose_density(
     return Choice(fastest, times[fastest], dense, "no density fits the compute window: the fastest")
 
 
-# -- measuring ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StepSample:
-    """One measured step: link bytes of its collectives, their latency steps, the time some was in flight, the
-    compute window and the settings check's all-gather (``None``: not measured)."""
-
-    volume_bytes: float
-    latency_steps: int
-    busy_s: float
-    window_s: float | None
-    probe_s: float | None
-
-
-def summarize(samples: Sequence[StepSample]) -> list[float]:
-    """One rank's measured steps in five numbers, what the ranks gather: link bytes, time in flight and latency
-    steps over the steps, the quickest settings check (``inf``: none) and the median compute window (pure)."""
-    probes = [s.probe_s for s in samples if s.probe_s is not None]
-    windows = [s.window_s for s in samples if s.window_s is not None]
-    return [
-        sum(s.volume_bytes for s in samples), sum(s.busy_s for s in samples if s.volume_bytes > 0),
-        float(sum(s.latency_steps for s in samples if s.volume_bytes > 0)), min(probes) if probes else math.inf,
-        statistics.median(windows) if windows else 0.0,
-    ]  # fmt: skip
-
-
-def link_from_ranks(rows: Sequence[Sequence[float]], world_size: int, probe_ranks: int | None = None) -> LinkEstimate:
-    """Every rank's :func:`summarize` as one :class:`LinkEstimate` (pure); ``world_size``: the ranks of the timed
-    collectives, ``probe_ranks``: those of the settings check (default ``world_size``; in two levels every rank).
-
-    The latency is the quickest settings check of any rank (its all-gather takes ``probe_ranks - 1`` message steps,
-    each as slow as its slowest hop; a slower one waited for a later rank). Each rank's throughput is its link bytes over its time in flight less
-    the latency steps; the highest is taken (the rank that waited least for the others measured the link
-    best), ``inf`` when no rank's transfer time reaches :data:`MIN_TRANSFER_S` per collective (too fast to
-    time). The window is the shortest rank's.
-    """
-    probe = min(row[3] for row in rows)
-    latency = probe / max(1, (probe_ranks or world_size) - 1) if math.isfinite(probe) else 0.0
-    throughputs = []
-    for volume, busy, steps, _, _ in rows:
-        transfer = busy - steps * latency
-        if volume > 0 and transfer > MIN_TRANSFER_S * max(1.0, steps / max(1, 2 * (world_size - 1))):
-            throughputs.append(8 * volume / transfer)
-    return LinkEstimate(max(throughputs, default=math.inf), latency, min(row[4] for row in rows))
-
-
-def estimate_link(samples: Sequence[StepSample], world_size: int) -> LinkEstimate:
-    """One rank's :class:`LinkEstimate` from its measured steps (pure; :func:`link_from_ranks` of one rank)."""
-    return link_from_ranks([summarize(samples)], world_size)
-
-
-class ExchangeRecorder:
-    """The collectives of the current step: their link bytes, latency steps, and times of issue and completion."""
-
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self._lock = threading.Lock()
-        self._calls: list[list[float]] = []  # [volume, latency steps, issued, done (nan: not yet)]
-        self._on_cuda = False  # whether this step's collectives run on CUDA tensors
-
-    def __getstate__(self) -> dict[str, Any]:  # pickled without the lock, which does not pickle; the copy gets its own
-        return {key: value for key, value in self.__dict__.items() if key != "_lock"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
-
-    def issued(self, collective: str, nbytes: int, pending: Pending) -> None:
-        """Note a collective just started; its completion is noted when its future is done (on the host: gloo's
-        collectives, and every collective on the CPU; NCCL's complete at launch, see :meth:`device_done`)."""
-        n = self.world_size
-        volume, steps = (
-            (ring_allreduce_volume(nbytes, n), 2 * (n - 1)) if collective == "all_reduce"
-            else (allgather_volume(nbytes, n), n - 1)
-        )  # fmt: skip
-        call = [volume, steps, time.perf_counter(), math.nan]
-        with self._lock:
-            self._calls.append(call)
-            self._on_cuda = self._on_cuda or pending.output.is_cuda
-
-        def done() -> torch.Tensor:
-            call[3] = time.perf_counter()
-            return pending.output
-
-        comm.when_all([pending], done, pending.output.device)
-
-    def device_done(self) -> None:
-        """After the step's exchange: on CUDA, wait for the device and take now as every collective's completion
-        (NCCL's futures complete at launch, so the host cannot see when each one ends)."""
-        if self._on_cuda:
-            torch.cuda.synchronize()
-            now = time.perf_counter()
-            with self._lock:
-                for call in self._calls:
-                    call[3] = now
-
-    def close_step(self, window_s: float | None, probe_s: float | None) -> StepSample:
-        """The step's sample (every collective is done by now); the next step starts empty."""
-        with self._lock:
-            calls, self._calls, self._on_cuda = self._calls, [], False
-        now = time.perf_counter()
-        intervals = sorted((c[2], c[3] if math.isfinite(c[3]) else now) for c in calls)
-        busy, end = 0.0, -math.inf
-        for start, stop in intervals:  # the union of the in-flight intervals
-            if stop > end:
-                busy += stop - max(start, end)
-                end = stop
-        return StepSample(sum(c[0] for c in calls), int(sum(c[1] for c in calls)), busy, window_s, probe_s)
-
-
 # -- the run's controller ----------------------------------------------------------------------------------
 class AutoDensity:
     """One run's automatic density: the measuring phases, the choice, the floor, the statistics.
@@ -293,6 +172,7 @@ class AutoDensity:
         self.link: LinkEstimate | None = None
         #: What the last decision priced: each bucket's tensors and dense bytes (two levels: its longest shard).
         self.priced: list[Bucket] = []
+        self.priced_check_s = 0.0  # ... and the settings check it added to every density below 1 (seconds)
         self.steps = 0  # optimizer steps of this fit
         self.last_measured_s: float | None = None
         self._samples: list[StepSample] = []
@@ -386,7 +266,7 @@ class AutoDensity:
             check_nodes_on_hosts([row[6] for row in gathered], state.nodes.per_node, self.owner)
         probe_ranks = len(gathered) if state.nodes is not None else None  # across nodes: checked by every rank
         link = self.link = link_from_ranks([row[:5] for row in gathered], state.world_size, probe_ranks)
-        check_s = link.latency_s * max(0, (probe_ranks or state.world_size) - 1)  # the settings check: an all-gather
+        check_s = self.priced_check_s = link.latency_s * max(0, (probe_ranks or state.world_size) - 1)  # an all-gather
         self.dense_step_s = max(row[5] for row in gathered)  # the slowest rank's step sets the pace
         buckets = self.priced = priced_buckets(state.plans)  # two levels: each bucket's longest shard, on every rank
         algorithm, config = type(state.algorithm), state.config
