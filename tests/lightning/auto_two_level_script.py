@@ -55,6 +55,7 @@ class Decision(L.Callback):
                          # what the choice was made from, so that a test can make it again from the figures
                          "link": [auto.link.throughput_bps, auto.link.latency_s, auto.link.window_s],
                          "world_size": state.world_size, "min_density": auto.min_density,
+                         "check_s": auto.priced_check_s,
                          "buckets": [[[[s.name, list(s.shape), s.offset, s.numel] for s in layout], dense_bytes]
                                      for layout, dense_bytes in auto.priced]}  # fmt: skip
 

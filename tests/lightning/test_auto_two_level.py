@@ -15,7 +15,8 @@ import torch
 from benchmarks.netns import ADDRESSES, INTERFACES, SlowLink, missing_requirements
 from lightning_dgc.algorithms import TensorSpec
 from lightning_dgc.algorithms.dgc import DGC, DGCConfig
-from lightning_dgc.schedules.auto_density import Choice, LinkEstimate, choose_density
+from lightning_dgc.schedules.auto_density import Choice, choose_density
+from lightning_dgc.schedules.link_measure import LinkEstimate
 from tests.conftest import free_port
 from tests.lightning.run import HERE, _environment, outputs_of_passed, run_together, two_torchrun_agents
 
@@ -28,7 +29,8 @@ def _priced_choice(decision: dict) -> Choice:
     buckets = [([TensorSpec(n, tuple(shape), o, k) for n, shape, o, k in layout], dense_bytes)
                for layout, dense_bytes in decision["buckets"]]  # fmt: skip
     config = DGCConfig(density="auto", auto_every=0)
-    return choose_density(link, buckets, decision["world_size"], DGC, config, decision["min_density"])
+    return choose_density(link, buckets, decision["world_size"], DGC, config, decision["min_density"],
+                          check_s=decision["check_s"])  # fmt: skip
 
 
 def _reports(out: Path) -> list[dict]:
