@@ -72,6 +72,23 @@ def test_a_fast_link_stays_dense(algorithm, config) -> None:
     assert choice.dense_s <= AUTO_MARGIN * link.window_s
 
 
+@pytest.mark.parametrize("value_dtype", ["fp16", "int8"])
+def test_dense_as_ddp_s_own_step_is_priced_at_its_fp32_all_reduce_whatever_the_values(value_dtype: str) -> None:
+    """Where density 1 is DDP's own step, it all-reduces each bucket in fp32, not in the algorithm's value dtype
+    (fp16 for the tensors DGC sends dense): a link on which fp16 would fit the window but fp32 does not gets a
+    compressed density, priced below 1 exactly as before."""
+    config, n = DGCConfig(value_dtype=value_dtype), 2
+    network = Network(bandwidth=100e6, latency=1e-4)
+    ddp = sum(network.allreduce(dense_bytes, n) for _, dense_bytes in buckets())
+    link = fake_link(100e6, 1e-4, 1.5 * ddp / AUTO_MARGIN / 2)  # between the fp16 and the fp32 all-reduce
+    algorithms_own = choose_density(link, buckets(), n, DGC, config, 0.001)
+    assert algorithms_own.density == 1.0 and algorithms_own.dense_s == pytest.approx(time_at(DGC, config, 1.0, link))
+    assert algorithms_own.dense_s < 0.55 * ddp  # its dense exchange in half precision
+    as_ddp = choose_density(link, buckets(), n, DGC, config, 0.001, dense_is_ddp=True)
+    assert as_ddp.dense_s == pytest.approx(ddp) and as_ddp.density < 1.0
+    assert as_ddp.predicted_s == pytest.approx(time_at(DGC, config, as_ddp.density, link))
+
+
 @pytest.mark.parametrize("algorithm, config", [(DGC, DGCConfig()), (DEFT, DEFTConfig())])
 @pytest.mark.parametrize("n", [2, 8])
 def test_a_slow_link_gets_the_largest_density_that_fits(algorithm, config, n: int) -> None:

@@ -11,15 +11,16 @@ of every bucket, as DDP's, with nothing selected and nothing held back) and time
   the forward and the backward pass; the optimizer step of the step before).
 
 Every rank gathers every rank's figures once (one all-gather of 56 bytes per rank,
-:func:`~lightning_dgc.schedules.link_measure.link_from_ranks`): the quickest settings check is the latency, the highest throughput and the shortest window are taken (the
-rank that waited least for the others measured the link best; the shortest window is the conservative one).
-:func:`choose_density` (pure) then prices every candidate density with the algorithm's own
-:meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a :class:`~lightning_dgc.perfmodel.Network` of that
-throughput and latency, every density below 1 with the settings check too (DDP's own step skips it), and keeps the
-largest density whose exchange takes at most :data:`AUTO_MARGIN` of the window, never below ``min_density``: 1 (dense,
-DDP's own step: :mod:`lightning_dgc.exchange.passthrough`) when every rank is on one host
-(:func:`~lightning_dgc.comm.host_key`), when DDP's all-reduce fits, when no density is faster than it (a
-latency-bound link), or when the link is too fast to time. The same figures on every rank give the same density on
+:func:`~lightning_dgc.schedules.link_measure.link_from_ranks`): the quickest settings check is the latency, the
+highest throughput and the shortest window are taken (the rank that waited least for the others measured the link
+best; the shortest window is the conservative one). :func:`choose_density` (pure) then prices every candidate
+density with the algorithm's own :meth:`~lightning_dgc.algorithms.Algorithm.wire_cost` on a
+:class:`~lightning_dgc.perfmodel.Network` of that throughput and latency, every density below 1 with the settings
+check too (DDP's own step skips it; where density 1 is DDP's own step, it is priced as DDP's fp32 all-reduce, whatever
+the values' dtype), and keeps the largest density whose exchange takes at most :data:`AUTO_MARGIN` of the window,
+never below ``min_density``: 1 (dense, DDP's own step: :mod:`lightning_dgc.exchange.passthrough`) when every rank
+is on one host (:func:`~lightning_dgc.comm.host_key`), when DDP's all-reduce fits, when no density is faster than
+it (a latency-bound link), or when the link is too fast to time. The same figures on every rank give the same density on
 every rank. The model prices bytes and latency only, not the selection or the memory's work: a compressed choice is
 then checked, its next :data:`MEASURE_STEPS` steps (after the first) timed end to end against the dense steps
 measured (the slowest rank's median each, one all-gather of 8 bytes), and the exchange goes back to dense if they
@@ -46,6 +47,7 @@ from lightning_dgc import comm
 from lightning_dgc.algorithms import Algorithm, AlgorithmConfig, TensorSpec
 from lightning_dgc.algorithms.checks import check_density
 from lightning_dgc.comm import TimedCollectives
+from lightning_dgc.exchange.passthrough import can_pass_through
 from lightning_dgc.perfmodel.network import Network
 from lightning_dgc.schedules.auto_levels import check_nodes_on_hosts, priced_buckets
 from lightning_dgc.schedules.link_measure import (
@@ -101,10 +103,12 @@ def exchange_time(
 
 def priced_time(
     algorithm: type[Algorithm[Any, Any, Any]], config: AlgorithmConfig, density: float, buckets: Sequence[Bucket],
-    world_size: int, network: Network, check_s: float = 0.0,
+    world_size: int, network: Network, check_s: float = 0.0, dense_is_ddp: bool = False,
 ) -> float:  # fmt: skip
     """What :func:`choose_density` charges ``density``: its collectives, plus the settings check below 1 (DDP's own
-    step skips it)."""
+    step skips it); with ``dense_is_ddp``, density 1 is DDP's all-reduce of every bucket's dense bytes."""
+    if dense_is_ddp and density >= 1.0:
+        return sum(network.allreduce(dense_bytes, world_size) for _, dense_bytes in buckets)
     return exchange_time(algorithm, replace(config, density=density), buckets, world_size, network) + (
         check_s if density < 1 else 0.0)
 
@@ -112,7 +116,7 @@ def priced_time(
 def choose_density(
     link: LinkEstimate, buckets: Sequence[Bucket], world_size: int, algorithm: type[Algorithm[Any, Any, Any]],
     config: AlgorithmConfig, min_density: float, margin: float = AUTO_MARGIN, one_host: bool = False,
-    check_s: float = 0.0,
+    check_s: float = 0.0, dense_is_ddp: bool = False,
 ) -> Choice:  # fmt: skip
     """The largest density in [``min_density``, 1] whose exchange fits ``margin`` of the compute window (pure).
 
@@ -127,6 +131,10 @@ def choose_density(
         one_host: whether every rank runs on one host (:func:`lightning_dgc.comm.host_key`).
         check_s: the settings check a compressed step waits for before its first bucket (one all-gather over every
             rank, ``ranks - 1`` latency steps), charged to every density below 1; DDP's own step skips it.
+        dense_is_ddp: whether density 1 runs DDP's own step
+            (:func:`~lightning_dgc.exchange.passthrough.can_pass_through`), priced then as DDP's all-reduce of each
+            bucket's dense bytes, whatever the algorithm's value dtype; otherwise density 1 is the algorithm's own
+            dense exchange, priced by its ``wire_cost``.
 
     Dense (1) when every rank is on one host (loopback, shared memory or NVLink, where compression does not pay and
     processes sharing cores time their waits for each other), when the link cannot be timed, when DDP's all-reduce
@@ -139,7 +147,7 @@ def choose_density(
     if not link.measurable:
         return Choice(1.0, 0.0, 0.0, "the link is too fast to time: dense")
     network = Network(bandwidth=link.throughput_bps, latency=link.latency_s)
-    times = {d: priced_time(algorithm, config, d, buckets, world_size, network, check_s)
+    times = {d: priced_time(algorithm, config, d, buckets, world_size, network, check_s, dense_is_ddp)
              for d in candidate_densities(min_density)}  # fmt: skip
     dense, budget = times[1.0], margin * link.window_s
     if dense <= budget:
@@ -172,7 +180,8 @@ class AutoDensity:
         self.link: LinkEstimate | None = None
         #: What the last decision priced: each bucket's tensors and dense bytes (two levels: its longest shard).
         self.priced: list[Bucket] = []
-        self.priced_check_s = 0.0  # ... and the settings check it added to every density below 1 (seconds)
+        self.priced_check_s = 0.0  # ... the settings check it added to every density below 1 (seconds)
+        self.priced_dense_is_ddp = False  # ... and whether density 1 was priced as DDP's own step
         self.steps = 0  # optimizer steps of this fit
         self.last_measured_s: float | None = None
         self._samples: list[StepSample] = []
@@ -271,9 +280,9 @@ class AutoDensity:
         buckets = self.priced = priced_buckets(state.plans)  # two levels: each bucket's longest shard, on every rank
         algorithm, config = type(state.algorithm), state.config
         one_host = len({row[6] for row in gathered}) == 1
-        choice = self.choice = choose_density(
-            link, buckets, state.world_size, algorithm, config, self.min_density, one_host=one_host, check_s=check_s
-        )
+        ddp = self.priced_dense_is_ddp = can_pass_through(state)  # density 1 is DDP's own fp32 step
+        choice = self.choice = choose_density(link, buckets, state.world_size, algorithm, config, self.min_density,
+                                              one_host=one_host, check_s=check_s, dense_is_ddp=ddp)  # fmt: skip
         self.measuring, self._samples, self._periods, self.link_density = False, [], [], choice.density
         self.checking = choice.density < 1.0
         if link.measurable:
@@ -282,7 +291,7 @@ class AutoDensity:
 
             def predict(d: float) -> float:
                 if d not in cache:
-                    cache[d] = priced_time(algorithm, config, d, buckets, state.world_size, network, check_s)
+                    cache[d] = priced_time(algorithm, config, d, buckets, state.world_size, network, check_s, ddp)
                 return cache[d]
 
             self._predict = predict
