@@ -583,7 +583,9 @@ class RunRecorder(L.Callback):
     Each ``history`` entry also holds the wall-clock seconds since the run's launch (``wall_s``: from
     :data:`LAUNCH_ENV`, the launcher's ``time.time()``, when set; else since ``fit`` started), the seconds spent
     validating so far (``val_s``) and the run's bytes so far (``bytes_sent``, ``link_bytes``: this rank's, from
-    ``compression_stats()``); ``median_step_s`` is the median time of a training batch from the sixth on.
+    ``compression_stats()``); ``median_step_s`` is the median time of a training batch from the sixth on;
+    ``compression["rank_selection_ms"]``, every rank's selection time over the epochs ended (one all-gather of 8 bytes
+    a rank at each epoch's end).
 
     Args:
         path: JSON file to write (rewritten after every validation, so a stopped run keeps its last state).
@@ -608,6 +610,10 @@ class RunRecorder(L.Callback):
         self._batch_start = 0.0
         self._step_times: list[float] = []
         self.auto: dict[str, Any] = {}
+        #: every rank's selection time in each epoch (ms; gathered at the epoch's end): the slowest rank's is the
+        #: one the others wait for (``compression_stats()`` gives this rank's only)
+        self.rank_selection_ms: list[list[float]] = []
+        self._selection_at_epoch_start = 0.0
         self._resumed_wall = (0.0, 0.0)  # seconds (since launch, training) before the checkpoint resumed from
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -630,6 +636,7 @@ class RunRecorder(L.Callback):
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._loss_sum, self._loss_batches = 0.0, 0
+        self._selection_at_epoch_start = self.totals["selection_ms"]
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         import torch
@@ -639,6 +646,10 @@ class RunRecorder(L.Callback):
             torch.tensor(local, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="mean"
         )
         self.train_loss_epochs.append({"epoch": trainer.current_epoch, "train_loss": float(mean)})
+        if callable(getattr(trainer.strategy, "compression_stats", None)):  # alike on every rank: a collective
+            mine = torch.tensor([self.totals["selection_ms"] - self._selection_at_epoch_start], dtype=torch.float64,
+                                device=trainer.strategy.root_device)  # fmt: skip
+            self.rank_selection_ms.append([float(v) for v in trainer.strategy.all_gather(mine).reshape(-1)])
         self._write(trainer)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -705,7 +716,7 @@ class RunRecorder(L.Callback):
         return {
             "history": self.history, "train_loss_epochs": self.train_loss_epochs, "totals": dict(self.totals),
             "densities": self.densities, "last_step": self._last_step, "val_s": self._val_s,
-            "step_times": self._step_times, "auto": self.auto,
+            "step_times": self._step_times, "auto": self.auto, "rank_selection_ms": self.rank_selection_ms,
             "wall_s": time.time() - self._launch, "train_wall_s": time.perf_counter() - self._t0,
         }  # fmt: skip
 
@@ -715,6 +726,7 @@ class RunRecorder(L.Callback):
         last = state["last_step"]
         self._last_step = tuple(last) if last is not None else None
         self._val_s, self._step_times, self.auto = state["val_s"], list(state["step_times"]), dict(state["auto"])
+        self.rank_selection_ms = [list(epoch) for epoch in state.get("rank_selection_ms", [])]  # none before
         self._resumed_wall = (float(state["wall_s"]), float(state["train_wall_s"]))
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
@@ -727,6 +739,8 @@ class RunRecorder(L.Callback):
         totals = dict(self.totals)
         if totals["bytes_sent"]:
             totals["compression_ratio"] = totals["dense_bytes"] / totals["bytes_sent"]
+        if self.rank_selection_ms:  # every rank's over the epochs ended so far
+            totals["rank_selection_ms"] = [sum(epoch) for epoch in zip(*self.rank_selection_ms, strict=True)]
         payload = {
             "finished": finished,
             "global_step": trainer.global_step,

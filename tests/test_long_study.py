@@ -91,10 +91,12 @@ def test_a_resumed_recorder_writes_the_record_of_an_uninterrupted_run(tmp_path) 
     first.train_loss_epochs = [{"epoch": 0, "train_loss": 1.5}]
     first.totals.update(steps=391, bytes_sent=1000, dense_bytes=59000)
     first.densities, first._last_step, first._step_times = [0.0625, 0.01], (391, None), [0.1, 0.2]
+    first.rank_selection_ms = [[12.5, 14.0]]
     state = torch.load(_saved(first.state_dict(), tmp_path), weights_only=True)  # through a checkpoint
     second = common.RunRecorder(str(tmp_path / "b.json"))
     second.load_state_dict(state)
-    for field in ("history", "train_loss_epochs", "totals", "densities", "_last_step", "_step_times"):
+    for field in ("history", "train_loss_epochs", "totals", "densities", "_last_step", "_step_times",
+                  "rank_selection_ms"):
         assert getattr(second, field) == getattr(first, field), field
     assert second._resumed_wall[0] >= 0 and second._resumed_wall[1] >= 0
 
