@@ -168,6 +168,7 @@ def sentence(record: dict[str, Any] | None = None) -> str:
                 f" short, DiLoCo's local steps cost perplexity, sharded or not")  # fmt: skip
     return out
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sharded_study", description=__doc__.split("\n")[0])
     parser.add_argument("--data-root", default=str(common.REPO.parent / "shared" / "data"))
