@@ -137,6 +137,32 @@ def precision_sentence(runs_dir=None) -> str | None:
             f" ({100 * (bf16 - fp32):+.2f} points)")  # fmt: skip
 
 
+#: ``algo/dgc_lean``'s targets on the long protocol at 2 workers: the gap to DDP's top-1 (paired seeds, points) and
+#: DDP's link bytes over its own over the run, warm-up included
+LEAN_TARGETS = {"within_points": 0.3, "fewer_bytes": 200.0, "seeds": 3, "more_seeds_within": 0.5}
+
+
+def lean_sentence(record: dict) -> str | None:
+    """The DGC page's sentence on ``algo/dgc_lean``'s accuracy and bytes from the 2-worker study's report
+    (``parity_full_cifar2.json``), or ``None`` until a run of it finished."""
+    rows = {row["algo"]: row for row in record["summary"]}
+    if "dgc_lean" not in rows:
+        return None
+    lean, t = rows["dgc_lean"], LEAN_TARGETS
+    n, gap = lean["paired_seeds"], 100 * lean["difference"]
+    seeds = f"seed {lean['seeds'][0]}" if n == 1 else f"seeds {', '.join(map(str, lean['seeds']))}"
+    spread = f" ± {100 * lean['difference_std']:.2f} (paired by seed, ± the standard deviation)" if n > 1 else ""
+    close = gap >= -t["within_points"] if n >= t["seeds"] else None  # above DDP counts as within
+    verdict = {True: "met", False: "missed", None: (
+        f"{t['seeds'] - n} more seeds to run" if gap >= -t["more_seeds_within"]
+        else f"missed: more than {t['more_seeds_within']:g} points on the first seed")}[close]  # fmt: skip
+    fewer = lean["compression"]
+    return (f"`algo/dgc_lean` on the long protocol (2 workers, {seeds}): {100 * lean['metric']:.2f}%, a gap of"
+            f" {gap:+.2f}{spread} points against DDP (target within {t['within_points']:g} points over {t['seeds']}"
+            f" seeds: {verdict}), on {fewer:.1f}x fewer link bytes over the run, warm-up included (target at least"
+            f" {t['fewer_bytes']:g}x: {'met' if fewer >= t['fewer_bytes'] else 'missed'})")  # fmt: skip
+
+
 def write_length(rows: list[dict]) -> None:
     """``results/parity_full_length.json`` and its figure: top-1 and the gap against the optimizer steps."""
     path = common.write_json(f"{LENGTH_RECORD}.json", {"rows": rows, "seed": LENGTH_SEED})  # the machine's paths out

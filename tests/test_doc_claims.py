@@ -136,6 +136,14 @@ def test_the_dgc_page_s_comparison_of_the_paper_s_density_with_the_recommended_o
     assert 1.75 <= recommended["compression"] / paper["compression"] <= 2.25  # "about twice"
 
 
+def test_the_dgc_page_quotes_the_lean_configuration_s_accuracy_and_bytes() -> None:
+    from benchmarks import long_study
+
+    sentence = long_study.lean_sentence(_record("parity_full_cifar2"))
+    assert sentence is not None, "algo/dgc_lean has a finished run of the long protocol"
+    assert sentence in " ".join(_text("docs/algorithms/dgc.md").split()), sentence
+
+
 def test_the_dgc_page_quotes_the_long_protocol_at_eight_workers() -> None:
     assert eight_worker_sentence() in " ".join(_text("docs/algorithms/dgc.md").split())
 

@@ -195,3 +195,18 @@ def test_the_input_pipeline_variants_change_only_the_augmentation_and_the_loader
     rows = input_pipeline.summary({"batch": [0.2, 0.22, 0.21], "workers": [0.3], "inline": []})
     assert rows["batch"] == {"step_s": 0.21, "ratio_to_batch": 1.0}
     assert rows["workers"]["ratio_to_batch"] == pytest.approx(0.3 / 0.21) and rows["inline"]["step_s"] is None
+
+
+def test_the_lean_sentence_says_whether_each_target_was_met() -> None:
+    def sentence(gaps: list[float], fewer: float) -> str:
+        n = len(gaps)
+        row = {"algo": "dgc_lean", "metric": 0.84, "seeds": [42, 43, 44][:n], "paired_seeds": n, "compression": fewer,
+               "difference": sum(gaps) / n / 100, "difference_std": 0.001}  # fmt: skip
+        return long_study.lean_sentence({"summary": [row]})
+
+    assert long_study.lean_sentence({"summary": []}) is None
+    assert "(target within 0.3 points over 3 seeds: 2 more seeds to run)" in sentence([-0.4], 250)
+    assert "missed: more than 0.5 points on the first seed" in sentence([-0.6], 250)
+    assert "3 seeds: met)" in sentence([-0.5, 0.1, 0.1], 250) and "(target at least 200x: met)" in sentence([0.0], 250)
+    assert "3 seeds: missed)" in sentence([-0.5, -0.3, -0.3], 250)
+    assert "(target at least 200x: missed)" in sentence([0.0], 150)
