@@ -215,6 +215,15 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "dgc_1pct_int8": ("configs/algo/dgc_1pct_int8.yaml", (), "light_warmup"),
     # DGC light in bytes: 0.001, int8, every tensor compressed, the paper's warm-up without its first stage
     "dgc_lean": ("configs/algo/dgc_lean.yaml", (), "lean_warmup"),
+    # algo/dgc_lean with one lever taken back, to tell which one costs its accuracy: fp32 values, not int8; and the
+    # 1-D and small tensors averaged dense again, as the paper's DGC does
+    "dgc_lean_fp32": ("configs/algo/dgc_lean.yaml", ("--trainer.strategy.init_args.value_dtype", "fp32"), "lean_warmup"),
+    "dgc_lean_vectors_dense": (
+        "configs/algo/dgc_lean.yaml",
+        ("--trainer.strategy.init_args.compress_vectors", "false", "--trainer.strategy.init_args.min_compress_numel",
+         "1024"),
+        "lean_warmup",
+    ),
     # DDP in fp32, for a bf16 task: what bf16 autocast costs DDP's accuracy
     "ddp_fp32": ("configs/algo/ddp.yaml", ("--trainer.precision", "32-true"), False),
     # DDP with 5x the recipe's weight decay (5e-4, common for short CIFAR schedules): tuning the schedule for DDP
