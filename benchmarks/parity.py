@@ -217,7 +217,9 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "dgc_lean": ("configs/algo/dgc_lean.yaml", (), "lean_warmup"),
     # algo/dgc_lean with one lever taken back, to tell which one costs its accuracy: fp32 values, not int8; and the
     # 1-D and small tensors averaged dense again, as the paper's DGC does
-    "dgc_lean_fp32": ("configs/algo/dgc_lean.yaml", ("--trainer.strategy.init_args.value_dtype", "fp32"), "lean_warmup"),
+    "dgc_lean_fp32": (
+        "configs/algo/dgc_lean.yaml", ("--trainer.strategy.init_args.value_dtype", "fp32"), "lean_warmup"
+    ),
     "dgc_lean_vectors_dense": (
         "configs/algo/dgc_lean.yaml",
         ("--trainer.strategy.init_args.compress_vectors", "false", "--trainer.strategy.init_args.min_compress_numel",
@@ -683,6 +685,16 @@ def run_env(task: Task, threads: int) -> dict[str, str]:
     return common.worker_env(threads, **({bf16_cpu.ENV: "1"} if emulates_bf16(task) else {}))
 
 
+#: slack in a comparison with a tolerance: the metrics are logged in float32 (a gap of exactly 50 of 10,000 images
+#: reads 0.0050000250), far below the resolution of any test set here (one image of 10,000 is 1e-4)
+FLOAT32_SLACK = 1e-6
+
+
+def within_tolerance(worse: float, tolerance: float) -> bool:
+    """Whether a gap (positive: worse than DDP) is at most ``tolerance``, at the logged metric's resolution."""
+    return worse <= tolerance + FLOAT32_SLACK
+
+
 def mean_std(values: list[float]) -> tuple[float, float | None]:
     """Mean and sample standard deviation (``None`` for one value)."""
     mean = sum(values) / len(values)
@@ -727,7 +739,7 @@ def summarize(task: Task, runs: list[dict[str, Any]], devices: int) -> list[dict
             ]  # fmt: skip
             row["difference"], row["difference_std"] = mean_std(diffs)
             worse = -row["difference"] if task.higher_is_better else row["difference"]
-            row["met"] = worse <= task.tolerance
+            row["met"] = within_tolerance(worse, task.tolerance)
             row["paired_seeds"] = len(paired)
     return out
 
@@ -794,7 +806,7 @@ def compare(task: Task, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "worse_by": worse,
                 "tolerance": task.tolerance,
                 "relative": task.relative,
-                "met": worse <= task.tolerance,
+                "met": within_tolerance(worse, task.tolerance),
                 "steps": r.get("global_step"),
                 "full_schedule_steps": schedule_steps(task, *task.full),
                 "warmup_densities": r.get("densities"),

@@ -144,6 +144,16 @@ def test_the_dgc_page_quotes_the_lean_configuration_s_accuracy_and_bytes() -> No
     assert sentence in " ".join(_text("docs/algorithms/dgc.md").split()), sentence
 
 
+def test_the_deft_page_quotes_the_long_protocol_at_eight_workers() -> None:
+    from benchmarks import long_study
+
+    sentence = long_study.deft_eight_sentence(_record("parity_full_cifar8"))
+    assert sentence is not None, "algo/deft has a finished run at 8 workers"
+    assert sentence in " ".join(_text("docs/algorithms/deft.md").split()), sentence
+    assert "two more seeds are to run" in _text("docs/algorithms/deft.md")
+    assert len(_summary("parity_full_cifar8")["deft"]["seeds"]) == 1, "the page says two more seeds are to run"
+
+
 def test_the_dgc_page_quotes_the_long_protocol_at_eight_workers() -> None:
     assert eight_worker_sentence() in " ".join(_text("docs/algorithms/dgc.md").split())
 

@@ -210,3 +210,10 @@ def test_the_lean_sentence_says_whether_each_target_was_met() -> None:
     assert "3 seeds: met)" in sentence([-0.5, 0.1, 0.1], 250) and "(target at least 200x: met)" in sentence([0.0], 250)
     assert "3 seeds: missed)" in sentence([-0.5, -0.3, -0.3], 250)
     assert "(target at least 200x: missed)" in sentence([0.0], 150)
+
+
+def test_a_gap_at_the_tolerance_s_edge_is_within_it_at_the_logged_metric_s_resolution() -> None:
+    """50 images of 10,000 behind, as float32 logs it, is within 0.5 points; one image more is not."""
+    assert parity.within_tolerance(0.0050000250, 0.005)
+    assert not parity.within_tolerance(0.0051, 0.005)
+    assert parity.within_tolerance(-0.01, 0.005)  # ahead of DDP
