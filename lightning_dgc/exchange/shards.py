@@ -75,9 +75,9 @@ class ShardLayout:
     ``pieces``: this rank's pieces (offsets within its shard). The *node layout* is ``parts`` blocks of
     ``shard_numel`` values (block ``i``: local rank ``i``'s shard, zero-padded); ``numel``: the values of this
     rank's shard without the padding. The bucket is a sequence of *runs*, one per non-empty piece of each tensor
-    in bucket order (``run_numels``), and run ``j`` lies in block ``run_blocks[j]``; :meth:`to_node` and
-    :meth:`to_bucket` copy between the two layouts run by run, with no index tensor (which would hold 8 bytes
-    per value of the bucket).
+    in bucket order (``run_numels``), each in the block of the rank that owns it (``block_runs``);
+    :meth:`to_node` and :meth:`to_bucket` copy between the two layouts run by run, with no index tensor (which
+    would hold 8 bytes per value of the bucket).
     """
 
     pieces: list[TensorSpec]
@@ -87,7 +87,6 @@ class ShardLayout:
     index: int
     bucket_numel: int
     run_numels: list[int]
-    run_blocks: list[int]
     #: every local rank's shard without its padding, and its runs (in bucket order, their order in the block)
     block_numels: list[int]
     block_runs: list[list[int]]
@@ -128,23 +127,19 @@ def shard_layout(layout: Sequence[TensorSpec], parts: int, index: int) -> ShardL
     """The :class:`ShardLayout` of a bucket of ``layout`` for local rank ``index`` of ``parts``."""
     sizes = [0] * parts
     run_numels: list[int] = []
-    run_blocks: list[int] = []
+    block_runs: list[list[int]] = [[] for _ in range(parts)]
     pieces: list[TensorSpec] = []
     for spec in layout:
         for i, (a, b) in enumerate(row_ranges(spec.shape, parts)):
             if b == a:
                 continue
+            block_runs[i].append(len(run_numels))
             run_numels.append(b - a)
-            run_blocks.append(i)
             if i == index:
                 pieces.append(TensorSpec(piece_name(spec.name, a, b), piece_shape(spec.shape, a, b), sizes[i], b - a))
             sizes[i] += b - a
-    block_runs: list[list[int]] = [[] for _ in range(parts)]
-    for j, block in enumerate(run_blocks):
-        block_runs[block].append(j)
     total = sum(s.numel for s in layout)
-    return ShardLayout(pieces, max(max(sizes), 1), sizes[index], parts, index, total, run_numels, run_blocks, sizes,
-                       block_runs)  # fmt: skip
+    return ShardLayout(pieces, max(max(sizes), 1), sizes[index], parts, index, total, run_numels, sizes, block_runs)
 
 
 # -- checkpoints across topologies -------------------------------------------------------------------------
