@@ -181,6 +181,15 @@ def selection_ms_per_step(run: dict) -> float:
     return max(compression.get("rank_selection_ms") or [compression["selection_ms"]]) / compression["steps"]
 
 
+def warmup_split(run: dict, ddp_step_bytes: float, warmup_epochs: int = 4, epochs: int = 20) -> tuple[float, float]:
+    """A finished run's link bytes around its warm-up (the first ``warmup_epochs`` of ``epochs``): the share the
+    warm-up sent, up to the evaluation at its end, and how many times fewer than ``ddp_step_bytes`` a step sent
+    after it."""
+    steps, total = run["global_step"], run["compression"]["link_bytes"]
+    at = next(e for e in run["history"] if e["step"] >= warmup_epochs * steps // epochs - 1)
+    return at["link_bytes"] / total, (steps - at["step"]) * ddp_step_bytes / (total - at["link_bytes"])
+
+
 def deft_eight_sentence(record: dict, runs_dir=None) -> str | None:
     """The DEFT page's sentence on ``algo/deft`` at 8 workers (``parity_full_cifar8.json``): its gap to DDP, its
     bytes, and its slowest rank's selection time a step against the recommended DGC's on the same seed; ``None``
@@ -197,13 +206,10 @@ def deft_eight_sentence(record: dict, runs_dir=None) -> str | None:
            f" {'met' if parity.within_tolerance(-deft['difference'], t['within_points'] / 100) else 'missed'}), on"
            f" {fewer:.1f}x fewer link bytes over the run"
            f" (target at least {t['fewer_bytes']:g}x: {'met' if fewer >= t['fewer_bytes'] else 'missed'})")  # fmt: skip
-    run, ddp_link = runs["deft"], 1e3 * rows["ddp"]["link_kb_per_step"]
-    if run is not None:  # the warm-up's epochs (from 0.25, as DGC's paper) against the rest of the run
-        steps, total = run["global_step"], run["compression"]["link_bytes"]
-        at = next(e for e in run["history"] if e["step"] >= 4 * steps // 20 - 1)
-        after = (steps - at["step"]) * ddp_link / (total - at["link_bytes"])
-        out += (f"; its warm-up, the first 4 of the 20 epochs, sent {100 * at['link_bytes'] / total:.0f}% of those"
-                f" bytes, and after it a step sends {after:.1f}x fewer than DDP's")
+    if runs["deft"] is not None:  # the warm-up's epochs (from 0.25, as DGC's paper) against the rest of the run
+        share, after = warmup_split(runs["deft"], 1e3 * rows["ddp"]["link_kb_per_step"])
+        out += (f"; its warm-up, the first 4 of the 20 epochs, sent {100 * share:.0f}% of those bytes, and after it"
+                f" a step sends {after:.1f}x fewer than DDP's")
     if all(runs.values()):
         deft_ms, dgc_ms = (selection_ms_per_step(runs[a]) for a in ("deft", RECOMMENDED))
         who = lambda run: "slowest rank" if run["compression"].get("rank_selection_ms") else "rank 0"  # noqa: E731

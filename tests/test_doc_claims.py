@@ -101,11 +101,11 @@ def paper_density_sentence() -> str:
     """The DGC page's sentence on ``algo/dgc`` (the paper's density and warm-up) on the long protocol, from
     ``parity_full_cifar2.json`` and seed 42's run record: the share of the run's bytes its warm-up sent."""
     row = {r["algo"]: r for r in _record("parity_full_cifar2")["summary"]}["dgc"]
+    from benchmarks import long_study
+
     run = _record("parity_runs/parity_full_cifar2/cifar10_full_dgc_s42")
-    warm_end = 4 * run["global_step"] // 20  # the warm-up's 4 epochs of 20
-    at = next(e for e in run["history"] if e["step"] >= warm_end - 1)
-    total = run["compression"]["link_bytes"]
-    after = (run["global_step"] - at["step"]) * run["compression"]["dense_bytes"] / run["global_step"] / (total - at["link_bytes"])
+    # the warm-up's 4 epochs of 20; at 2 workers DDP's link carries the dense bytes
+    share, after = long_study.warmup_split(run, run["compression"]["dense_bytes"] / run["global_step"])
     n = row["paired_seeds"]
     if n > 1:
         seeds = f"seeds {', '.join(map(str, row['seeds']))}"
@@ -113,7 +113,7 @@ def paper_density_sentence() -> str:
                    f" points (paired by seed; standard error {100 * row['difference_std'] / n**0.5:.2f})")  # fmt: skip
     else:
         seeds, figures = f"seed {row['seeds'][0]}", f"{100 * row['metric']:.2f}%, a gap of {100 * row['difference']:+.2f} points"
-    share = f"{100 * at['link_bytes'] / total:.0f}% of them" + (" (seed 42)" if n > 1 else "")
+    share = f"{100 * share:.0f}% of them" + (" (seed 42)" if n > 1 else "")
     return (f"DGC at the paper's density, `algo/dgc` (0.001 after the paper's warm-up over the first 4 of the 20 epochs;"
             f" {seeds}): {figures}, on {row['compression']:.1f}x fewer link bytes over the run, {share}"
             f" sent by the warm-up's end; after it, {after:.1f}x fewer a step")  # fmt: skip
