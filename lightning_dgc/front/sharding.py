@@ -218,10 +218,20 @@ def group_shard(group: Any, name_of: Callable[[torch.Tensor], str]) -> GroupShar
 def grads_alias_shard(group: Any, shard: torch.Tensor) -> bool:
     """Whether FSDP2 will make the group's sharded ``.grad`` views of ``shard`` (its reduce-scatter output), which it
     does when no parameter of the group holds a gradient yet (else it adds into it) and the shard is in the
-    parameters' dtype (else it casts a copy)."""
-    return shard.dtype == group._orig_dtype and all(
-        fsdp_param.sharded_param.grad is None for fsdp_param in group.fsdp_params
+    parameters' gradient dtype (else it casts a copy)."""
+    return all(
+        fsdp_param.sharded_param.grad is None and _grad_dtype_takes(fsdp_param, shard.dtype)
+        for fsdp_param in group.fsdp_params
+        if fsdp_param.sharded_param.requires_grad
     )
+
+
+def _grad_dtype_takes(fsdp_param: Any, dtype: torch.dtype) -> bool:
+    """Whether FSDP2 keeps a reduced gradient of ``dtype`` as it is for this parameter: torch 2.15 casts to the
+    parameter's ``sharded_grad_dtype`` (``None``: any dtype), earlier releases to the parameter's own dtype."""
+    if hasattr(fsdp_param, "sharded_grad_dtype"):
+        return fsdp_param.sharded_grad_dtype in (None, dtype)
+    return fsdp_param.orig_dtype == dtype
 
 
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
