@@ -12,7 +12,8 @@ command is skipped (``parity --reuse``), and a run stopped part-way resumes from
 
 The studies (:data:`STUDIES`): 2 workers (DDP and the recommended DGC, 3 seeds; DGC at the paper's density 0.001,
 3 seeds; DEFT, PowerSGD and DDP in fp32, one seed; ``algo/dgc_lean``, one seed, three if within half a point, and
-with its int8 values or its compressed vectors taken back, one seed each), 8 workers (DDP, DGC and DEFT, 3
+with its int8 values or its compressed vectors taken back, one seed each; ``algo/dgc_lean_small``, one seed, three if
+within half a point), 8 workers (DDP, DGC and DEFT, 3
 seeds), and the same recipe at about 1k, 2k and 4k optimizer steps (3, 5 and 10 epochs, the learning-rate drops
 at the same fractions), DDP and DGC, one seed.
 """
@@ -61,7 +62,7 @@ STUDIES = (
     Study("parity_full_cifar2", 2, 20, (
         *((s, a) for s in (42, 43, 44) for a in PAIR),
         (42, "dgc"), (42, "deft"), (42, "powersgd"), (42, "ddp_fp32"), (43, "dgc"), (44, "dgc"), (42, "dgc_lean"),
-        (42, "dgc_lean_fp32"), (42, "dgc_lean_vectors_dense"),
+        (42, "dgc_lean_fp32"), (42, "dgc_lean_vectors_dense"), (42, "dgc_lean_small"),
     )),
     Study("parity_full_cifar8", 8, 20, tuple((s, a) for s in (42, 43, 44) for a in (*PAIR, "deft"))),
     *(Study(f"parity_full_length_e{e}", 2, e, tuple((42, a) for a in PAIR)) for e in (3, 5, 10)),
@@ -77,6 +78,8 @@ ORDER: tuple[tuple[str, int, str], ...] = (
     ("parity_full_cifar8", 42, "deft"),  # DEFT's scaling claim, at 8 workers (longer: resumes across sittings)
     # which lever costs algo/dgc_lean its accuracy: its int8 values or its compressed vectors
     *(("parity_full_cifar2", 42, a) for a in ("dgc_lean_fp32", "dgc_lean_vectors_dense")),
+    # the compressed small tensors cost it: dgc_lean with them at density 1/8 (>= 200x over the run): one seed first
+    ("parity_full_cifar2", 42, "dgc_lean_small"),
     *(("parity_full_cifar8", s, a) for s in (43, 44) for a in PAIR),
     *(("parity_full_cifar8", s, "deft") for s in (43, 44)),  # DEFT at 8 workers was within 1 point on seed 42
 )  # fmt: skip
@@ -148,13 +151,13 @@ def precision_sentence(runs_dir=None) -> str | None:
 LEAN_TARGETS = {"within_points": 0.3, "fewer_bytes": 200.0, "seeds": 3, "more_seeds_within": 0.5}
 
 
-def lean_sentence(record: dict) -> str | None:
-    """The DGC page's sentence on ``algo/dgc_lean``'s accuracy and bytes from the 2-worker study's report
-    (``parity_full_cifar2.json``), or ``None`` until a run of it finished."""
+def lean_sentence(record: dict, algo: str = "dgc_lean") -> str | None:
+    """The DGC page's sentence on ``algo/<algo>``'s (a configuration light in bytes) accuracy and bytes from the
+    2-worker study's report (``parity_full_cifar2.json``), or ``None`` until a run of it finished."""
     rows = {row["algo"]: row for row in record["summary"]}
-    if "dgc_lean" not in rows:
+    if algo not in rows:
         return None
-    lean, t = rows["dgc_lean"], LEAN_TARGETS
+    lean, t = rows[algo], LEAN_TARGETS
     n, gap = lean["paired_seeds"], 100 * lean["difference"]
     seeds = f"seed {lean['seeds'][0]}" if n == 1 else f"seeds {', '.join(map(str, lean['seeds']))}"
     spread = f" ± {100 * lean['difference_std']:.2f} (paired by seed, ± the standard deviation)" if n > 1 else ""
@@ -164,10 +167,28 @@ def lean_sentence(record: dict) -> str | None:
         f"{t['seeds'] - n} more seeds to run" if within(t["more_seeds_within"])
         else f"missed: more than {t['more_seeds_within']:g} points on the first seed")}[close]  # fmt: skip
     fewer = lean["compression"]
-    return (f"`algo/dgc_lean` on the long protocol (2 workers, {seeds}): {100 * lean['metric']:.2f}%, a gap of"
+    return (f"`algo/{algo}` on the long protocol (2 workers, {seeds}): {100 * lean['metric']:.2f}%, a gap of"
             f" {gap:+.2f}{spread} points against DDP (target within {t['within_points']:g} points over {t['seeds']}"
             f" seeds: {verdict}), on {fewer:.1f}x fewer link bytes over the run, warm-up included (target at least"
             f" {t['fewer_bytes']:g}x: {'met' if fewer >= t['fewer_bytes'] else 'missed'})")  # fmt: skip
+
+
+#: ``algo/dgc_lean`` with one lever taken back (the study's diagnostics) -> the words for the lever
+LEAN_DIAGNOSTICS = {
+    "dgc_lean_fp32": "fp32 values instead of int8",
+    "dgc_lean_vectors_dense": "the 1-D and small tensors averaged dense (in fp16) instead of compressed",
+}
+
+
+def lean_diagnostics_sentence(record: dict) -> str | None:
+    """The DGC page's sentence on ``algo/dgc_lean``'s diagnostics (one lever taken back each, seed 42): each one's
+    top-1, gap to DDP and bytes, from ``parity_full_cifar2.json``; ``None`` until every one of them finished."""
+    rows = {row["algo"]: row for row in record["summary"]}
+    if any(algo not in rows for algo in LEAN_DIAGNOSTICS):
+        return None
+    parts = [f"{words} (`{algo}`): {100 * rows[algo]['metric']:.2f}%, {100 * rows[algo]['difference']:+.2f} points,"
+             f" {rows[algo]['compression']:.1f}x fewer link bytes" for algo, words in LEAN_DIAGNOSTICS.items()]  # fmt: skip
+    return "Each lever taken back alone, on the same seed: " + "; ".join(parts)
 
 
 #: ``algo/deft``'s targets on the long protocol at 8 workers: the gap to DDP (points), DDP's link bytes over its own

@@ -12,8 +12,10 @@ collectives (an all-gather of one payload, an all-reduce of ``S`` moving ``S``);
 The levers, one after the other from the paper's DGC (density 0.001, fp32 values, 1-D and small tensors averaged
 dense, the paper's warm-up of four epochs at 0.25, 0.0625, 0.0156, 0.004): int8 values (one scale per 32), every
 tensor compressed (``compress_vectors``, ``min_compress_numel=1``), then the warm-up without its first stage (each
-later stage one epoch, as the paper's), or without it in half-epoch stages. ``algo/dgc_1pct_int8`` (the run's
-record: 59.3x) is a check of the method. Writes ``benchmarks/results/run_bytes.json``.
+later stage one epoch, as the paper's), or without it in half-epoch stages; then ``algo/dgc_lean`` with its 1-D and
+small tensors (under 1,024 values) averaged dense in fp16, as the paper's DGC does, with and without a warm-up, or
+compressed at density 1/8 (``small_density``) instead of 0.001. ``algo/dgc_1pct_int8`` (the run's record: 59.3x) is
+a check of the method. Writes ``benchmarks/results/run_bytes.json``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ LEVERS: dict[str, tuple[dict[str, Any], float, tuple[tuple[float, int], ...]]] =
                                                          tuple((d, EPOCH) for d in LEAN_WARMUP)),
     "the same, half-epoch stages": ({"value_dtype": "int8", **EVERY_TENSOR}, 0.001,
                                     tuple((d, EPOCH // 2) for d in LEAN_WARMUP)),
+    "algo/dgc_lean, the small tensors averaged dense (its trained diagnostic)": (
+        {"value_dtype": "int8"}, 0.001, tuple((d, EPOCH) for d in LEAN_WARMUP)),
+    "the same without a warm-up (the dense small tensors' ceiling)": ({"value_dtype": "int8"}, 0.001, ()),
+    "algo/dgc_lean, the small tensors at density 1/8 (algo/dgc_lean_small)": (
+        {"value_dtype": "int8", "small_density": 0.125}, 0.001, tuple((d, EPOCH) for d in LEAN_WARMUP)),
     "algo/dgc_1pct_int8 (check: its run record says 59.3x)": (
         {"value_dtype": "int8"}, 0.01, tuple((d, EPOCH) for d in LIGHT_WARMUP)),
 }  # fmt: skip

@@ -65,7 +65,7 @@ from lightning_dgc import ExchangeState, algorithms, exchange_hook
 from lightning_dgc.algorithms.deft import DEFT
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.algorithms.powersgd import PowerSGDConfig
-from lightning_dgc.algorithms.sparse import tensor_kind, values_per_step
+from lightning_dgc.algorithms.sparse import tensor_kind, tensor_values, values_per_step
 from lightning_dgc.tensor_ops import codec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "traffic.json"
@@ -146,7 +146,7 @@ def dense_breakdown(model: nn.Module, density: float, value_dtype: str) -> dict[
     config = DGCConfig(density=density, value_dtype=value_dtype)
     one_d, small, full = 0, 0, 0
     for p in model.parameters():
-        kind = tensor_kind(p.numel(), p.dim(), values_per_step(p.numel(), density), config)
+        kind = tensor_kind(p.numel(), p.dim(), tensor_values(config, p.numel(), p.dim(), density), config)
         if kind == "dense":
             if p.dim() <= 1:
                 one_d += p.numel() * 4

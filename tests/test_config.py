@@ -32,6 +32,12 @@ def test_bad_sample_ratio_is_rejected(ratio: float) -> None:
         ({"local_clip_norm": 0.0}, "local_clip_norm"),
         ({"min_compress_numel": 0}, "min_compress_numel"),
         ({"selection_backend": "cuda"}, "selection_backend"),
+        ({"small_density": 0.0}, "small_density"),
+        ({"small_density": 1.5}, "small_density"),
+        (
+            {"small_density": 0.125, "compress_vectors": True, "min_compress_numel": 1},
+            "there are none: leave those two at their defaults",
+        ),
     ],
 )
 def test_other_bad_settings(kwargs: dict, match: str) -> None:
@@ -44,6 +50,12 @@ def test_int8_values_are_dgcs_alone() -> None:
     assert DGCStrategy(value_dtype="int8")._config.value_dtype == "int8"
     with pytest.raises(ValueError, match="DEFT sums its values.*value_dtype='fp16'"):
         DEFTStrategy(value_dtype="int8")
+
+
+def test_small_density_is_a_dgc_strategy_argument_and_deft_refuses_it() -> None:
+    assert DGCStrategy(small_density=0.125)._config.small_density == 0.125
+    with pytest.raises(ValueError, match="`small_density=0.125` is DGC's.*or use DGC"):
+        DEFTStrategy(small_density=0.125)
 
 
 @pytest.mark.parametrize("strategy", [DGCStrategy, DEFTStrategy])

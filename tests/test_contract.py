@@ -248,6 +248,7 @@ SMALL = {"min_compress_numel": 64}
         (DGCConfig(density=0.1, value_dtype="int8", **SMALL), None),
         (DGCConfig(density=0.1, selection_backend="torch", value_dtype="int8", **SMALL), None),
         (DGCConfig(density=0.1, value_dtype="int8", compress_vectors=True, min_compress_numel=1), None),
+        (DGCConfig(density=0.1, value_dtype="int8", small_density=0.5, **SMALL), None),
         (DEFTConfig(density=0.1, **SMALL), DEFTConfig(density=1.0, **SMALL)),
         (DEFTConfig(density=0.1, selection_backend="torch", selectors="all", **SMALL), None),
         (DEFTConfig(density=0.1, k_allocation="size", fragmenting=False, **SMALL), None),
@@ -264,6 +265,7 @@ SMALL = {"min_compress_numel": 64}
         "dgc-int8",
         "dgc-batched-int8",
         "dgc-int8-every-tensor",
+        "dgc-int8-small-density",
         "deft",
         "deft-batched-all",
         "deft-size",
@@ -315,3 +317,20 @@ def test_compress_vectors_sends_every_tensor_sparse_with_its_own_residual() -> N
     assert cost.bytes_of("dense") == 0 and cost.k == 120 + 2 + 1
     default = DGC.wire_cost(DGCConfig(density=0.1, min_compress_numel=1), layout, 2, 4 * 1223)
     assert default.bytes_of("dense") == 4 * 23 and default.k == 120
+
+
+def test_small_density_compresses_the_small_tensors_at_their_own_density_never_below_the_step_s() -> None:
+    """``small_density``: the tensors averaged dense by default (1-D, under ``min_compress_numel`` values) are
+    compressed at it instead, each with its own residual; a warm-up stage denser than it takes them along."""
+    import dataclasses
+
+    from lightning_dgc.algorithms.base import layout_of
+    from lightning_dgc.algorithms.dgc import DGC
+
+    layout = layout_of(["w", "b", "norm", "small"], [(40, 30), (16,), (7,), (8, 4)])
+    config = DGCConfig(density=0.1, small_density=0.25, min_compress_numel=64)
+    cost = DGC.wire_cost(config, layout, 2, 4 * 1255)
+    assert cost.bytes_of("dense") == 0 and cost.k == 120 + 4 + 2 + 8
+    denser = DGC.wire_cost(dataclasses.replace(config, density=0.3), layout, 2, 4 * 1255)
+    assert denser.k == 360 + 5 + 3 + 10
+    assert not config.averaged_dense(16, 1) and config.tensor_density(1200, 2, 0.1) == 0.1

@@ -81,6 +81,12 @@ class DEFTConfig(DGCConfig):
                 " `compile_selection='auto'` or False (DEFT never compiles its selection)."
             )
         super().validate()
+        if self.small_density is not None:
+            raise ValueError(
+                f"`small_density={self.small_density!r}` is DGC's: DEFT splits each step's selection among the"
+                " workers by the tensors' norms and sizes, not at a density per tensor. Drop it (DEFT averages the"
+                " small tensors dense), or use DGC."
+            )
         if self.value_dtype == "int8":
             raise ValueError(
                 "DEFT sums its values in an all-reduce, which int8 levels scaled on each rank cannot take;"

@@ -74,6 +74,12 @@ class DGCConfig(AlgorithmConfig):
             residual, as every other tensor; with ``min_compress_numel=1`` nothing is averaged dense. On a small
             model (ResNet-20: 2.5 k of its 270 k values) those tensors are most of what a step at density 0.001
             sends.
+        small_density: compress the tensors that ``min_compress_numel`` and ``compress_vectors`` leave dense
+            (1-D, small) at this density instead, each with its own residual, never below ``density``.
+            ``None`` (default): they are averaged dense. At ``density`` itself (``compress_vectors``,
+            ``min_compress_numel=1``) a 16-value norm scale or a 640-weight classifier sends one value a step
+            (k is at least 1); at 1/8 each sends an eighth of its values a step, for a fraction of the bytes of
+            averaging them dense (what it costs and keeps: docs/algorithms/dgc.md). DGC only.
     Momentum correction:
         momentum_correction: ``True`` (the paper's): SGD's momentum, Nesterov and weight decay are taken
             over and applied to the local gradient before selection (``u <- m u + g``, ``v <- v + u``).
@@ -104,6 +110,7 @@ class DGCConfig(AlgorithmConfig):
     compile_selection: bool | Literal["auto"] = "auto"
     min_compress_numel: int = 1024
     compress_vectors: bool = False
+    small_density: float | None = None
     momentum_correction: bool = True
     momentum: float = 0.0
     nesterov: bool = False
@@ -190,11 +197,31 @@ class DGCConfig(AlgorithmConfig):
         self.min_compress_numel = whole_number(self.min_compress_numel, "min_compress_numel")
         if self.min_compress_numel < 1:
             raise ValueError(f"`min_compress_numel` must be >= 1, got {self.min_compress_numel!r}.")
+        if self.small_density is not None:
+            self.small_density = check_density(self.small_density, "small_density")
+            if self.compress_vectors and self.min_compress_numel == 1:
+                raise ValueError(
+                    f"`small_density={self.small_density!r}` sets the density of the tensors `min_compress_numel`"
+                    " and `compress_vectors` leave dense, and with `compress_vectors=True` and"
+                    " `min_compress_numel=1` there are none: leave those two at their defaults (1-D tensors and"
+                    " those under 1,024 values are the small ones), or drop `small_density`."
+                )
         self.seed = whole_number(self.seed, "seed")
+
+    def small(self, numel: int, ndim: int) -> bool:
+        """Whether a tensor of this size and rank is one of the small ones (1-D unless ``compress_vectors``, or
+        under ``min_compress_numel`` values): averaged dense, or compressed at ``small_density``."""
+        return (ndim <= 1 and not self.compress_vectors) or numel < self.min_compress_numel
 
     def averaged_dense(self, numel: int, ndim: int) -> bool:
         """Whether a tensor of this size and rank is always averaged dense rather than compressed."""
-        return (ndim <= 1 and not self.compress_vectors) or numel < self.min_compress_numel
+        return self.small_density is None and self.small(numel, ndim)
+
+    def tensor_density(self, numel: int, ndim: int, density: float) -> float:
+        """The density a compressed tensor of this size and rank is selected at when the step's is ``density``."""
+        if self.small_density is not None and self.small(numel, ndim):
+            return max(density, self.small_density)
+        return density
 
     @property
     def value_dtype_torch(self) -> torch.dtype:

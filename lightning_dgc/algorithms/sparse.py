@@ -66,6 +66,13 @@ class TopKSettings(Protocol):
 
     def averaged_dense(self, numel: int, ndim: int) -> bool: ...
 
+    def tensor_density(self, numel: int, ndim: int, density: float) -> float: ...
+
+
+def tensor_values(config: TopKSettings, numel: int, ndim: int, density: float) -> int:
+    """k for one compressed tensor when the step's density is ``density`` (the config's density per tensor)."""
+    return values_per_step(numel, config.tensor_density(numel, ndim, density))
+
 
 def tensor_kind(numel: int, ndim: int, k: int, config: TopKSettings) -> Kind:
     """How one tensor is exchanged (see the module docstring)."""
@@ -85,7 +92,7 @@ def split_layout(
     density = config.density if density is None else density
     sparse_numels, k_total, dense_numel = [], 0, 0
     for spec in layout:
-        k = values_per_step(spec.numel, density)
+        k = tensor_values(config, spec.numel, spec.ndim, density)
         if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
             sparse_numels.append(spec.numel)
             k_total += k
@@ -207,7 +214,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
         entries = []
         density = self.selected_density(self.config, self.state.world_size)
         for spec in layout:
-            k = values_per_step(spec.numel, density)
+            k = tensor_values(self.config, spec.numel, spec.ndim, density)
             kind = tensor_kind(spec.numel, spec.ndim, k, self.config)
             entries.append(Entry(spec, kind, k if kind == "sparse" else spec.numel))
         return entries

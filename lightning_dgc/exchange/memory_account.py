@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.algorithms.sparse import tensor_kind, values_per_step
+from lightning_dgc.algorithms.sparse import tensor_kind, tensor_values
 from lightning_dgc.tensor_ops import codec
 from lightning_dgc.tensor_ops.selection.batched import MAX_BATCH_VALUES, _group_bounds, selected_in_groups
 
@@ -120,7 +120,7 @@ def memory_account(
         for i in bucket:
             n, ndim = tensors[i]
             numel += n
-            k = values_per_step(n, density)
+            k = tensor_values(config, n, ndim, density)
             kind = tensor_kind(n, ndim, k, config)
             if kind == "dense":
                 dense += n
@@ -172,5 +172,5 @@ def memory_account(
 def _side_by_side(bucket: Sequence[int], tensors: Sequence[tuple[int, int]], config: DGCConfig, density: float) -> bool:
     """Whether a bucket's compressed tensors are consecutive (error feedback then makes v' in the bucket)."""
     sparse = [j for j, i in enumerate(bucket)
-              if tensor_kind(tensors[i][0], tensors[i][1], values_per_step(tensors[i][0], density), config) == "sparse"]  # fmt: skip
+              if tensor_kind(*tensors[i], tensor_values(config, *tensors[i], density), config) == "sparse"]  # fmt: skip
     return not sparse or sparse == list(range(sparse[0], sparse[-1] + 1))

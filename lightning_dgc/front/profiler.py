@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from lightning_dgc import comm
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.algorithms.sparse import values_per_step
+from lightning_dgc.algorithms.sparse import tensor_values
 from lightning_dgc.front.core import ExchangeAccess
 from lightning_dgc.perfmodel import BucketProfile, Profile
 from lightning_dgc.tensor_ops.selection import sampled_topk, topk_indices
@@ -98,16 +98,18 @@ def bucket_profiles(layout: list[list[tuple[str, Tensor]]]) -> list[BucketProfil
     ]
 
 
-def time_selection(numels: Sequence[int], config: DGCConfig, device: torch.device, repeats: int = 3) -> float:
-    """Seconds DGC's selection (sampled threshold or exact top-k) takes on tensors of these sizes."""
+def time_selection(
+    sizes: Sequence[tuple[int, int]], config: DGCConfig, device: torch.device, repeats: int = 3
+) -> float:
+    """Seconds DGC's selection (sampled threshold or exact top-k) takes on tensors of these sizes, each given as
+    ``(numel, ndim)``."""
     generator = torch.Generator(device=device).manual_seed(0) if device.type != "cpu" else torch.Generator()
-    tensors = [torch.randn(n, device=device) for n in numels]
+    tensors = [(torch.randn(n, device=device), tensor_values(config, n, ndim, config.density)) for n, ndim in sizes]
     times = []
     for _ in range(repeats):
         _synchronize(device)
         t0 = time.perf_counter()
-        for t in tensors:
-            k = values_per_step(t.numel(), config.density)
+        for t, k in tensors:
             if config.selection == "exact":
                 topk_indices(t, k)
             else:
@@ -279,7 +281,7 @@ class ExchangeProfiler(L.Callback):
             selection = _median(self.selection_times)
         else:
             sparse = [
-                math.prod(shape)
+                (math.prod(shape), len(shape))
                 for b in buckets
                 for shape in b.shapes
                 if not dgc.averaged_dense(math.prod(shape), len(shape))
