@@ -83,7 +83,7 @@ from lightning_dgc.algorithms.deft_partition import (
     lpt_assign,
     selection_cost,
 )
-from lightning_dgc.algorithms.sparse import values_per_step
+from lightning_dgc.algorithms.topk_plan import values_per_step
 from lightning_dgc.tensor_ops.selection import topk_indices
 from lightning_dgc.tensor_ops.selection.batched import batched_topk, segment_layout, topk_in_ranges
 from lightning_dgc.tensor_ops.selection.partitioned import deft_select, fragment_norms

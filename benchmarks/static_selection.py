@@ -37,7 +37,7 @@ import torch
 from benchmarks import common
 from benchmarks.selection import DDP_BUCKET_MB, Timer, ddp_buckets, median_ms, run_rounds
 from benchmarks.shapes import MODELS, is_compressed, param_shapes
-from lightning_dgc.algorithms.sparse import values_per_step
+from lightning_dgc.algorithms.topk_plan import values_per_step
 from lightning_dgc.tensor_ops.selection.batched import batched_topk, segment_layout
 from lightning_dgc.tensor_ops.selection.sampled import SelectionWorkspace, sampled_topk
 from lightning_dgc.tensor_ops.selection.static import StaticSelection

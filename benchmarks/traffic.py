@@ -65,7 +65,7 @@ from lightning_dgc import ExchangeState, algorithms, exchange_hook
 from lightning_dgc.algorithms.deft import DEFT
 from lightning_dgc.algorithms.dgc import DGCConfig
 from lightning_dgc.algorithms.powersgd import PowerSGDConfig
-from lightning_dgc.algorithms.sparse import tensor_kind, tensor_values, values_per_step
+from lightning_dgc.algorithms.topk_plan import tensor_kind, tensor_values, values_per_step
 from lightning_dgc.tensor_ops import codec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "traffic.json"

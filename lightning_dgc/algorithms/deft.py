@@ -43,8 +43,9 @@ from lightning_dgc.algorithms.deft_partition import (
     shares,
     union_size,
 )
-from lightning_dgc.algorithms.sparse import Entry, SparsePlan, SparseTopK, SparseWork, split_layout
+from lightning_dgc.algorithms.sparse import Entry, SparsePlan, SparseTopK, SparseWork
 from lightning_dgc.algorithms.sparse_decode import average, dense_sum, exchange_dense, release
+from lightning_dgc.algorithms.topk_plan import split_layout
 from lightning_dgc.tensor_ops import codec
 from lightning_dgc.tensor_ops.selection.batched import concatenated_ranges, to_device, topk_in_ranges
 from lightning_dgc.tensor_ops.selection.partitioned import deft_select, fragment_norms

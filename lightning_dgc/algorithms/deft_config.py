@@ -1,4 +1,4 @@
-"""DEFT's settings: DGC's (:class:`~lightning_dgc.algorithms.dgc.DGCConfig`) plus the parts of the method,
+"""DEFT's settings: DGC's (:class:`~lightning_dgc.algorithms.dgc_config.DGCConfig`) plus the parts of the method,
 each switchable for ablations."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lightning_dgc.algorithms.checks import flag
-from lightning_dgc.algorithms.dgc import DGCConfig
+from lightning_dgc.algorithms.dgc_config import DGCConfig
 
 
 @dataclass
 class DEFTConfig(DGCConfig):
-    """DGC's hyper-parameters (:class:`~lightning_dgc.algorithms.dgc.DGCConfig`), with ``momentum_correction``
+    """DGC's hyper-parameters (:class:`~lightning_dgc.algorithms.dgc_config.DGCConfig`), with ``momentum_correction``
     off by default (DEFT's plain error feedback, which leaves momentum and weight decay to the optimizer: any
     optimizer works), plus:
 

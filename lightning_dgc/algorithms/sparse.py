@@ -9,11 +9,7 @@
 6. **commit** (``finish_step``, a finite step only): ``u``, ``v`` updated in place by the same operations
    (:meth:`SparseTopK.replay`), the sent values cleared.
 
-A tensor is handled in one of three ways, decided once per bucket layout and density (the *plan*):
-``sparse`` (compressed), ``full`` (density so high that sending everything dense is cheaper: the
-velocity is all-reduced and cleared, which is what selecting every index means; the momentum is
-not masked, so this is DDP + SGD momentum) and ``dense`` (1-D or too small to compress: plain
-averaging, then the optimizer's momentum in the decode).
+Which kind each tensor is, and how many values it sends: :mod:`lightning_dgc.algorithms.topk_plan`.
 """
 
 from __future__ import annotations
@@ -21,12 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import torch
 from torch import Tensor
 
 from lightning_dgc.algorithms.base import Algorithm, BucketWork, TensorSpec
+from lightning_dgc.algorithms.topk_plan import Kind, TopKSettings, tensor_kind, tensor_values
 from lightning_dgc.tensor_ops import codec
 from lightning_dgc.tensor_ops.memory import bucket_order_flat, clear_
 from lightning_dgc.tensor_ops.momentum import (
@@ -40,66 +37,6 @@ from lightning_dgc.tensor_ops.selection.static import StaticSelection
 
 if TYPE_CHECKING:
     from lightning_dgc.comm import Pending
-
-Kind = Literal["sparse", "full", "dense"]
-
-
-def values_per_step(numel: int, density: float) -> int:
-    """k for a tensor of ``numel`` values: ``ceil(density * numel)``, at least 1."""
-    return min(numel, max(1, math.ceil(density * numel)))
-
-
-class TopKSettings(Protocol):
-    """What the shared top-k base reads of its algorithm's configuration (DGC's
-    :class:`~lightning_dgc.algorithms.dgc.DGCConfig` has it all; an outside top-k declares the same fields)."""
-
-    density: float
-    value_dtype: str
-    sample_ratio: float
-    selection: str
-    selection_backend: str
-    momentum_masking: bool
-    momentum_correction: bool
-
-    @property
-    def value_dtype_torch(self) -> torch.dtype: ...
-
-    def averaged_dense(self, numel: int, ndim: int) -> bool: ...
-
-    def tensor_density(self, numel: int, ndim: int, density: float) -> float: ...
-
-
-def tensor_values(config: TopKSettings, numel: int, ndim: int, density: float) -> int:
-    """k for one compressed tensor when the step's density is ``density`` (the config's density per tensor)."""
-    return values_per_step(numel, config.tensor_density(numel, ndim, density))
-
-
-def tensor_kind(numel: int, ndim: int, k: int, config: TopKSettings) -> Kind:
-    """How one tensor is exchanged (see the module docstring)."""
-    if config.averaged_dense(numel, ndim):
-        return "dense"
-    if codec.sparse_nbytes(k, config.value_dtype_torch) >= numel * 4:
-        return "full"
-    return "sparse"
-
-
-def split_layout(
-    config: TopKSettings, layout: list[TensorSpec], density: float | None = None
-) -> tuple[list[int], int, int]:
-    """Of a bucket's tensors: the sizes of those sent sparse, their total k, and how many values go dense
-    (sent whole or averaged), as :func:`tensor_kind` decides at ``density`` (default: the config's); what
-    the wire costs are computed from."""
-    density = config.density if density is None else density
-    sparse_numels, k_total, dense_numel = [], 0, 0
-    for spec in layout:
-        k = tensor_values(config, spec.numel, spec.ndim, density)
-        if tensor_kind(spec.numel, spec.ndim, k, config) == "sparse":
-            sparse_numels.append(spec.numel)
-            k_total += k
-        else:
-            dense_numel += spec.numel
-    return sparse_numels, k_total, dense_numel
-
 
 @dataclass
 class Entry:

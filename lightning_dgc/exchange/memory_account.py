@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.algorithms.sparse import tensor_kind, tensor_values
+from lightning_dgc.algorithms.topk_plan import tensor_kind, tensor_values
 from lightning_dgc.tensor_ops import codec
 from lightning_dgc.tensor_ops.selection.batched import MAX_BATCH_VALUES, _group_bounds, selected_in_groups
 
@@ -95,7 +95,7 @@ def memory_account(
     """The account of DGC's or DEFT's exchange (by ``config``'s type) for float32 parameters.
 
     Args:
-        config: a :class:`~lightning_dgc.algorithms.dgc.DGCConfig` or a DEFT config (its subclass).
+        config: a :class:`~lightning_dgc.algorithms.dgc_config.DGCConfig` or a DEFT config (its subclass).
         tensors: ``(numel, ndim)`` of every parameter, in the model's order.
         buckets: the parameters of each DDP bucket (indices into ``tensors``); default one bucket.
         world_size: the ranks exchanging.

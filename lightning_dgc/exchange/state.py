@@ -35,7 +35,7 @@ class ExchangeState(RegisteredParameters, RandomDraws):
     algorithm may use; the rest is the hook's and the front doors'.
 
     Pass it as the ``state`` of :func:`lightning_dgc.exchange.hook.exchange_hook`. The algorithm is the one
-    registered for the configuration's class (DGC's, :class:`~lightning_dgc.algorithms.dgc.DGCConfig`,
+    registered for the configuration's class (DGC's, :class:`~lightning_dgc.algorithms.dgc_config.DGCConfig`,
     by default); ``collectives`` defaults to the process group's (:class:`~lightning_dgc.comm.TorchCollectives`).
     After every backward pass that ran the hook, call :meth:`finish_step` once (the strategy does): it
     commits the memory only if the step was finite on every rank. If it is not called, the hook

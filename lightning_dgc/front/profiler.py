@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from lightning_dgc import comm
 from lightning_dgc.algorithms.dgc import DGCConfig
-from lightning_dgc.algorithms.sparse import tensor_values
+from lightning_dgc.algorithms.topk_plan import tensor_values
 from lightning_dgc.front.core import ExchangeAccess
 from lightning_dgc.perfmodel import BucketProfile, Profile
 from lightning_dgc.tensor_ops.selection import sampled_topk, topk_indices

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_dgc import comm
 from lightning_dgc.algorithms import AlgorithmConfig
 from lightning_dgc.algorithms.deft import DEFTConfig
-from lightning_dgc.algorithms.dgc import DGCConfig, Selection, SelectionBackend, ValueDType
+from lightning_dgc.algorithms.dgc_config import DGCConfig, Selection, SelectionBackend, ValueDType
 from lightning_dgc.checkpoint.exchange import (
     CHECKPOINT_FORMAT,
     CHECKPOINT_KEY,
@@ -316,7 +316,7 @@ class DGCStrategy(CompressionStrategy):
     """Data-parallel training with Deep Gradient Compression (Lin et al., ICLR 2018).
 
     ``CompressionStrategy(DGCConfig(...))`` with DGC's settings as arguments (each one is described
-    in :class:`~lightning_dgc.algorithms.dgc.DGCConfig`), ``max_consecutive_skips`` (the stall detector),
+    in :class:`~lightning_dgc.algorithms.dgc_config.DGCConfig`), ``max_consecutive_skips`` (the stall detector),
     ``hierarchical`` (the two-level exchange across nodes), ``check_ranks_every`` (the parameter check across
     ranks), ``gradient_as_bucket_view`` (``True``) and ``save_exchange_state`` (the exchange memory in
     checkpoints), all described in :class:`CompressionStrategy`, plus every ``DDPStrategy`` argument.
