@@ -472,6 +472,21 @@ def test_the_dgc_page_gives_the_levers_bytes_over_a_run() -> None:
     assert "which the table counts above 200x over a run" in text
 
 
+def test_the_dgc_page_quotes_the_small_tensors_candidate_from_its_runs() -> None:
+    from benchmarks import long_study
+
+    sentence = long_study.lean_sentence(_record("parity_full_cifar2"), "dgc_lean_small")
+    text = " ".join(_text("docs/algorithms/dgc.md").split())
+    if sentence is None:
+        assert "its run on the long protocol is in the study's plan" in text
+    else:
+        assert sentence in text, sentence
+        gap = {algo: _summary("parity_full_cifar2")[algo]["difference"]
+               for algo in ("dgc_lean", "dgc_lean_vectors_dense", "dgc_lean_small")}  # fmt: skip
+        most = gap["dgc_lean_vectors_dense"] - gap["dgc_lean_small"] > (gap["dgc_lean_vectors_dense"] - gap["dgc_lean"]) / 2
+        assert most == ("Compressed even at 1/8, the small tensors still cost most of the points" in text)
+
+
 def test_the_dgc_page_says_which_lever_costs_the_lean_configuration_its_accuracy() -> None:
     """The diagnostics' sentence comes from their records; the page's conclusion holds only if taking the small
     tensors' compression back (alone) closes the gap to within the target, and taking int8 back does not."""
