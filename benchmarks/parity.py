@@ -228,6 +228,11 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     ),
     # algo/dgc_lean with its small tensors compressed at density 1/8 (small_density), not 0.001 nor dense
     "dgc_lean_small": ("configs/algo/dgc_lean_small.yaml", (), "lean_warmup"),
+    # ... and without momentum factor masking: whether clearing a sent value's momentum, every few steps on a
+    # small tensor, is what its compression costs
+    "dgc_lean_small_nomask": (
+        "configs/algo/dgc_lean_small.yaml", ("--trainer.strategy.init_args.momentum_masking", "false"), "lean_warmup"
+    ),
     # DDP in fp32, for a bf16 task: what bf16 autocast costs DDP's accuracy
     "ddp_fp32": ("configs/algo/ddp.yaml", ("--trainer.precision", "32-true"), False),
     # DDP with 5x the recipe's weight decay (5e-4, common for short CIFAR schedules): tuning the schedule for DDP
