@@ -81,8 +81,8 @@ ORDER: tuple[tuple[str, int, str], ...] = (
     *(("parity_full_cifar2", 42, a) for a in ("dgc_lean_fp32", "dgc_lean_vectors_dense")),
     # the compressed small tensors cost it: dgc_lean with them at density 1/8 (>= 200x over the run): one seed first
     ("parity_full_cifar2", 42, "dgc_lean_small"),
-    ("parity_full_cifar8", 43, RECOMMENDED),  # in flight: resumes first
-    # dgc_lean_small missed by 0.87 points: its small tensors' momentum, cleared each time a value is sent?
+    ("parity_full_cifar8", 43, RECOMMENDED),  # the recommended DGC's second pair at 8 workers
+    # why the small tensors' compression costs accuracy even at 1/8: their momentum, cleared each time one is sent?
     ("parity_full_cifar2", 42, "dgc_lean_small_nomask"),
     *(("parity_full_cifar8", s, a) for s in (43, 44) for a in PAIR if (s, a) != (43, RECOMMENDED)),
     *(("parity_full_cifar8", s, "deft") for s in (43, 44)),  # DEFT at 8 workers was within 1 point on seed 42
