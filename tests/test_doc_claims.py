@@ -93,13 +93,14 @@ def eight_worker_sentence() -> str:
     ddp = dgc["metric"] - dgc["difference"]  # DDP on the same seeds (the gap is paired by seed)
     n = dgc["paired_seeds"]
     if n == 1:
-        seeds, figures = f"seed {dgc['seeds'][0]}", f"{100 * dgc['metric']:.2f}%, a gap of {100 * dgc['difference']:+.2f}"
+        seeds = f"seed {dgc['seeds'][0]}"
+        figures = f"{100 * dgc['metric']:.2f}%, a gap of {100 * dgc['difference']:+.2f} points"
     else:
         seeds = f"seeds {', '.join(map(str, dgc['seeds']))}"
         figures = (f"{100 * dgc['metric']:.2f} ± {100 * dgc['metric_std']:.2f}%, a gap of {100 * dgc['difference']:+.2f}"
-                   f" ± {100 * dgc['difference_std']:.2f} (paired by seed, ± the standard deviation)")  # fmt: skip
+                   f" ± {100 * dgc['difference_std']:.2f} points (paired by seed, ± the standard deviation)")  # fmt: skip
     return (f"At 8 workers of 16 images (`parity_full_cifar8.json`, {seeds}): DDP {100 * ddp:.2f}%,"
-            f" `algo/dgc_1pct_int8` {figures} points on {dgc['compression']:.1f}x fewer link bytes over the run")  # fmt: skip
+            f" `algo/dgc_1pct_int8` {figures} on {dgc['compression']:.1f}x fewer link bytes over the run")  # fmt: skip
 
 
 def paper_density_sentence() -> str:
