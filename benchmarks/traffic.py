@@ -108,22 +108,25 @@ def buffer_broadcast_bytes(model: nn.Module) -> int:
 
 
 def measure(model: nn.Module, config: algorithms.AlgorithmConfig, steps: int = 2) -> dict[str, Any]:
-    """Run ``steps`` steps of the synthetic loss through DDP + the hook; the last step's stats."""
+    """Run ``steps`` steps of the synthetic loss through DDP + the hook; the last step's stats (and each step's bytes
+    sent, ``sent_per_step``)."""
     wrapper = SyntheticLoss(model)
     ddp = DDP(wrapper)  # DDP's default buckets (1 MB first, then 25 MB), as the strategies use them
     state = ExchangeState(config, measure_buildup=True)  # the union's size is a figure reported here
     state.register_parameters(wrapper.named_parameters())
     ddp.register_comm_hook(state, exchange_hook)
-    buckets = []
+    buckets, sent = [], []
     for step in range(steps):
         for p in wrapper.parameters():
             p.grad = None
         state.clear_plans()  # keep only the last step's bucket layouts (read by deft_control_bytes)
         ddp(torch.tensor(step)).backward()
         assert state.finish_step(), "a synthetic gradient came out non-finite"
-        buckets.append(state.compression_stats()["buckets"])
+        step_stats = state.compression_stats()
+        buckets.append(step_stats["buckets"])
+        sent.append({key: step_stats[key] for key in ("bytes_sent", "dense_exchange_bytes")})
     stats = state.compression_stats()
-    stats["buckets_per_step"] = buckets
+    stats["buckets_per_step"], stats["sent_per_step"] = buckets, sent
     stats["control_at"] = deft_control_bytes(state) if state.algorithm.name == "deft" else {}
     del ddp
     return stats

@@ -38,6 +38,10 @@ def test_bad_sample_ratio_is_rejected(ratio: float) -> None:
             {"small_density": 0.125, "compress_vectors": True, "min_compress_numel": 1},
             "there are none: leave those two at their defaults",
         ),
+        ({"small_every": 0}, "small_every` must be >= 1"),
+        ({"small_every": 1.5}, "small_every"),
+        ({"small_every": 4, "small_density": 0.125}, "pick one"),
+        ({"small_every": 4, "compress_vectors": True, "min_compress_numel": 1}, "there are none: leave those two"),
     ],
 )
 def test_other_bad_settings(kwargs: dict, match: str) -> None:
@@ -56,6 +60,12 @@ def test_small_density_is_a_dgc_strategy_argument_and_deft_refuses_it() -> None:
     assert DGCStrategy(small_density=0.125)._config.small_density == 0.125
     with pytest.raises(ValueError, match="`small_density=0.125` is DGC's.*or use DGC"):
         DEFTStrategy(small_density=0.125)
+
+
+def test_small_every_is_a_dgc_strategy_argument_and_deft_refuses_it() -> None:
+    assert DGCStrategy(small_every=8)._config.small_every == 8
+    with pytest.raises(ValueError, match="`small_every=8` is DGC's.*or use DGC"):
+        DEFTStrategy(small_every=8)
 
 
 @pytest.mark.parametrize("strategy", [DGCStrategy, DEFTStrategy])

@@ -249,6 +249,7 @@ SMALL = {"min_compress_numel": 64}
         (DGCConfig(density=0.1, selection_backend="torch", value_dtype="int8", **SMALL), None),
         (DGCConfig(density=0.1, value_dtype="int8", compress_vectors=True, min_compress_numel=1), None),
         (DGCConfig(density=0.1, value_dtype="int8", small_density=0.5, **SMALL), None),
+        (DGCConfig(density=0.1, value_dtype="int8", small_every=3, **SMALL), None),
         (DEFTConfig(density=0.1, **SMALL), DEFTConfig(density=1.0, **SMALL)),
         (DEFTConfig(density=0.1, selection_backend="torch", selectors="all", **SMALL), None),
         (DEFTConfig(density=0.1, k_allocation="size", fragmenting=False, **SMALL), None),
@@ -266,6 +267,7 @@ SMALL = {"min_compress_numel": 64}
         "dgc-batched-int8",
         "dgc-int8-every-tensor",
         "dgc-int8-small-density",
+        "dgc-int8-small-every",
         "deft",
         "deft-batched-all",
         "deft-size",
@@ -334,3 +336,32 @@ def test_small_density_compresses_the_small_tensors_at_their_own_density_never_b
     denser = DGC.wire_cost(dataclasses.replace(config, density=0.3), layout, 2, 4 * 1255)
     assert denser.k == 360 + 5 + 3 + 10
     assert not config.averaged_dense(16, 1) and config.tensor_density(1200, 2, 0.1) == 0.1
+
+
+def test_small_every_sends_the_small_tensors_whole_every_few_steps_and_nothing_is_lost() -> None:
+    """``small_every=3`` on 2 simulated ranks (plain error feedback): a bias is averaged whole in steps 0 and 3, its
+    update zero in steps 1 and 2, and step 3 sends what steps 1 to 3 accumulated; the weight is compressed every
+    step; no dense all-reduce while the bias is held."""
+    config = DGCConfig(density=0.1, small_every=3, min_compress_numel=64)
+    grads = {(t, r): torch.randn(1240, generator=torch.Generator().manual_seed(10 * t + r)) for t in range(4) for r in (0, 1)}
+
+    def rank_run(collectives: comm.Collectives) -> list[tuple[torch.Tensor, int, int]]:
+        model = nn.Linear(30, 40)  # weight (40, 30) compressed, bias (40,) small
+        state = ExchangeState(config, collectives=collectives)
+        state.register_parameters(model.named_parameters())
+        steps = []
+        for t in range(4):
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)  # (what DDP's bucket would be a view of: every parameter used)
+            update = hook.exchange(state, list(model.parameters()), grads[t, collectives.rank].clone()).wait()
+            assert state.finish_step()
+            stats = state.compression_stats()
+            steps.append((update[1200:].clone(), stats["dense_exchange_bytes"], stats["k"]))
+        return steps
+
+    mean = {t: (grads[t, 0][1200:] + grads[t, 1][1200:]) / 2 for t in range(4)}
+    for (b0, d0, k0), (b1, d1, k1), (b2, d2, k2), (b3, d3, k3) in comm.simulate(2, rank_run):
+        torch.testing.assert_close(b0, mean[0])
+        assert not b1.any() and not b2.any()
+        torch.testing.assert_close(b3, mean[1] + mean[2] + mean[3])
+        assert d0 == d3 == 4 * 40 and d1 == d2 == 0 and k0 == k1 == k2 == k3 == 120

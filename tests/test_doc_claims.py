@@ -476,6 +476,8 @@ def test_the_dgc_page_gives_the_levers_bytes_over_a_run() -> None:
     small = next(ratio for lever, ratio in rows.items() if lever.endswith("(algo/dgc_lean_small)"))
     assert small >= 200 and "`algo/dgc_lean_small` compresses them at density 1/8" in text
     assert "which the table counts above 200x over a run" in text
+    every = next(ratio for lever, ratio in rows.items() if lever.endswith("(algo/dgc_lean_every)"))
+    assert every >= 200 and every > small and "the small tensors cost fewer bytes than at density 1/8" in text
 
 
 def test_the_dgc_page_quotes_the_small_tensors_candidate_from_its_runs() -> None:
@@ -493,6 +495,14 @@ def test_the_dgc_page_quotes_the_small_tensors_candidate_from_its_runs() -> None
         assert most == ("Compressed even at 1/8, the small tensors still cost most of the points" in text)
 
 
+def test_the_dgc_page_quotes_the_small_tensors_sent_every_8_steps_from_their_runs() -> None:
+    from benchmarks import long_study
+
+    sentence = long_study.lean_sentence(_record("parity_full_cifar2"), "dgc_lean_every")
+    text = " ".join(_text("docs/algorithms/dgc.md").split())
+    assert (sentence or "Its run on the long protocol is in the study's plan.") in text, sentence
+
+
 def test_the_dgc_page_says_which_lever_costs_the_lean_configuration_its_accuracy() -> None:
     """The diagnostics' sentence comes from their records; the page's conclusion holds only if taking the small
     tensors' compression back (alone) closes the gap to within the target, and taking int8 back does not."""
@@ -506,7 +516,7 @@ def test_the_dgc_page_says_which_lever_costs_the_lean_configuration_its_accuracy
     assert "So compressing the small tensors costs the accuracy" in _text("docs/algorithms/dgc.md")
 
 
-@pytest.mark.parametrize("config", ["dgc_lean", "dgc_lean_small"])
+@pytest.mark.parametrize("config", ["dgc_lean", "dgc_lean_small", "dgc_lean_every"])
 def test_the_light_configs_headers_quote_their_bytes_from_run_bytes(config: str) -> None:
     """Each light DGC config's header gives its step and run ratios at 2 workers as ``run_bytes.json`` counts them."""
     row = next(r for r in _record("run_bytes")["rows"] if r["lever"].endswith(f"(algo/{config})"))

@@ -87,6 +87,11 @@ class DEFTConfig(DGCConfig):
                 " workers by the tensors' norms and sizes, not at a density per tensor. Drop it (DEFT averages the"
                 " small tensors dense), or use DGC."
             )
+        if self.small_every != 1:
+            raise ValueError(
+                f"`small_every={self.small_every!r}` is DGC's: DEFT averages the small tensors dense every step."
+                " Drop it, or use DGC."
+            )
         if self.value_dtype == "int8":
             raise ValueError(
                 "DEFT sums its values in an all-reduce, which int8 levels scaled on each rank cannot take;"

@@ -27,7 +27,7 @@ from lightning_dgc.algorithms.base import (
 from lightning_dgc.algorithms.dgc_config import DGCConfig
 from lightning_dgc.algorithms.sparse import Entry, SparsePlan, SparseTopK, SparseWork
 from lightning_dgc.algorithms.sparse_decode import average, dense_sum, exchange_dense, release
-from lightning_dgc.algorithms.topk_plan import split_layout
+from lightning_dgc.algorithms.topk_plan import periodic, small_every, split_layout
 from lightning_dgc.tensor_ops import codec
 from lightning_dgc.tensor_ops.heap import trim_before
 from lightning_dgc.tensor_ops.momentum import compensated_velocity_each
@@ -221,7 +221,7 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
             indices, values = self._unpacked(plan, work)
             if self.state.measures_buildup:  # a host sync: only when something asks for it
                 self.state.add_union_values(int(torch.unique(indices).numel()))  # gradient build-up
-        return average(self, plan, work.flat, dense, indices, values)
+        return average(self, plan, work.flat, dense, indices, values, held=work.held)
 
     def _unpacked(self, plan: DGCPlan, work: DGCWork) -> tuple[Tensor, Tensor]:
         """Every rank's indices and values (unpacked again where needed: the callback's tensors stay on its
@@ -253,9 +253,25 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
     def wire_cost(
         cls, config: DGCConfig, layout: list[TensorSpec], world_size: int, dense_bytes: int
     ) -> WireCost:
-        value_bytes = config.value_dtype_torch.itemsize
+        """A step's messages; with ``small_every``, the mean step's: the small tensors sent whole every that many
+        steps count for their values over it (rounded up) in the dense all-reduce."""
         numel = sum(s.numel for s in layout)
         _, k_total, dense_numel = split_layout(config, layout, cls.selected_density(config, world_size))
+        every, whole = small_every(config), sum(s.numel for s in layout if periodic(s.numel, s.ndim, config))
+        if every > 1 and 0 < whole < numel:  # (a bucket of small tensors alone sends them every step)
+            dense_numel -= whole - -(-whole // every)
+        return cls._messages(config, numel, k_total, dense_numel, dense_bytes)
+
+    def cost(self, plan: DGCPlan) -> WireCost:
+        """This step's messages for ``plan``: without the periodic tensors in a step that holds them back."""
+        held = sum(e.numel for e in plan.entries if e.periodic) if self.holding(plan) else 0
+        numel = sum(s.numel for s in plan.layout)
+        return self._messages(self.config, numel, plan.k_total, plan.dense_numel - held, plan.dense_bytes)
+
+    @staticmethod
+    def _messages(config: DGCConfig, numel: int, k_total: int, dense_numel: int, dense_bytes: int) -> WireCost:
+        """The all-gather of ``k_total`` values' payload and the all-reduce of ``dense_numel`` values."""
+        value_bytes = config.value_dtype_torch.itemsize
         payload, padding = codec.payload_size(k_total, value_bytes, numel)
         messages = []
         if payload:

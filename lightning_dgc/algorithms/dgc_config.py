@@ -52,6 +52,12 @@ class DGCConfig(AlgorithmConfig):
             ``min_compress_numel=1``) a 16-value norm scale or a 640-weight classifier sends one value a step
             (k is at least 1); at 1/8 each sends an eighth of its values a step, for a fraction of the bytes of
             averaging them dense (what it costs and keeps: docs/algorithms/dgc.md). DGC only.
+        small_every: send the tensors ``min_compress_numel`` and ``compress_vectors`` leave dense (1-D, small)
+            whole every this many steps rather than every step, from their own residual: in the other steps
+            their momentum-corrected gradient accumulates, as a compressed tensor's unsent values do, and their
+            update is zero; every value is then at most ``small_every - 1`` steps late, none lost. 1 (default):
+            averaged every step. A bucket with nothing else to send sends them every step. DGC only; not with
+            ``small_density``.
     Momentum correction:
         momentum_correction: ``True`` (the paper's): SGD's momentum, Nesterov and weight decay are taken
             over and applied to the local gradient before selection (``u <- m u + g``, ``v <- v + u``).
@@ -83,6 +89,7 @@ class DGCConfig(AlgorithmConfig):
     min_compress_numel: int = 1024
     compress_vectors: bool = False
     small_density: float | None = None
+    small_every: int = 1
     momentum_correction: bool = True
     momentum: float = 0.0
     nesterov: bool = False
@@ -178,6 +185,23 @@ class DGCConfig(AlgorithmConfig):
                     " `min_compress_numel=1` there are none: leave those two at their defaults (1-D tensors and"
                     " those under 1,024 values are the small ones), or drop `small_density`."
                 )
+        self.small_every = whole_number(self.small_every, "small_every")
+        if self.small_every < 1:
+            raise ValueError(
+                f"`small_every` must be >= 1 (steps between two sends of the small tensors; 1: every step), got"
+                f" {self.small_every!r}."
+            )
+        if self.small_every > 1 and self.small_density is not None:
+            raise ValueError(
+                f"`small_every={self.small_every!r}` sends the small tensors whole every few steps and"
+                f" `small_density={self.small_density!r}` compresses them: pick one (drop the other)."
+            )
+        if self.small_every > 1 and self.compress_vectors and self.min_compress_numel == 1:
+            raise ValueError(
+                f"`small_every={self.small_every!r}` sets how often the tensors `min_compress_numel` and"
+                " `compress_vectors` leave dense are sent, and with `compress_vectors=True` and"
+                " `min_compress_numel=1` there are none: leave those two at their defaults, or drop `small_every`."
+            )
         self.seed = whole_number(self.seed, "seed")
 
     def small(self, numel: int, ndim: int) -> bool:
@@ -186,7 +210,8 @@ class DGCConfig(AlgorithmConfig):
         return (ndim <= 1 and not self.compress_vectors) or numel < self.min_compress_numel
 
     def averaged_dense(self, numel: int, ndim: int) -> bool:
-        """Whether a tensor of this size and rank is always averaged dense rather than compressed."""
+        """Whether a tensor of this size and rank is never compressed: averaged dense, or with ``small_every`` sent
+        whole from its residual every few steps."""
         return self.small_density is None and self.small(numel, ndim)
 
     def tensor_density(self, numel: int, ndim: int, density: float) -> float:

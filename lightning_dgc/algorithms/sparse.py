@@ -23,7 +23,14 @@ import torch
 from torch import Tensor
 
 from lightning_dgc.algorithms.base import Algorithm, BucketWork, TensorSpec
-from lightning_dgc.algorithms.topk_plan import Kind, TopKSettings, tensor_kind, tensor_values
+from lightning_dgc.algorithms.topk_plan import (
+    Kind,
+    TopKSettings,
+    periodic,
+    small_every,
+    tensor_kind,
+    tensor_values,
+)
 from lightning_dgc.tensor_ops import codec
 from lightning_dgc.tensor_ops.memory import bucket_order_flat, clear_
 from lightning_dgc.tensor_ops.momentum import (
@@ -45,6 +52,7 @@ class Entry:
     spec: TensorSpec
     kind: Kind
     k: int  # values sent per step (sparse) or numel (full/dense)
+    periodic: bool = False  # a small tensor sent whole every ``small_every`` steps (full), held in between
 
     @property
     def name(self) -> str:
@@ -71,6 +79,10 @@ class SparsePlan:
     # Bucket positions of the tensors exchanged dense, in entry order (None: every tensor is, in
     # bucket order), so that decompression places them with one index_copy_.
     dense_index: Tensor | None = None
+    # Whether the bucket holds its periodic tensors back in some steps (it has others to send every step), and
+    # the bucket positions then exchanged dense (``dense_index`` without the periodic tensors).
+    holds: bool = False
+    held_index: Tensor | None = None
     # Entries (positions in ``entries``) grouped by the setting that decides their update, so that
     # each group runs as a few ``torch._foreach_*`` calls instead of a Python loop per tensor.
     decay_groups: list[tuple[float, list[int]]] = field(default_factory=list)  # weight decay
@@ -98,6 +110,7 @@ class SparseWork(BucketWork):
     local: Tensor | None = None  # a copy of the local gradient for the commit, when the decode overwrites it
     in_bucket: bool = False  # ``velocity`` is a part of the bucket (v' made in place of the local gradient)
     grouped: bool = False  # the compressed tensors' memory is one flat buffer per kind
+    held: bool = False  # the periodic tensors are held back this step (their velocity kept, their update zero)
     per_tensor: bool = False  # ``sparse`` holds no v': the selection makes it tensor by tensor (or group by group)
     gathered: Pending | None = None
     dense: Pending | None = None
@@ -153,7 +166,8 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
         for spec in layout:
             k = tensor_values(self.config, spec.numel, spec.ndim, density)
             kind = tensor_kind(spec.numel, spec.ndim, k, self.config)
-            entries.append(Entry(spec, kind, k if kind == "sparse" else spec.numel))
+            entries.append(Entry(spec, kind, k if kind == "sparse" else spec.numel,
+                                 periodic(spec.numel, spec.ndim, self.config)))  # fmt: skip
         return entries
 
     def plan(self, layout: list[TensorSpec], buffer: Tensor) -> SparsePlan:
@@ -172,6 +186,12 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
             plan.dense_index = torch.cat(
                 [torch.arange(e.offset, e.offset + e.numel, device=device) for e in entries if e.kind != "sparse"]
             )
+        plan.holds = any(e.periodic for e in entries) and not all(e.periodic for e in entries)
+        if plan.holds:
+            plan.held_index = torch.cat([torch.empty(0, dtype=torch.long, device=device)] + [
+                torch.arange(e.offset, e.offset + e.numel, device=device)
+                for e in entries if e.kind != "sparse" and not e.periodic
+            ])  # fmt: skip
         plan.sparse_names = [e.name for e in entries if e.kind == "sparse"]
         settings = self.state.settings_for
         plan.sparse_momentum = any(settings(name).momentum for name in plan.sparse_names)
@@ -190,6 +210,10 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
         )
         return plan
 
+    def holding(self, plan: PlanT) -> bool:
+        """Whether this step holds ``plan``'s periodic tensors back (``small_every``: all but every that many steps)."""
+        return plan.holds and self.state.step % small_every(self.config) != 0
+
     def payload_nbytes(self, k_total: int, numel: int) -> int:
         """This algorithm's payload per rank (0 when it compresses nothing in the bucket)."""
         return codec.payload_nbytes(k_total, self.config.value_dtype_torch, numel)
@@ -198,6 +222,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
     def compensate(self, plan: PlanT, grads: list[Tensor], flat: Tensor) -> WorkT:
         """Local clipping, weight decay, momentum correction into the temporary velocity selected from."""
         work = self.work_class(grads, flat)
+        work.held = self.holding(plan)
         cfg, memory, device = self.config, self.state.memory, flat.device
         if cfg.local_clip_norm is not None:
             clip_each_by_norm_(grads, cfg.local_clip_norm / math.sqrt(self.state.world_size))
@@ -274,7 +299,8 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
             if e.kind == "dense":
                 work.dense_parts.append(grads[i])
             elif e.kind == "full":
-                work.dense_parts.append(velocity_out[i])
+                if not (work.held and e.periodic):
+                    work.dense_parts.append(velocity_out[i])
             else:
                 work.sparse.append((e, velocity_out[i]))
         if plan.memory_groups:  # the memory's update, applied in place once the step is known finite
@@ -309,8 +335,9 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
                 continuing,
             )
             full = [
-                committed["velocity"][plan.entries[i].name] for i in used if plan.entries[i].kind == "full"
-            ]
+                committed["velocity"][plan.entries[i].name] for i in used
+                if plan.entries[i].kind == "full" and not (work.held and plan.entries[i].periodic)
+            ]  # fmt: skip
             if full:  # sent whole: nothing held back
                 torch._foreach_zero_(full)
         if work.selected is not None:

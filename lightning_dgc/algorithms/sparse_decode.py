@@ -57,10 +57,13 @@ def average(
     dense: Tensor | None,
     indices: Tensor | None,
     values: Tensor | None,
+    held: bool = False,
 ) -> Tensor:
-    """The averaged update of the bucket from the exchanged parts (fp32); SGD momentum of dense tensors."""
+    """The averaged update of the bucket from the exchanged parts (fp32); SGD momentum of dense tensors. ``held``:
+    the periodic tensors were held back (``small_every``), their update is zero."""
     world = algorithm.state.world_size
-    if indices is None and dense is not None and plan.dense_index is None:
+    dense_index = plan.held_index if held else plan.dense_index
+    if indices is None and dense is not None and dense_index is None:
         result = dense  # every tensor went dense, in bucket order: the all-reduced buffer is the result
     else:
         # The local gradient is no longer needed (the dense parts were copied for the wire, the
@@ -69,7 +72,7 @@ def average(
         if indices is not None and values is not None:
             result.index_add_(0, indices, values.float())
         if dense is not None:
-            result.index_copy_(0, plan.dense_index, dense)
+            result.index_copy_(0, dense_index, dense)
     result.div_(world)
     if plan.dense_momentum_groups:  # momentum of dense tensors works on the average
         averages = result.split([e.numel for e in plan.entries])

@@ -7,6 +7,8 @@ A tensor is handled in one of three ways, decided once per bucket layout and den
 velocity is all-reduced and cleared, which is what selecting every index means; the momentum is
 not masked, so this is DDP + SGD momentum) and ``dense`` (1-D or too small to compress, unless the
 configuration's ``small_density`` compresses them too: plain averaging, then the optimizer's momentum in the decode).
+With DGC's ``small_every`` above 1 those small tensors are ``full`` instead, and *periodic*: sent every
+``small_every`` steps, their velocity held between two sends (:func:`small_every`).
 """
 
 from __future__ import annotations
@@ -52,10 +54,20 @@ def tensor_values(config: TopKSettings, numel: int, ndim: int, density: float) -
     return values_per_step(numel, config.tensor_density(numel, ndim, density))
 
 
+def small_every(config: TopKSettings) -> int:
+    """Steps between two sends of the small tensors (DGC's ``small_every``; 1 for a configuration without it)."""
+    return int(getattr(config, "small_every", 1))
+
+
+def periodic(numel: int, ndim: int, config: TopKSettings) -> bool:
+    """Whether a tensor is one of the small ones sent whole every ``small_every`` steps (see the module docstring)."""
+    return small_every(config) > 1 and config.averaged_dense(numel, ndim)
+
+
 def tensor_kind(numel: int, ndim: int, k: int, config: TopKSettings) -> Kind:
     """How one tensor is exchanged (see the module docstring)."""
     if config.averaged_dense(numel, ndim):
-        return "dense"
+        return "full" if small_every(config) > 1 else "dense"
     if codec.sparse_nbytes(k, config.value_dtype_torch) >= numel * 4:
         return "full"
     return "sparse"

@@ -85,10 +85,13 @@ class RegisteredParameters:
         return bool(self.continuing) and self._parent(name) in self.continuing
 
     def is_dense(self, name: str) -> bool:
-        """Whether parameter ``name`` is always averaged dense (DGC and DEFT: 1-D or small)."""
+        """Whether parameter ``name`` is always averaged dense (DGC and DEFT: 1-D or small, unless DGC's
+        ``small_every`` sends them from a residual of their own, as the compressed ones)."""
         param = self.param(name)
         averaged_dense = getattr(self.config, "averaged_dense", None)
-        return averaged_dense is None or averaged_dense(param.numel(), param.dim())
+        if averaged_dense is None:
+            return True
+        return averaged_dense(param.numel(), param.dim()) and getattr(self.config, "small_every", 1) == 1
 
     def settings_for(self, name: str) -> ParamSettings:
         cfg = self.config

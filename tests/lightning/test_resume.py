@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import glob
+import json
 
 import pytest
 import torch
 
 from lightning_dgc.checkpoint.exchange import inline_exchange_state
-from tests.lightning.run import results, run_script
+from tests.lightning.run import params, results, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -150,3 +151,18 @@ def test_saving_a_checkpoint_costs_rank_zero_what_ddp_s_does_and_other_ranks_not
         bound = 2.2 if rank["rank"] == 0 else 0.25  # (a rank file is hashed 1 MiB at a time)
         assert rank["save_peak_model_sizes"] <= bound, rank
         assert rank["training_model_sizes"] < 20, rank  # a sanity check of the measurement itself
+
+
+def test_small_every_resumed_between_two_sends_ends_where_the_straight_run_does(tmp_path) -> None:
+    """``small_every=3`` under a real ``Trainer``: the small tensors (biases, the 256-weight last layer) go out in
+    steps 0, 3 and 6 only; a checkpoint after step 4 holds what they gathered since step 3, and the run resumed
+    from it ends bit for bit where the straight run does, on both ranks."""
+    s = ("--options", json.dumps({"density": 0.1, "small_every": 3}), "--samples", "32", "--no-shuffle")
+    run_script("fit_script.py", tmp_path / "straight", *s, "--max-steps", "8")
+    dense = [stats["dense_exchange_bytes"] for stats in results(tmp_path / "straight")[0]["stats"]]
+    assert [step for step, sent in enumerate(dense) if sent] == [0, 3, 6] and len(dense) == 8, dense
+    ckpt = tmp_path / "step5.ckpt"
+    run_script("fit_script.py", tmp_path / "first", *s, "--max-steps", "5", "--save-ckpt", str(ckpt))
+    run_script("fit_script.py", tmp_path / "resumed", *s, "--max-steps", "8", "--resume", str(ckpt))
+    for rank in range(2):
+        assert torch.equal(params(tmp_path / "resumed", rank), params(tmp_path / "straight", 0))

@@ -193,5 +193,5 @@ def test_an_unknown_config_name_lists_the_builtin_names_on_the_command_line(valu
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"`--config {value}`: no such file" in proc.stderr and f"Did you mean `{closest}`?" in proc.stderr
-    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_1pct_int8, algo/dgc_adamw, algo/dgc_hsdp, algo/dgc_lean, algo/dgc_lean_small, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
+    assert "cifar10_resnet20_cpu, imagenet_resnet50" in proc.stderr and "algo/dgc, algo/dgc_1pct_int8, algo/dgc_adamw, algo/dgc_hsdp, algo/dgc_lean, algo/dgc_lean_every, algo/dgc_lean_small, algo/dgc_regimes, algo/dgc_updates, algo/dgc_warmup" in proc.stderr
     assert "Traceback" not in proc.stderr and "File does not exist" not in proc.stderr
