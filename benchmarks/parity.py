@@ -429,13 +429,15 @@ def callbacks_yaml(algo: str, record_path: Path, epochs: int, checkpoints: Path 
     ]
     if checkpoints is not None:
         # at epoch ends only: there a resume replays the data exactly (the sampler's order is a function of seed and
-        # epoch), where a checkpoint after a mid-epoch evaluation would start that epoch's batches again
+        # epoch), where a checkpoint after a mid-epoch evaluation would start that epoch's batches again. One file,
+        # last.ckpt, replaced at each epoch end (no monitor: the newest is the one kept); not ``save_last`` with
+        # ``save_top_k: 0``, which saves nothing since Lightning 2.6
         lines += [
             "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint",
             "      init_args:",
             f"        dirpath: {json.dumps(str(checkpoints))}",
-            "        save_last: true",
-            "        save_top_k: 0",
+            "        filename: last",
+            "        save_top_k: 1",
             "        save_on_train_epoch_end: true",
         ]
     return "\n".join(lines) + "\n"
@@ -573,13 +575,24 @@ def display_command(argv: list[str], workdir: Path) -> str:
 def run_key(argv: list[str], workdir: Path) -> str:
     """What makes two runs the same run, for ``--reuse``: the command (its scratch folder aside) and
     the content of every ``--config`` file it reads (an edited setting is a different run; an edited
-    comment or layout is not: the files are compared as parsed YAML)."""
+    comment or layout is not: the files are compared as parsed YAML). A ``ModelCheckpoint`` is left out: where and
+    how a run keeps its epoch-end checkpoint does not change what it computes."""
     digest = hashlib.sha256(display_command(argv, workdir).encode())
     for flag, value in zip(argv[:-1], argv[1:], strict=True):
         if flag == "--config":
-            content = yaml.safe_load((common.REPO / value).read_text())
+            content = without_checkpointing(yaml.safe_load((common.REPO / value).read_text()))
             digest.update(json.dumps(content, sort_keys=True).encode())
     return digest.hexdigest()
+
+
+def without_checkpointing(content: Any) -> Any:
+    """A parsed config without its ``ModelCheckpoint`` callbacks (see :func:`run_key`)."""
+    callbacks = content.get("trainer", {}).get("callbacks") if isinstance(content, dict) else None
+    if isinstance(callbacks, list):
+        content["trainer"]["callbacks"] = [
+            c for c in callbacks if not (isinstance(c, dict) and str(c.get("class_path", "")).endswith(".ModelCheckpoint"))
+        ]
+    return content
 
 
 def run_one(task: Task, algo: str, data_root: Path, epochs: int, batches: int | None, workdir: Path,

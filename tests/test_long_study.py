@@ -41,6 +41,23 @@ def test_the_long_protocol_is_the_recipe_at_20_epochs_with_its_drops_at_60_and_8
     assert str(parity.checkpoint_dir("t", "cifar10_full_ddp_s42")) in generated
 
 
+def test_the_runs_checkpoint_callback_writes_last_ckpt_at_each_epoch_end(tmp_path) -> None:
+    """The ModelCheckpoint a resumable run gets, built from its YAML and run by a real ``Trainer``: after each epoch
+    one ``last.ckpt`` (what :func:`parity.resume_arguments` resumes from), and nothing else."""
+    import yaml
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    callbacks = yaml.safe_load(parity.callbacks_yaml("ddp", tmp_path / "r.json", 2, tmp_path / "ckpt"))
+    (spec,) = [c for c in callbacks["trainer"]["callbacks"] if c["class_path"].endswith("ModelCheckpoint")]
+    trainer = Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[ModelCheckpoint(**spec["init_args"])])  # fmt: skip
+    trainer.fit(BoringModel())
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["last.ckpt"]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 4
+
+
 def test_a_stopped_run_resumes_from_its_checkpoint_and_another_command_starts_afresh(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(parity, "CACHE", tmp_path)
     record = tmp_path / "runs" / "cifar10_full_ddp_s42.json"
