@@ -3,6 +3,7 @@ says of it ("less than half", "the fewest", "without a GPU")."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -500,7 +501,12 @@ def test_the_dgc_page_quotes_the_small_tensors_sent_every_8_steps_from_their_run
 
     sentence = long_study.lean_sentence(_record("parity_full_cifar2"), "dgc_lean_every")
     text = " ".join(_text("docs/algorithms/dgc.md").split())
-    assert (sentence or "Its run on the long protocol is in the study's plan.") in text, sentence
+    assert sentence is not None and sentence in text, sentence
+    gap = {algo: _summary("parity_full_cifar2")[algo]["difference"] for algo in ("dgc_lean_every", "dgc_lean_small")}
+    assert gap["dgc_lean_every"] < 2 * gap["dgc_lean_small"] and "tensors cost far more points than compressed at 1/8" in text
+    run = json.loads((ROOT / "benchmarks/results/parity_runs/parity_full_cifar2/cifar10_full_dgc_lean_every_s42.json").read_text())
+    first = [h["val_acc"] for h in run["history"] if "val_acc" in h and h["step"] <= 600]
+    assert max(first) < 0.12 and "its first epoch stayed near chance (10-11% for 600 steps)" in text
 
 
 def test_the_dgc_page_says_which_lever_costs_the_lean_configuration_its_accuracy() -> None:
