@@ -187,15 +187,22 @@ LEAN_DIAGNOSTICS = {
 }
 
 
-def lean_diagnostics_sentence(record: dict) -> str | None:
-    """The DGC page's sentence on ``algo/dgc_lean``'s diagnostics (one lever taken back each, seed 42): each one's
-    top-1, gap to DDP and bytes, from ``parity_full_cifar2.json``; ``None`` until every one of them finished."""
+#: ``algo/dgc_lean_small`` with one setting changed -> the words for it
+SMALL_DIAGNOSTICS = {"dgc_lean_small_nomask": "`algo/dgc_lean_small` without momentum factor masking"}
+
+
+def lean_diagnostics_sentence(
+    record: dict, diagnostics: dict[str, str] = LEAN_DIAGNOSTICS, lead: str = "Each lever taken back alone, on the same seed"
+) -> str | None:
+    """The DGC page's sentence on diagnostics of a light configuration (``algo/dgc_lean``'s by default: one lever taken
+    back each, seed 42): each one's top-1, gap to DDP and bytes, from ``parity_full_cifar2.json``; ``None`` until
+    every one of them finished."""
     rows = {row["algo"]: row for row in record["summary"]}
-    if any(algo not in rows for algo in LEAN_DIAGNOSTICS):
+    if any(algo not in rows for algo in diagnostics):
         return None
     parts = [f"{words} (`{algo}`): {100 * rows[algo]['metric']:.2f}%, {100 * rows[algo]['difference']:+.2f} points,"
-             f" {rows[algo]['compression']:.1f}x fewer link bytes" for algo, words in LEAN_DIAGNOSTICS.items()]  # fmt: skip
-    return "Each lever taken back alone, on the same seed: " + "; ".join(parts)
+             f" {rows[algo]['compression']:.1f}x fewer link bytes" for algo, words in diagnostics.items()]  # fmt: skip
+    return f"{lead}: " + "; ".join(parts)
 
 
 #: ``algo/deft``'s targets on the long protocol at 8 workers: the gap to DDP (points), DDP's link bytes over its own
