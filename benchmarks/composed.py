@@ -330,6 +330,16 @@ def markdown_verdict(study: dict[str, Any], composed_record: dict[str, Any], met
                      f" points {side(gap)} DDP{spread}, which {met(gap <= TARGETS_PAPER['gap_pp'])} at"
                      f" most {TARGETS_PAPER['gap_pp']:g}, on {paper['compression']:.1f}x fewer link bytes"
                      f" ({met(paper['compression'] >= TARGETS_PAPER['fewer'])} at least {TARGETS_PAPER['fewer']:g}x)")  # fmt: skip
+    from benchmarks.long_study import LEAN_TARGETS
+
+    light = [r for r in study["summary"] if r["algo"].startswith("dgc_lean") and "difference" in r
+             and r["compression"] >= LEAN_TARGETS["fewer_bytes"]]  # fmt: skip
+    if light:  # the configurations light in bytes (the DGC page's): the one closest to DDP
+        closest = max(light, key=lambda r: r["difference"])
+        gap = -100 * closest["difference"]
+        parts.append(f"at {LEAN_TARGETS['fewer_bytes']:g}x fewer or more the closest DGC ends {abs(gap):.2f} points"
+                     f" {side(gap)} DDP ({seeds(closest['paired_seeds'])}), which"
+                     f" {met(gap <= LEAN_TARGETS['within_points'])} at most {LEAN_TARGETS['within_points']:g}")  # fmt: skip
     return f"Against the targets, `algo/{method}`: " + "; ".join(parts) + "."
 
 

@@ -190,3 +190,17 @@ def test_the_verdict_adds_the_paper_s_density_when_its_run_finished() -> None:
     rows[1].update(difference=-0.004, difference_std=0.003, paired_seeds=3)  # three seeds: the gap's standard error
     assert "(`algo/dgc`, 3 seeds) ends 0.40 points below DDP (standard error 0.17), which meets" in composed.markdown_verdict(
         {"summary": rows}, {"long": []})
+
+
+def test_the_verdict_gives_the_closest_light_dgc_at_the_whole_run_byte_target() -> None:
+    """Of the configurations light in bytes (``dgc_lean*``), those at 200x or more count; the closest to DDP is quoted."""
+    rows = [{"algo": "dgc_1pct_int8", "difference": -0.002, "difference_std": 0.002, "paired_seeds": 3, "compression": 59.3},
+            {"algo": "dgc_lean_vectors_dense", "difference": -0.0008, "paired_seeds": 1, "compression": 118.6},
+            {"algo": "dgc_lean", "difference": -0.0096, "paired_seeds": 1, "compression": 250.9},
+            {"algo": "dgc_lean_small", "difference": -0.006, "paired_seeds": 1, "compression": 211.6}]  # fmt: skip
+    text = composed.markdown_verdict({"summary": rows}, {"long": []})
+    assert text.endswith("at 200x fewer or more the closest DGC ends 0.60 points below DDP (1 seed), which misses at most 0.3.")
+    rows[3].update(difference=-0.002, paired_seeds=3)
+    assert "the closest DGC ends 0.20 points below DDP (3 seeds), which meets at most 0.3" in composed.markdown_verdict(
+        {"summary": rows}, {"long": []})
+    assert "closest DGC" not in composed.markdown_verdict({"summary": rows[:2]}, {"long": []})
