@@ -507,6 +507,11 @@ def test_the_dgc_page_quotes_the_small_tensors_sent_every_8_steps_from_their_run
     run = json.loads((ROOT / "benchmarks/results/parity_runs/parity_full_cifar2/cifar10_full_dgc_lean_every_s42.json").read_text())
     first = [h["val_acc"] for h in run["history"] if "val_acc" in h and h["step"] <= 600]
     assert max(first) < 0.12 and "its first epoch stayed near chance (10-11% for 600 steps)" in text
+    from lightning_dgc.algorithms.dgc_config import DGCConfig
+
+    doc = " ".join((DGCConfig.__doc__ or "").split())  # the API reference quotes both gaps, rounded
+    assert (f"every 8 steps lost {-100 * gap['dgc_lean_every']:.0f} points where compressing them at 1/8 lost"
+            f" {-100 * gap['dgc_lean_small']:.1f}") in doc  # fmt: skip
 
 
 def test_the_dgc_page_says_masking_is_a_small_part_of_what_the_compressed_small_tensors_cost() -> None:
