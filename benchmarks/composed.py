@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import common
-from benchmarks.long_study import final_metric
+from benchmarks.long_study import LEAN_TARGETS, final_metric
 from benchmarks.time_to_accuracy import METHOD_LABELS, link_label
 from lightning_dgc.algorithms.base import ring_allreduce_volume
 
@@ -330,8 +330,6 @@ def markdown_verdict(study: dict[str, Any], composed_record: dict[str, Any], met
                      f" points {side(gap)} DDP{spread}, which {met(gap <= TARGETS_PAPER['gap_pp'])} at"
                      f" most {TARGETS_PAPER['gap_pp']:g}, on {paper['compression']:.1f}x fewer link bytes"
                      f" ({met(paper['compression'] >= TARGETS_PAPER['fewer'])} at least {TARGETS_PAPER['fewer']:g}x)")  # fmt: skip
-    from benchmarks.long_study import LEAN_TARGETS
-
     light = [r for r in study["summary"] if r["algo"].startswith("dgc_lean") and "difference" in r
              and r["compression"] >= LEAN_TARGETS["fewer_bytes"]]  # fmt: skip
     if light:  # the configurations light in bytes (the DGC page's): the one closest to DDP

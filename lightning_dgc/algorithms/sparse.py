@@ -182,16 +182,16 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
             payload=torch.zeros(nbytes, dtype=torch.uint8, device=device),
             gathered=torch.empty(self.state.world_size * nbytes, dtype=torch.uint8, device=device),
         )  # fmt: skip
+
+        def positions(exchanged: list[Entry]) -> Tensor:  # bucket positions of the tensors exchanged dense
+            return torch.cat([torch.empty(0, dtype=torch.long, device=device)] + [
+                torch.arange(e.offset, e.offset + e.numel, device=device) for e in exchanged])  # fmt: skip
+
         if plan.dense_numel and plan.dense_numel != numel:
-            plan.dense_index = torch.cat(
-                [torch.arange(e.offset, e.offset + e.numel, device=device) for e in entries if e.kind != "sparse"]
-            )
+            plan.dense_index = positions([e for e in entries if e.kind != "sparse"])
         plan.holds = any(e.periodic for e in entries) and not all(e.periodic for e in entries)
         if plan.holds:
-            plan.held_index = torch.cat([torch.empty(0, dtype=torch.long, device=device)] + [
-                torch.arange(e.offset, e.offset + e.numel, device=device)
-                for e in entries if e.kind != "sparse" and not e.periodic
-            ])  # fmt: skip
+            plan.held_index = positions([e for e in entries if e.kind != "sparse" and not e.periodic])
         plan.sparse_names = [e.name for e in entries if e.kind == "sparse"]
         settings = self.state.settings_for
         plan.sparse_momentum = any(settings(name).momentum for name in plan.sparse_names)

@@ -10,6 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_dgc.algorithms import ParamSettings
+from lightning_dgc.algorithms.topk_plan import small_every
 from lightning_dgc.exchange import shards
 from lightning_dgc.tensor_ops.memory import bucket_order_flat
 
@@ -91,7 +92,7 @@ class RegisteredParameters:
         averaged_dense = getattr(self.config, "averaged_dense", None)
         if averaged_dense is None:
             return True
-        return averaged_dense(param.numel(), param.dim()) and getattr(self.config, "small_every", 1) == 1
+        return averaged_dense(param.numel(), param.dim()) and small_every(self.config) == 1
 
     def settings_for(self, name: str) -> ParamSettings:
         cfg = self.config
