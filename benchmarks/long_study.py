@@ -233,18 +233,24 @@ def deft_eight_sentence(record: dict, runs_dir=None) -> str | None:
     if "deft" not in rows:
         return None
     deft, t = rows["deft"], DEFT_EIGHT_TARGETS
-    seed = deft["seeds"][0]
+    seed = deft["seeds"][0]  # (the run whose record gives the warm-up's share and the selection times)
     gap, fewer = 100 * deft["difference"], deft["compression"]
     runs = {algo: finished_run("parity_full_cifar8", seed, algo, runs_dir) for algo in ("deft", RECOMMENDED)}
-    out = (f"At 8 workers of 16 images (`parity_full_cifar8.json`, seed {seed}), `algo/deft` ends at"
-           f" {100 * deft['metric']:.2f}%, {gap:+.2f} points against DDP (target within {t['within_points']:g}:"
-           f" {'met' if parity.within_tolerance(-deft['difference'], t['within_points'] / 100) else 'missed'}), on"
-           f" {fewer:.1f}x fewer link bytes over the run"
-           f" (target at least {t['fewer_bytes']:g}x: {'met' if fewer >= t['fewer_bytes'] else 'missed'})")  # fmt: skip
+    within = parity.within_tolerance(-deft["difference"], t["within_points"] / 100)
+    if deft["paired_seeds"] == 1:
+        seeds, figures = f"seed {seed}", f"{100 * deft['metric']:.2f}%, {gap:+.2f} points against DDP ("
+    else:
+        seeds = f"seeds {', '.join(map(str, deft['seeds']))}"
+        figures = (f"{100 * deft['metric']:.2f} ± {100 * deft['metric_std']:.2f}%, {gap:+.2f} ±"
+                   f" {100 * deft['difference_std']:.2f} points against DDP (paired by seed, ± the standard deviation; ")
+    out = (f"At 8 workers of 16 images (`parity_full_cifar8.json`, {seeds}), `algo/deft` ends at {figures}target"
+           f" within {t['within_points']:g}: {'met' if within else 'missed'}), on {fewer:.1f}x fewer link bytes over"
+           f" the run (target at least {t['fewer_bytes']:g}x: {'met' if fewer >= t['fewer_bytes'] else 'missed'})")
     if runs["deft"] is not None:  # the warm-up's epochs (from 0.25, as DGC's paper) against the rest of the run
         share, after = warmup_split(runs["deft"], 1e3 * rows["ddp"]["link_kb_per_step"])
-        out += (f"; its warm-up, the first 4 of the 20 epochs, sent {100 * share:.0f}% of those bytes, and after it"
-                f" a step sends {after:.1f}x fewer than DDP's")
+        out += (f"; {'its' if deft['paired_seeds'] == 1 else f'in seed {seed}, its'} warm-up, the first 4 of the 20"
+                f" epochs, sent {100 * share:.0f}% of those bytes, and after it a step sends {after:.1f}x fewer than"
+                f" DDP's")  # fmt: skip
     if all(runs.values()):
         deft_ms, dgc_ms = (selection_ms_per_step(runs[a]) for a in ("deft", RECOMMENDED))
         who = lambda run: "slowest rank" if run["compression"].get("rank_selection_ms") else "rank 0"  # noqa: E731

@@ -119,7 +119,7 @@ def measure(model: nn.Module, config: algorithms.AlgorithmConfig, steps: int = 2
     for step in range(steps):
         for p in wrapper.parameters():
             p.grad = None
-        state.clear_plans()  # keep only the last step's bucket layouts (read by deft_control_bytes)
+        state.clear_plans()  # keep only the last step's bucket layouts (read by deft_bytes_at)
         ddp(torch.tensor(step)).backward()
         assert state.finish_step(), "a synthetic gradient came out non-finite"
         step_stats = state.compression_stats()
@@ -127,21 +127,23 @@ def measure(model: nn.Module, config: algorithms.AlgorithmConfig, steps: int = 2
         sent.append({key: step_stats[key] for key in ("bytes_sent", "dense_exchange_bytes")})
     stats = state.compression_stats()
     stats["buckets_per_step"], stats["sent_per_step"] = buckets, sent
-    stats["control_at"] = deft_control_bytes(state) if state.algorithm.name == "deft" else {}
+    deft = state.algorithm.name == "deft"
+    stats["control_at"] = deft_bytes_at(state, "control", (1, 8, 16)) if deft else {}
+    stats["link_at"] = deft_bytes_at(state, "link", (2, 8, 16)) if deft else {}
     del ddp
     return stats
 
 
-def deft_control_bytes(state: ExchangeState) -> dict[str, int]:
-    """DEFT's control bytes at 1, 8 and 16 workers for the buckets of the measured run (DEFT's own
-    wire cost on the bucket layouts DDP built for the last step: only the world size varies)."""
-    return {
-        str(world): sum(
-            DEFT.wire_cost(state.config, plan.layout, world, plan.dense_bytes).bytes_of("control")
-            for plan in state.plans
-        )
-        for world in (1, 8, 16)
-    }
+def deft_bytes_at(state: ExchangeState, part: str, worlds: Sequence[int]) -> dict[str, float]:
+    """DEFT's bytes a step at each of ``worlds`` workers for the buckets of the measured run (DEFT's own wire cost
+    on the bucket layouts DDP built for the last step: only the world size varies). ``part``: ``"control"`` (what
+    a rank hands to the plan's agreement) or ``"link"`` (what each worker's link carries, every collective a ring:
+    :meth:`~lightning_dgc.algorithms.base.WireCost.link_bytes`)."""
+    def of(world: int) -> float:
+        costs = [DEFT.wire_cost(state.config, plan.layout, world, plan.dense_bytes) for plan in state.plans]
+        return sum(c.bytes_of("control") if part == "control" else c.link_bytes(world) for c in costs)
+
+    return {str(world): of(world) for world in worlds}
 
 
 def dense_breakdown(model: nn.Module, density: float, value_dtype: str) -> dict[str, int]:

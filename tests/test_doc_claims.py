@@ -481,6 +481,32 @@ def test_the_dgc_page_gives_the_levers_bytes_over_a_run() -> None:
     assert every >= 200 and every > small and "the small tensors cost fewer bytes than at density 1/8" in text
 
 
+def test_the_deft_page_counts_what_holds_its_bytes_at_8_workers() -> None:
+    """The DEFT table comes from ``run_bytes.json``; its check row gives the trained runs' ratios within 0.1, each
+    change alone clears the target, and the ablations' accuracy costs are ``parity_8workers.json``'s."""
+    from benchmarks import long_study, run_bytes
+
+    text = " ".join(_text("docs/algorithms/deft.md").split())
+    assert " ".join(run_bytes.table(rows="deft_rows", workers=8).split()) in text
+    rows = {r["lever"]: r for r in _record("run_bytes")["deft_rows"]}
+    shipped = next(r for lever, r in rows.items() if lever.startswith("algo/deft (check"))
+    for workers, record in ((2, "parity_full_cifar2"), (8, "parity_full_cifar8")):
+        trained = _summary(record)["deft"]["compression"]
+        assert abs(shipped[f"{workers}_workers"]["ratio"] - trained) < 0.1, (workers, trained)
+        assert f"{trained:.1f}x at {workers}" in shipped["lever"]
+    target = long_study.DEFT_EIGHT_TARGETS["fewer_bytes"]
+    assert shipped["8_workers"]["ratio"] < target
+    no_warmup = rows["algo/deft without its warm-up"]["8_workers"]["ratio"]
+    budget_k = rows["algo/deft with budget k (as published)"]["8_workers"]["ratio"]
+    assert min(no_warmup, budget_k) >= target and f"Either change alone clears {target:g}x at 8 workers" in text
+    assert (f"without the warm-up `algo/deft` sends {no_warmup:.1f}x fewer bytes than DDP, with `budget=\"k\"` (as"
+            f" published: the union holds k values whatever the number of workers) {budget_k:.1f}x") in text
+    ablation = {run["algo"]: run["metric"] for run in _record("parity_8workers")["runs"]}
+    link, no_warm = ablation["deft_link"] - ablation["deft"], ablation["deft"] - ablation["deft_no_warmup"]
+    assert link > 0 and no_warm > 0
+    assert f"budget k ended {100 * link:.2f} points under `dgc_link`, no warm-up {100 * no_warm:.2f} under the warm-up" in text
+
+
 def test_the_dgc_page_quotes_the_small_tensors_candidate_from_its_runs() -> None:
     from benchmarks import long_study
 
