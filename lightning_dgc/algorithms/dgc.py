@@ -27,7 +27,7 @@ from lightning_dgc.algorithms.base import (
 from lightning_dgc.algorithms.dgc_config import DGCConfig
 from lightning_dgc.algorithms.sparse import Entry, SparsePlan, SparseTopK, SparseWork
 from lightning_dgc.algorithms.sparse_decode import average, dense_sum, exchange_dense, release
-from lightning_dgc.algorithms.topk_plan import periodic, small_every, split_layout
+from lightning_dgc.algorithms.topk_plan import holds_back, periodic, small_every, split_layout
 from lightning_dgc.tensor_ops import codec
 from lightning_dgc.tensor_ops.heap import trim_before
 from lightning_dgc.tensor_ops.momentum import compensated_velocity_each
@@ -257,9 +257,10 @@ class DGC(SparseTopK[DGCConfig, DGCPlan, DGCWork]):
         steps count for their values over it (rounded up) in the dense all-reduce."""
         numel = sum(s.numel for s in layout)
         _, k_total, dense_numel = split_layout(config, layout, cls.selected_density(config, world_size))
-        every, whole = small_every(config), sum(s.numel for s in layout if periodic(s.numel, s.ndim, config))
-        if every > 1 and 0 < whole < numel:  # (a bucket of small tensors alone sends them every step)
-            dense_numel -= whole - -(-whole // every)
+        flags = [periodic(s.numel, s.ndim, config) for s in layout]
+        if holds_back(flags):
+            whole = sum(s.numel for s, flag in zip(layout, flags, strict=True) if flag)
+            dense_numel -= whole - -(-whole // small_every(config))
         return cls._messages(config, numel, k_total, dense_numel, dense_bytes)
 
     def cost(self, plan: DGCPlan) -> WireCost:

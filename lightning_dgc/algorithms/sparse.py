@@ -26,6 +26,7 @@ from lightning_dgc.algorithms.base import Algorithm, BucketWork, TensorSpec
 from lightning_dgc.algorithms.topk_plan import (
     Kind,
     TopKSettings,
+    holds_back,
     periodic,
     small_every,
     tensor_kind,
@@ -189,7 +190,7 @@ class SparseTopK(Algorithm[ConfigT, PlanT, WorkT], Generic[ConfigT, PlanT, WorkT
 
         if plan.dense_numel and plan.dense_numel != numel:
             plan.dense_index = positions([e for e in entries if e.kind != "sparse"])
-        plan.holds = any(e.periodic for e in entries) and not all(e.periodic for e in entries)
+        plan.holds = holds_back([e.periodic for e in entries])
         if plan.holds:
             plan.held_index = positions([e for e in entries if e.kind != "sparse" and not e.periodic])
         plan.sparse_names = [e.name for e in entries if e.kind == "sparse"]

@@ -64,6 +64,12 @@ def periodic(numel: int, ndim: int, config: TopKSettings) -> bool:
     return small_every(config) > 1 and config.averaged_dense(numel, ndim)
 
 
+def holds_back(periodic_flags: list[bool]) -> bool:
+    """Whether a bucket whose tensors are periodic or not as ``periodic_flags`` says holds its periodic ones back in
+    some steps: it has some, and others to send every step (a bucket of small tensors alone sends them every step)."""
+    return any(periodic_flags) and not all(periodic_flags)
+
+
 def tensor_kind(numel: int, ndim: int, k: int, config: TopKSettings) -> Kind:
     """How one tensor is exchanged (see the module docstring)."""
     if config.averaged_dense(numel, ndim):

@@ -160,12 +160,7 @@ class DeferredDecode:
         """In ``finish_step()``: the averaged update into the bucket and the gradients (a held bucket only)."""
         if not self.held:
             return  # decoded in the callback already
-        update = self.state.algorithm.decode(self.plan, self.work)
-        if self.scale != 1.0:
-            update.mul_(self.scale)
-        buffer = self.buffer
-        if update is not buffer:
-            buffer.copy_(update)
+        buffer = _into_bucket(self.state.algorithm.decode(self.plan, self.work), self.buffer, self.scale)
         for param, spec in zip(self.params, self.plan.layout, strict=True):
             if param.grad is not None:
                 write_bucket_order_(param.grad, buffer[spec.offset : spec.offset + spec.numel])
@@ -176,6 +171,15 @@ def _in_bucket_units(update: Tensor, buffer: Tensor, scale: float) -> Tensor:
     if scale != 1.0:
         update.mul_(scale)
     return update if buffer.dtype == torch.float32 else update.to(buffer.dtype)
+
+
+def _into_bucket(update: Tensor, buffer: Tensor, scale: float) -> Tensor:
+    """The decoded fp32 update with the loss scale multiplied back, written into the bucket itself (returned)."""
+    if scale != 1.0:
+        update.mul_(scale)
+    if update is not buffer:
+        buffer.copy_(update)
+    return buffer
 
 
 def exchange_two_level(state: ExchangeState, two: TwoLevelPlan, buffer: Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -241,11 +245,7 @@ def exchange_two_level(state: ExchangeState, two: TwoLevelPlan, buffer: Tensor) 
         # gradient there was copied out in step 1
         update = shard.to_bucket(gathered.output, buffer if buffer.dtype == torch.float32 else None)
         state.memory.note_finite(torch.isfinite(update.sum()))
-        if scale != 1.0:
-            update.mul_(scale)
-        if update is not buffer:
-            buffer.copy_(update)
-        return buffer
+        return _into_bucket(update, buffer, scale)
 
     # Step 6: the statistics, and the future; the memory staged in steps 2-5 commits with the step.
     return state.record(cost, work, selection_s, [gathered], finish, buffer.device, keep=keep,
