@@ -507,6 +507,18 @@ def test_the_deft_page_counts_what_holds_its_bytes_at_8_workers() -> None:
     assert f"budget k ended {100 * link:.2f} points under `dgc_link`, no warm-up {100 * no_warm:.2f} under the warm-up" in text
 
 
+def test_the_guide_s_eight_worker_long_protocol_row_gives_each_run_s_seeds_and_bytes() -> None:
+    """The algorithm guide's row of ``parity_full_cifar8.json`` (its accuracy cells: ``test_docs``) names how many
+    seeds each figure averages and each compressed run's ratio of link bytes."""
+    (row,) = [line for line in _text("docs/algorithms/index.md").splitlines() if "(`parity_full_cifar8.json`)" in line]
+    summary = _summary("parity_full_cifar8")
+    count = lambda s: f"({len(s['seeds'])} seed{'s' if len(s['seeds']) > 1 else ''})"  # noqa: E731
+    assert f"% {count(summary['ddp'])} |" in row
+    for algo in ("dgc_1pct_int8", "deft"):
+        s = summary[algo]
+        assert f"`algo/{algo}` {count(s)}: " in row and f"; {s['compression']:.1f}x fewer link bytes" in row, algo
+
+
 def test_the_dgc_page_quotes_the_small_tensors_candidate_from_its_runs() -> None:
     from benchmarks import long_study
 

@@ -95,7 +95,7 @@ def test_readme_links_point_at_files() -> None:
 
 
 #: The seeded studies the algorithm guide quotes, one row each.
-SEEDED_STUDIES = ["parity_full_cifar2", "parity_seeds_cifar8", "parity_seeds_cifar2", "parity_seeds_ptb2", "parity_seeds_ptb8",
+SEEDED_STUDIES = ["parity_full_cifar2", "parity_full_cifar8", "parity_seeds_cifar8", "parity_seeds_cifar2", "parity_seeds_ptb2", "parity_seeds_ptb8",
                   "parity_seeds_xfmr2", "parity_seeds_xfmr8"]  # fmt: skip
 
 
