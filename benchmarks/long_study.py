@@ -261,6 +261,38 @@ def deft_eight_sentence(record: dict, runs_dir=None) -> str | None:
     return out
 
 
+def deft_decay_sentence(record: dict, runs_dir=None, epochs: int = 20) -> str | None:
+    """The DEFT page's sentence on where its gap at 8 workers lies: per seed, over the evaluations from the first
+    learning-rate step on, how many of DEFT's are below DDP's and their mean gap, and the recommended DGC's mean
+    gap; ``None`` until a seed has all three runs."""
+    rows = {row["algo"]: row for row in record["summary"]}
+    if "deft" not in rows:
+        return None
+    first = parity.milestones(parity.TASKS[TASK], epochs)[0]
+    gaps: dict[int, tuple[list[float], list[float]]] = {}
+    swing = 0.0  # DEFT's largest gap either side of DDP's before the first step
+    for seed in rows["deft"]["seeds"]:
+        runs = {a: finished_run("parity_full_cifar8", seed, a, runs_dir) for a in ("ddp", "deft", RECOMMENDED)}
+        if all(runs.values()):
+            after = first * runs["ddp"]["global_step"] // epochs  # the step the learning rate first drops at
+            acc = {a: [e["val_acc"] for e in r["history"] if "val_acc" in e] for a, r in runs.items()}
+            steps = [e["step"] for e in runs["ddp"]["history"] if "val_acc" in e]
+            gap = {a: [100 * (x - y) for x, y in zip(acc[a], acc["ddp"], strict=True)] for a in ("deft", RECOMMENDED)}
+            swing = max([swing, *(abs(d) for d, t in zip(gap["deft"], steps, strict=True) if t < after)])
+            gaps[seed] = tuple([d for d, t in zip(gap[a], steps, strict=True) if t >= after]
+                               for a in ("deft", RECOMMENDED))  # type: ignore[assignment]  # fmt: skip
+    if not gaps:
+        return None
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    below = sum(sum(d < 0 for d in deft) for deft, _ in gaps.values())
+    count = sum(len(deft) for deft, _ in gaps.values())
+    return (f"Evaluated every half epoch, DEFT's runs are up to {swing:.1f} points either side of DDP's before the"
+            f" first learning-rate step (epoch {first}); from it to the end {below} of their {count} evaluations are below"
+            f" DDP's, and their mean gap there is {', '.join(f'{mean(d):+.2f}' for d, _ in gaps.values())} points on"
+            f" seed{'s' if len(gaps) > 1 else ''} {', '.join(map(str, gaps))} (`algo/{RECOMMENDED}`'s:"
+            f" {', '.join(f'{mean(g):+.2f}' for _, g in gaps.values())})")  # fmt: skip
+
+
 def write_length(rows: list[dict]) -> None:
     """``results/parity_full_length.json`` and its figure: top-1 and the gap against the optimizer steps."""
     path = common.write_json(f"{LENGTH_RECORD}.json", {"rows": rows, "seed": LENGTH_SEED})  # the machine's paths out

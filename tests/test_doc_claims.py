@@ -163,6 +163,16 @@ def test_the_deft_page_quotes_the_long_protocol_at_eight_workers() -> None:
     assert f"{sentence}.{note}" in text and (left > 0) == ("more seed" in text)
 
 
+def test_the_deft_page_says_where_its_eight_worker_gap_lies_from_the_runs_evaluations() -> None:
+    from benchmarks import long_study
+
+    sentence = long_study.deft_decay_sentence(_record("parity_full_cifar8"))
+    assert sentence is not None, "algo/deft, DDP and the recommended DGC have finished seed 42 at 8 workers"
+    assert f"{sentence}." in " ".join(_text("docs/algorithms/deft.md").split()), sentence
+    below, count = (int(w) for w in sentence.split("to the end ")[1].split(" evaluations")[0].split(" of their "))
+    assert below == count, "the page says the gap is set once the learning rate is low: every evaluation below"
+
+
 def test_the_dgc_page_quotes_the_long_protocol_at_eight_workers() -> None:
     assert eight_worker_sentence() in " ".join(_text("docs/algorithms/dgc.md").split())
 
