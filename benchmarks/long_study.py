@@ -171,7 +171,7 @@ def lean_sentence(record: dict, algo: str = "dgc_lean") -> str | None:
         return None
     lean, t = rows[algo], LEAN_TARGETS
     n, gap = lean["paired_seeds"], 100 * lean["difference"]
-    seeds = f"seed {lean['seeds'][0]}" if n == 1 else f"seeds {', '.join(map(str, lean['seeds']))}"
+    seeds = seed_list(lean["seeds"])
     spread = f" ± {100 * lean['difference_std']:.2f} (paired by seed, ± the standard deviation)" if n > 1 else ""
     within = lambda points: parity.within_tolerance(-lean["difference"], points / 100)  # noqa: E731
     close = within(t["within_points"]) if n >= t["seeds"] else None
@@ -214,6 +214,11 @@ def lean_diagnostics_sentence(
 DEFT_EIGHT_TARGETS = {"within_points": 0.5, "fewer_bytes": 20.0}
 
 
+def seed_list(seeds: list[int]) -> str:
+    """How the pages name the seeds a figure comes from: ``seed 42``, or ``seeds 42, 43, 44``."""
+    return f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {', '.join(map(str, seeds))}"
+
+
 def selection_ms_per_step(run: dict) -> float:
     """The slowest rank's selection time per optimizer step of a finished run (``rank_selection_ms``), or rank 0's
     where the record has no other rank's (runs recorded before it gathered them)."""
@@ -243,12 +248,12 @@ def deft_eight_sentence(record: dict, runs_dir=None) -> str | None:
     runs = {algo: finished_run("parity_full_cifar8", seed, algo, runs_dir) for algo in ("deft", RECOMMENDED)}
     within = parity.within_tolerance(-deft["difference"], t["within_points"] / 100)
     if deft["paired_seeds"] == 1:
-        seeds, figures = f"seed {seed}", f"{100 * deft['metric']:.2f}%, {gap:+.2f} points against DDP ("
+        figures = f"{100 * deft['metric']:.2f}%, {gap:+.2f} points against DDP ("
     else:
-        seeds = f"seeds {', '.join(map(str, deft['seeds']))}"
         figures = (f"{100 * deft['metric']:.2f} ± {100 * deft['metric_std']:.2f}%, {gap:+.2f} ±"
                    f" {100 * deft['difference_std']:.2f} points against DDP (paired by seed, ± the standard deviation; ")
-    out = (f"At 8 workers of 16 images (`parity_full_cifar8.json`, {seeds}), `algo/deft` ends at {figures}target"
+    out = (f"At 8 workers of 16 images (`parity_full_cifar8.json`, {seed_list(deft['seeds'])}), `algo/deft` ends at"
+           f" {figures}target"
            f" within {t['within_points']:g}: {'met' if within else 'missed'}), on {fewer:.1f}x fewer link bytes over"
            f" the run (target at least {t['fewer_bytes']:g}x: {'met' if fewer >= t['fewer_bytes'] else 'missed'})")
     if runs["deft"] is not None:  # the warm-up's epochs (from 0.25, as DGC's paper) against the rest of the run
@@ -292,7 +297,7 @@ def deft_decay_sentence(record: dict, runs_dir=None, epochs: int = 20) -> str | 
     return (f"Evaluated every half epoch, DEFT's runs are up to {swing:.1f} points either side of DDP's before the"
             f" first learning-rate step (epoch {first}); from it to the end {below} of their {count} evaluations are below"
             f" DDP's, and their mean gap there is {', '.join(f'{mean(d):+.2f}' for d, _ in gaps.values())} points on"
-            f" seed{'s' if len(gaps) > 1 else ''} {', '.join(map(str, gaps))} (`algo/{RECOMMENDED}`'s:"
+            f" {seed_list(list(gaps))} (`algo/{RECOMMENDED}`'s:"
             f" {', '.join(f'{mean(g):+.2f}' for _, g in gaps.values())})")  # fmt: skip
 
 
