@@ -269,6 +269,23 @@ def deft_eight_sentence(record: dict, runs_dir=None) -> str | None:
     return out
 
 
+def gaps_around_first_step(runs: dict[str, dict], epochs: int = 20) -> tuple[dict[str, list], dict[str, list]]:
+    """Each run's gap to ``runs["ddp"]`` (points) at every evaluation, split at the first learning-rate step: the
+    gaps before it and those from it to the end, by algorithm (DDP's own left out)."""
+    first = parity.milestones(parity.TASKS[TASK], epochs)[0]
+    after = first * runs["ddp"]["global_step"] // epochs  # the step the learning rate first drops at
+    acc = {a: [e["val_acc"] for e in r["history"] if "val_acc" in e] for a, r in runs.items()}
+    steps = [e["step"] for e in runs["ddp"]["history"] if "val_acc" in e]
+    gap = {a: [100 * (x - y) for x, y in zip(acc[a], acc["ddp"], strict=True)] for a in runs if a != "ddp"}
+    split = lambda late: {a: [d for d, t in zip(g, steps, strict=True) if (t >= after) == late]  # noqa: E731
+                          for a, g in gap.items()}  # fmt: skip
+    return split(False), split(True)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def deft_decay_sentence(record: dict, runs_dir=None, epochs: int = 20) -> str | None:
     """The DEFT page's sentence on where its gap at 8 workers lies: per seed, over the evaluations from the first
     learning-rate step on, how many of DEFT's are below DDP's and their mean gap, and the recommended DGC's mean
@@ -276,29 +293,53 @@ def deft_decay_sentence(record: dict, runs_dir=None, epochs: int = 20) -> str | 
     rows = {row["algo"]: row for row in record["summary"]}
     if "deft" not in rows:
         return None
-    first = parity.milestones(parity.TASKS[TASK], epochs)[0]
-    gaps: dict[int, tuple[list[float], list[float]]] = {}
+    gaps: dict[int, dict[str, list[float]]] = {}
     swing = 0.0  # DEFT's largest gap either side of DDP's before the first step
     for seed in rows["deft"]["seeds"]:
         runs = {a: finished_run("parity_full_cifar8", seed, a, runs_dir) for a in ("ddp", "deft", RECOMMENDED)}
         if all(runs.values()):
-            after = first * runs["ddp"]["global_step"] // epochs  # the step the learning rate first drops at
-            acc = {a: [e["val_acc"] for e in r["history"] if "val_acc" in e] for a, r in runs.items()}
-            steps = [e["step"] for e in runs["ddp"]["history"] if "val_acc" in e]
-            gap = {a: [100 * (x - y) for x, y in zip(acc[a], acc["ddp"], strict=True)] for a in ("deft", RECOMMENDED)}
-            swing = max([swing, *(abs(d) for d, t in zip(gap["deft"], steps, strict=True) if t < after)])
-            gaps[seed] = tuple([d for d, t in zip(gap[a], steps, strict=True) if t >= after]
-                               for a in ("deft", RECOMMENDED))  # type: ignore[assignment]  # fmt: skip
+            before, gaps[seed] = gaps_around_first_step(runs, epochs)  # type: ignore[arg-type]
+            swing = max([swing, *map(abs, before["deft"])])
     if not gaps:
         return None
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
-    below = sum(sum(d < 0 for d in deft) for deft, _ in gaps.values())
-    count = sum(len(deft) for deft, _ in gaps.values())
+    below = sum(sum(d < 0 for d in g["deft"]) for g in gaps.values())
+    count = sum(len(g["deft"]) for g in gaps.values())
+    means = lambda algo: ", ".join(f"{_mean(g[algo]):+.2f}" for g in gaps.values())  # noqa: E731
+    first = parity.milestones(parity.TASKS[TASK], epochs)[0]
     return (f"Evaluated every half epoch, DEFT's runs are up to {swing:.1f} points either side of DDP's before the"
             f" first learning-rate step (epoch {first}); from it to the end {below} of their {count} evaluations are below"
-            f" DDP's, and their mean gap there is {', '.join(f'{mean(d):+.2f}' for d, _ in gaps.values())} points on"
-            f" {seed_list(list(gaps))} (`algo/{RECOMMENDED}`'s:"
-            f" {', '.join(f'{mean(g):+.2f}' for _, g in gaps.values())})")  # fmt: skip
+            f" DDP's, and their mean gap there is {means('deft')} points on {seed_list(list(gaps))}"
+            f" (`algo/{RECOMMENDED}`'s: {means(RECOMMENDED)})")  # fmt: skip
+
+
+#: the changes to ``algo/deft`` run at 8 workers (seed 42) to find where its gap comes from, in the DEFT page's words
+DEFT_CAUSES = {
+    "deft_norm_k": ('k_allocation="norm"', "the published norm-proportional k"),
+    "deft_all_selectors": ('selectors="all"', "every rank selecting in every fragment"),
+}
+
+
+def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int = 20) -> tuple[str, list[str]] | None:
+    """The DEFT page's sentence on which change accounts for ``algo/deft``'s gap at 8 workers, and those changes: on
+    ``seed``, the mean gap to DDP from the first learning-rate step on of ``algo/deft`` and of each change, with the
+    gap at the end and the bytes; a change accounts for the gap if it closes at least half of that mean gap. ``None``
+    until DDP, ``algo/deft`` and every change have finished that seed."""
+    runs = {a: finished_run("parity_full_cifar8", seed, a, runs_dir) for a in ("ddp", "deft", *DEFT_CAUSES)}
+    if not all(runs.values()):
+        return None
+    _, late = gaps_around_first_step(runs, epochs)  # type: ignore[arg-type]
+    mean = {a: _mean(g) for a, g in late.items()}
+    end = {a: 100 * (runs[a]["final"]["val_acc"] - runs["ddp"]["final"]["val_acc"]) for a in late}
+    ddp_bytes = 1e3 * {row["algo"]: row for row in record["summary"]}["ddp"]["link_kb_per_step"]  # a step's
+    fewer = lambda a: runs[a]["global_step"] * ddp_bytes / runs[a]["compression"]["link_bytes"]  # noqa: E731
+    figures = lambda a: f"{mean[a]:+.2f} ({end[a]:+.2f} at the end; {fewer(a):.1f}x fewer link bytes)"  # noqa: E731
+    closes = [a for a in DEFT_CAUSES if abs(mean[a]) <= abs(mean["deft"]) / 2]
+    verdict = (" and ".join(f"`{DEFT_CAUSES[a][0]}`" for a in closes) + f" close{'s' if len(closes) == 1 else ''}" if closes
+               else "neither closes")  # fmt: skip
+    return (f"On seed {seed}, the mean gap to DDP over the evaluations from the first learning-rate step on is, in"
+            f" points, {figures('deft')} for `algo/deft`, "
+            + ", ".join(f"{figures(a)} with {words} (`{option}`)" for a, (option, words) in DEFT_CAUSES.items())
+            + f"; {verdict} at least half of `algo/deft`'s"), closes
 
 
 def write_length(rows: list[dict]) -> None:
