@@ -322,17 +322,17 @@ DEFT_CAUSES = {
 def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int = 20) -> tuple[str, list[str]] | None:
     """The DEFT page's sentence on which change accounts for ``algo/deft``'s gap at 8 workers, and those changes: on
     ``seed``, the mean gap to DDP from the first learning-rate step on of ``algo/deft`` and of each change, with the
-    gap at the end and the bytes; a change accounts for the gap if it closes at least half of that mean gap. ``None``
+    gap over the last two evaluations (the study's metric) and the bytes; a change accounts for the gap if it closes at least half of that mean gap. ``None``
     until DDP, ``algo/deft`` and every change have finished that seed."""
     runs = {a: finished_run("parity_full_cifar8", seed, a, runs_dir) for a in ("ddp", "deft", *DEFT_CAUSES)}
     if not all(runs.values()):
         return None
     _, late = gaps_around_first_step(runs, epochs)  # type: ignore[arg-type]
     mean = {a: _mean(g) for a, g in late.items()}
-    end = {a: 100 * (runs[a]["final"]["val_acc"] - runs["ddp"]["final"]["val_acc"]) for a in late}
+    end = {a: _mean(g[-2:]) for a, g in late.items()}  # the study's metric: its last two evaluations
     ddp_bytes = 1e3 * {row["algo"]: row for row in record["summary"]}["ddp"]["link_kb_per_step"]  # a step's
     fewer = lambda a: runs[a]["global_step"] * ddp_bytes / runs[a]["compression"]["link_bytes"]  # noqa: E731
-    figures = lambda a: f"{mean[a]:+.2f} ({end[a]:+.2f} at the end; {fewer(a):.1f}x fewer link bytes)"  # noqa: E731
+    figures = lambda a: f"{mean[a]:+.2f} ({end[a]:+.2f} over the last two; {fewer(a):.1f}x fewer link bytes)"  # noqa: E731
     closes = [a for a in DEFT_CAUSES if abs(mean[a]) <= abs(mean["deft"]) / 2]
     verdict = (" and ".join(f"`{DEFT_CAUSES[a][0]}`" for a in closes) + f" close{'s' if len(closes) == 1 else ''}" if closes
                else "neither closes")  # fmt: skip
