@@ -23,7 +23,7 @@ otherwise never leave the warm-up); ``dgc_short_warmup`` is the latter whatever 
 ``deft`` is ``configs/algo/deft.yaml`` as shipped: DGC's momentum correction and the same warm-up.
 ``powersgd`` is ``configs/algo/powersgd.yaml`` (rank 2, plain all-reduce for the first 10 steps).
 ``--algos`` also takes ``deft_paper``: DEFT as published (error feedback with the optimizer's
-momentum, no warm-up), and the ablations of :data:`DEFT_ABLATIONS` (``deft.yaml`` with one part
+momentum, no warm-up, k by fragment norm, a union of k values, the int32/fp32 all-reduces), and the ablations of :data:`DEFT_ABLATIONS` (``deft.yaml`` with one part
 switched) and the remedies tried for its 8-worker gap (``deft_all_selectors``, ``deft_link``,
 ``deft_all_selectors_link``). ``deft.yaml`` shares k by fragment size since the 8-worker ablation
 (``deft_uniform_k`` then; ``deft_norm_k`` is the published allocation) and fills DGC's link bytes
@@ -96,7 +96,8 @@ ALGO_SPECS: dict[str, tuple[str, tuple[str, ...], bool | str]] = {
     "powersgd": ("configs/algo/powersgd.yaml", (), False),
     "deft_paper": (
         "configs/algo/deft.yaml",
-        ("--trainer.strategy.init_args.momentum_correction", "false"),
+        ("--trainer.strategy.init_args.momentum_correction", "false", "--trainer.strategy.init_args.k_allocation",
+         "norm", "--trainer.strategy.init_args.budget", "k", "--trainer.strategy.init_args.wire", "allreduce"),
         False,
     ),
     # the critical-regime schedule: configs/algo/dgc_regimes.yaml as shipped (with the paper's warm-up), and
@@ -890,7 +891,7 @@ def _note(c: dict[str, Any], quick: bool) -> str:
         return f"after {budget}"
     text = f"after {budget}: early in training, where sparse updates lag dense ones"
     if c["algo"] == "deft_paper":
-        text += " (DEFT as published: no warm-up, error feedback with the optimizer's momentum)"
+        text += " (DEFT as published: no warm-up, error feedback with the optimizer's momentum, k by norm, budget k)"
     if quick:
         text += "; this budget cannot settle parity: train longer (`--full`)"
     return text
