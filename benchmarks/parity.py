@@ -1007,23 +1007,24 @@ def _difference(task: Task, run: dict[str, Any], base: dict[str, Any] | None) ->
 
 
 def ablation_rows(result: dict[str, Any]) -> list[list[Any]]:
-    """The full DEFT and each ablation of one run set, with its difference to deft and to ddp."""
+    """The full DEFT and each ablation of one run set, with its difference to deft and to ddp on the same seed (the
+    variant named with its seed where the run set has several)."""
     rows = []
     runs = [r for r in result.get("runs", []) if r.get("metric") is not None]
     for task_name in dict.fromkeys(r["task"] for r in runs):
         task = TASKS[task_name]
-        by_algo = {r["algo"]: r for r in runs if r["task"] == task_name}
-        variants = [a for a in ("deft", *DEFT_ABLATIONS) if a in by_algo]
-        if not any(a in DEFT_ABLATIONS for a in variants):
-            continue
-
-        for algo in variants:
-            r = by_algo[algo]
-            rows.append(
-                [task_name, algo, ABLATION_TEXT.get(algo, "configs/algo/deft.yaml as run"), _metric_text(task, r["metric"]),
-                 "" if algo == "deft" else _difference(task, r, by_algo.get("deft")),
-                 _difference(task, r, by_algo.get("ddp")), r.get("compression_ratio"), link_kb_per_step(r)]
-            )  # fmt: skip
+        ours = [r for r in runs if r["task"] == task_name]
+        several = len({r.get("seed") for r in ours}) > 1
+        for seed in dict.fromkeys(r.get("seed") for r in ours if r["algo"] in DEFT_ABLATIONS):
+            by_algo = {r["algo"]: r for r in ours if r.get("seed") == seed}
+            for algo in (a for a in ("deft", *DEFT_ABLATIONS) if a in by_algo):
+                r = by_algo[algo]
+                rows.append(
+                    [task_name, f"{algo} s{seed}" if several else algo,
+                     ABLATION_TEXT.get(algo, "configs/algo/deft.yaml as run"), _metric_text(task, r["metric"]),
+                     "" if algo == "deft" else _difference(task, r, by_algo.get("deft")),
+                     _difference(task, r, by_algo.get("ddp")), r.get("compression_ratio"), link_kb_per_step(r)]
+                )  # fmt: skip
     return rows
 
 

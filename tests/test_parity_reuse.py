@@ -51,6 +51,19 @@ def test_the_seed_protocol_averages_the_last_two_evaluations_and_pairs_differenc
     assert dgc["train_loss"] == pytest.approx(1.2)
 
 
+def test_the_ablation_table_compares_each_variant_with_deft_and_ddp_on_its_own_seed() -> None:
+    """A study with several seeds of DDP and DEFT and an ablation on one seed: the ablation's differences are to
+    that seed's runs, not to the last seed's."""
+    runs = [{"task": "cifar10_full", "algo": a, "seed": s, "metric": m} for a, s, m in (
+        ("ddp", 42, 0.842), ("deft", 42, 0.838), ("deft_norm_k", 42, 0.836), ("ddp", 44, 0.845), ("deft", 44, 0.835),
+    )]  # fmt: skip
+    rows = parity.ablation_rows({"runs": runs})
+    assert [r[1] for r in rows] == ["deft s42", "deft_norm_k s42"]  # seed 44 has no ablation
+    assert rows[1][4:6] == ["-0.20 pp", "-0.60 pp"]  # against deft s42 and ddp s42
+    one_seed = parity.ablation_rows({"runs": [r for r in runs if r["seed"] == 42]})
+    assert [r[1] for r in one_seed] == ["deft", "deft_norm_k"]  # a run set of one seed names no seed
+
+
 def test_a_run_of_another_length_gets_the_configs_milestones_at_the_same_fractions() -> None:
     task = parity.TASKS["cifar10"]  # the config: 10 epochs, milestones 6 and 8
     assert parity.milestones(task, 10) == [6, 8]
