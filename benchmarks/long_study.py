@@ -329,24 +329,37 @@ DEFT_CAUSES = {
 def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int = 20) -> tuple[str, list[str]] | None:
     """The DEFT page's sentence on which change accounts for ``algo/deft``'s gap at 8 workers, and those changes: on
     ``seed``, the mean gap to DDP from the first learning-rate step on of ``algo/deft`` and of each change, with the
-    gap over the last two evaluations (the study's metric) and the bytes; a change accounts for the gap if it closes at least half of that mean gap. ``None``
-    until DDP, ``algo/deft`` and every change have finished that seed."""
+    gap over the last two evaluations (the study's metric) and the bytes; a change accounts for the gap if it closes
+    at least half of that mean gap. With how much that mean gap varies over ``algo/deft``'s seeds (the standard
+    deviation). ``None`` until DDP, ``algo/deft`` and every change have finished ``seed``."""
     runs = {a: finished_run("parity_full_cifar8", seed, a, runs_dir) for a in ("ddp", "deft", *DEFT_CAUSES)}
     if not all(runs.values()):
         return None
     _, late = gaps_around_first_step(runs, epochs)  # type: ignore[arg-type]
     mean = {a: _mean(g) for a, g in late.items()}
     end = {a: _mean(g[-2:]) for a, g in late.items()}  # the study's metric: its last two evaluations
-    ddp_bytes = 1e3 * {row["algo"]: row for row in record["summary"]}["ddp"]["link_kb_per_step"]  # a step's
+    rows = {row["algo"]: row for row in record["summary"]}
+    ddp_bytes = 1e3 * rows["ddp"]["link_kb_per_step"]  # a step's
     fewer = lambda a: runs[a]["global_step"] * ddp_bytes / runs[a]["compression"]["link_bytes"]  # noqa: E731
     figures = lambda a: f"{mean[a]:+.2f} ({end[a]:+.2f} over the last two; {fewer(a):.1f}x fewer link bytes)"  # noqa: E731
     closes = [a for a in DEFT_CAUSES if abs(mean[a]) <= abs(mean["deft"]) / 2]
-    verdict = (" and ".join(f"`{DEFT_CAUSES[a][0]}`" for a in closes) + f" close{'s' if len(closes) == 1 else ''}" if closes
-               else "neither closes")  # fmt: skip
-    return (f"On seed {seed}, the mean gap to DDP over the evaluations from the first learning-rate step on is, in"
-            f" points, {figures('deft')} for `algo/deft`, "
-            + ", ".join(f"{figures(a)} with {words} (`{option}`)" for a, (option, words) in DEFT_CAUSES.items())
-            + f"; {verdict} at least half of `algo/deft`'s"), closes
+    verdict = (" and ".join(f"`{DEFT_CAUSES[a][0]}`" for a in closes) + f" close{'s' if len(closes) == 1 else ''}"
+               if closes else "neither closes")  # fmt: skip
+    seeds = {}  # algo/deft's mean gap from the step on, on each of its seeds with DDP's run finished
+    for other in rows["deft"]["seeds"]:
+        pair = {a: finished_run("parity_full_cifar8", other, a, runs_dir) for a in ("ddp", "deft")}
+        if all(pair.values()):
+            seeds[other] = _mean(gaps_around_first_step(pair, epochs)[1]["deft"])  # type: ignore[arg-type]
+    spread = ""
+    if len(seeds) > 1:
+        std = (sum((g - _mean(list(seeds.values()))) ** 2 for g in seeds.values()) / (len(seeds) - 1)) ** 0.5
+        spread = f" (over {seed_list(list(seeds))} that mean gap of `algo/deft`'s varies by {std:.2f}, a standard deviation)"
+    return (
+        f"On seed {seed}, the mean gap to DDP over the evaluations from the first learning-rate step on is, in"
+        f" points, {figures('deft')} for `algo/deft`, "
+        + ", ".join(f"{figures(a)} with {words} (`{option}`)" for a, (option, words) in DEFT_CAUSES.items())
+        + f"; {verdict} at least half of `algo/deft`'s{spread}"
+    ), closes
 
 
 def write_length(rows: list[dict]) -> None:

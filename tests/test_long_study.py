@@ -242,14 +242,14 @@ def test_the_deft_cause_sentence_names_the_changes_that_close_at_least_half_of_i
     not count; the last two are the study's metric."""
     folder, steps = tmp_path / "parity_full_cifar8", 20  # one evaluation a step: the step drops at step 12
 
-    def run(algo: str, early: float, late: float, link_bytes: float, drop: float = 0.002) -> None:
+    def run(algo: str, early: float, late: float, link_bytes: float, drop: float = 0.002, seed: int = 42) -> None:
         accs = [early] * 12 + [late] * 6 + [late - drop] * 2
-        _finished_run(folder / f"cifar10_full_{algo}_s42.json", accs, steps)
-        record = json.loads((folder / f"cifar10_full_{algo}_s42.json").read_text())
+        _finished_run(folder / f"cifar10_full_{algo}_s{seed}.json", accs, steps)
+        record = json.loads((folder / f"cifar10_full_{algo}_s{seed}.json").read_text())
         record["compression"] = {"link_bytes": link_bytes}
-        (folder / f"cifar10_full_{algo}_s42.json").write_text(json.dumps(record))
+        (folder / f"cifar10_full_{algo}_s{seed}.json").write_text(json.dumps(record))
 
-    summary = {"summary": [{"algo": "ddp", "link_kb_per_step": 1.0}]}  # 1 kB a step: 20 kB over the run
+    summary = {"summary": [{"algo": "ddp", "link_kb_per_step": 1.0}, {"algo": "deft", "seeds": [42]}]}  # 1 kB a step
     run("ddp", 0.5, 0.842, 0.0, drop=0.0)
     run("deft", 0.6, 0.836, 2e3)
     run("deft_norm_k", 0.4, 0.835, 2e3)
@@ -263,3 +263,8 @@ def test_the_deft_cause_sentence_names_the_changes_that_close_at_least_half_of_i
     run("deft_all_selectors", 0.3, 0.838, 1e3)  # 0.4 points below: not half
     assert long_study.deft_cause_sentence(summary, tmp_path) == (sentence.replace("-0.30 (-0.45", "-0.45 (-0.60").replace(
         '`selectors="all"` closes', "neither closes"), [])
+    run("ddp", 0.5, 0.842, 0.0, drop=0.0, seed=43)  # a second seed of algo/deft: 0.2 below on average, not 0.65
+    run("deft", 0.6, 0.84, 2e3, drop=0.0, seed=43)
+    summary["summary"][1]["seeds"] = [42, 43]
+    sentence, _ = long_study.deft_cause_sentence(summary, tmp_path)
+    assert sentence.endswith("(over seeds 42, 43 that mean gap of `algo/deft`'s varies by 0.32, a standard deviation)")
