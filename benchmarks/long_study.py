@@ -353,12 +353,12 @@ def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int
     spread = ""
     if len(seeds) > 1:
         std = (sum((g - _mean(list(seeds.values()))) ** 2 for g in seeds.values()) / (len(seeds) - 1)) ** 0.5
-        spread = f" (over {seed_list(list(seeds))} that mean gap of `algo/deft`'s varies by {std:.2f}, a standard deviation)"
+        spread = f" (over {seed_list(list(seeds))}, `algo/deft`'s varies by {std:.2f}, a standard deviation)"
     return (
         f"On seed {seed}, the mean gap to DDP over the evaluations from the first learning-rate step on is, in"
         f" points, {figures('deft')} for `algo/deft`, "
         + ", ".join(f"{figures(a)} with {words} (`{option}`)" for a, (option, words) in DEFT_CAUSES.items())
-        + f"; {verdict} at least half of `algo/deft`'s{spread}"
+        + f"; {verdict} at least half of `algo/deft`'s gap there{spread}"
     ), closes
 
 

@@ -259,7 +259,7 @@ def test_the_deft_cause_sentence_names_the_changes_that_close_at_least_half_of_i
     assert closes == ["deft_all_selectors"]
     assert "is, in points, -0.65 (-0.80 over the last two; 10.0x fewer link bytes) for `algo/deft`, -0.75" in sentence
     assert "-0.30 (-0.45 over the last two; 20.0x fewer link bytes) with every rank selecting" in sentence
-    assert sentence.endswith('; `selectors="all"` closes at least half of `algo/deft`\'s')
+    assert sentence.endswith('; `selectors="all"` closes at least half of `algo/deft`\'s gap there')
     run("deft_all_selectors", 0.3, 0.838, 1e3)  # 0.4 points below: not half
     assert long_study.deft_cause_sentence(summary, tmp_path) == (sentence.replace("-0.30 (-0.45", "-0.45 (-0.60").replace(
         '`selectors="all"` closes', "neither closes"), [])
@@ -267,4 +267,4 @@ def test_the_deft_cause_sentence_names_the_changes_that_close_at_least_half_of_i
     run("deft", 0.6, 0.84, 2e3, drop=0.0, seed=43)
     summary["summary"][1]["seeds"] = [42, 43]
     sentence, _ = long_study.deft_cause_sentence(summary, tmp_path)
-    assert sentence.endswith("(over seeds 42, 43 that mean gap of `algo/deft`'s varies by 0.32, a standard deviation)")
+    assert sentence.endswith("gap there (over seeds 42, 43, `algo/deft`'s varies by 0.32, a standard deviation)")
