@@ -350,10 +350,8 @@ def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int
         pair = {a: finished_run("parity_full_cifar8", other, a, runs_dir) for a in ("ddp", "deft")}
         if all(pair.values()):
             seeds[other] = _mean(gaps_around_first_step(pair, epochs)[1]["deft"])  # type: ignore[arg-type]
-    spread = ""
-    if len(seeds) > 1:
-        std = (sum((g - _mean(list(seeds.values()))) ** 2 for g in seeds.values()) / (len(seeds) - 1)) ** 0.5
-        spread = f" (over {seed_list(list(seeds))}, `algo/deft`'s varies by {std:.2f}, a standard deviation)"
+    _, std = parity.mean_std(list(seeds.values()))
+    spread = "" if std is None else f" (over {seed_list(list(seeds))}, `algo/deft`'s varies by {std:.2f}, a standard deviation)"
     return (
         f"On seed {seed}, the mean gap to DDP over the evaluations from the first learning-rate step on is, in"
         f" points, {figures('deft')} for `algo/deft`, "

@@ -891,7 +891,7 @@ def _note(c: dict[str, Any], quick: bool) -> str:
         return f"after {budget}"
     text = f"after {budget}: early in training, where sparse updates lag dense ones"
     if c["algo"] == "deft_paper":
-        text += " (DEFT as published: no warm-up, error feedback with the optimizer's momentum, k by norm, budget k)"
+        text += " (DEFT as published: no warm-up, error feedback with the optimizer's momentum, k by norm, budget k, the all-reduce wire)"
     if quick:
         text += "; this budget cannot settle parity: train longer (`--full`)"
     return text
