@@ -92,7 +92,7 @@ ORDER: tuple[tuple[str, int, str], ...] = (
     *(("parity_full_cifar8", s, "deft") for s in (43, 44)),  # DEFT at 8 workers was within 1 point on seed 42
     # DEFT's seeds 42-43 miss 0.5 at 8 workers: the published norm-proportional k against algo/deft's k by size
     ("parity_full_cifar8", 42, "deft_norm_k"),
-    # ... and every rank selecting in every fragment, which closed most of DEFT's gap on the subset at 8 workers: if
+    # ... and every rank selecting in every fragment, which closed most of DEFT's gap to DGC on the subset at 8 workers: if
     # it closes it here too, the gap is DEFT's owner-only selection, a property of the method at this scale
     ("parity_full_cifar8", 42, "deft_all_selectors"),
     # neither closed it: DEFT as published (no warm-up, no momentum correction, k by norm, budget k, the published
