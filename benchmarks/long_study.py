@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from statistics import fmean
 
 from benchmarks import common, parity
 
@@ -289,10 +290,6 @@ def gaps_around_first_step(runs: dict[str, dict], epochs: int = 20) -> tuple[dic
     return split(False), split(True)
 
 
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
-
-
 def deft_decay_sentence(record: dict, runs_dir=None, epochs: int = 20) -> str | None:
     """The DEFT page's sentence on where its gap at 8 workers lies: per seed, over the evaluations from the first
     learning-rate step on, how many of DEFT's are below DDP's and their mean gap, and the recommended DGC's mean
@@ -311,7 +308,7 @@ def deft_decay_sentence(record: dict, runs_dir=None, epochs: int = 20) -> str | 
         return None
     below = sum(sum(d < 0 for d in g["deft"]) for g in gaps.values())
     count = sum(len(g["deft"]) for g in gaps.values())
-    means = lambda algo: ", ".join(f"{_mean(g[algo]):+.2f}" for g in gaps.values())  # noqa: E731
+    means = lambda algo: ", ".join(f"{fmean(g[algo]):+.2f}" for g in gaps.values())  # noqa: E731
     first = parity.milestones(parity.TASKS[TASK], epochs)[0]
     return (f"Evaluated every half epoch, DEFT's runs are up to {swing:.1f} points either side of DDP's before the"
             f" first learning-rate step (epoch {first}); from it to the end {below} of their {count} evaluations are below"
@@ -336,8 +333,8 @@ def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int
     if not all(runs.values()):
         return None
     _, late = gaps_around_first_step(runs, epochs)  # type: ignore[arg-type]
-    mean = {a: _mean(g) for a, g in late.items()}
-    end = {a: _mean(g[-2:]) for a, g in late.items()}  # the study's metric: its last two evaluations
+    mean = {a: fmean(g) for a, g in late.items()}
+    end = {a: fmean(g[-2:]) for a, g in late.items()}  # the study's metric: its last two evaluations
     rows = {row["algo"]: row for row in record["summary"]}
     ddp_bytes = 1e3 * rows["ddp"]["link_kb_per_step"]  # a step's
     fewer = lambda a: runs[a]["global_step"] * ddp_bytes / runs[a]["compression"]["link_bytes"]  # noqa: E731
@@ -349,7 +346,7 @@ def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int
     for other in rows["deft"]["seeds"]:
         pair = {a: finished_run("parity_full_cifar8", other, a, runs_dir) for a in ("ddp", "deft")}
         if all(pair.values()):
-            seeds[other] = _mean(gaps_around_first_step(pair, epochs)[1]["deft"])  # type: ignore[arg-type]
+            seeds[other] = fmean(gaps_around_first_step(pair, epochs)[1]["deft"])  # type: ignore[arg-type]
     _, std = parity.mean_std(list(seeds.values()))
     spread = "" if std is None else f" (over {seed_list(list(seeds))}, `algo/deft`'s varies by {std:.2f}, a standard deviation)"
     return (
