@@ -316,11 +316,36 @@ def deft_decay_sentence(record: dict, runs_dir=None, epochs: int = 20) -> str | 
             f" (`algo/{RECOMMENDED}`'s: {means(RECOMMENDED)})")  # fmt: skip
 
 
-#: the changes to ``algo/deft`` run at 8 workers (seed 42) to find where its gap comes from, in the DEFT page's words
+#: the changes to ``algo/deft`` run at 8 workers (seed 42) to find where its gap comes from: the name the DEFT
+#: page's verdict gives each, and its words for the change
 DEFT_CAUSES = {
-    "deft_norm_k": ('k_allocation="norm"', "the published norm-proportional k"),
-    "deft_all_selectors": ('selectors="all"', "every rank selecting in every fragment"),
+    "deft_norm_k": ('`k_allocation="norm"`', 'with the published norm-proportional k (`k_allocation="norm"`)'),
+    "deft_all_selectors": ('`selectors="all"`', 'with every rank selecting in every fragment (`selectors="all"`)'),
+    "deft_paper": ("`deft_paper`", "as published throughout (`deft_paper`: no warm-up, no momentum correction, k by"
+                                   ' norm, `budget="k"`, the all-reduce wire)'),
 }
+
+
+def late_gaps(seed: int, algos, runs_dir=None, epochs: int = 20) -> tuple[dict[str, dict], dict[str, list]] | None:
+    """``seed``'s finished runs at 8 workers of DDP and of ``algos``, and each algorithm's gaps to DDP (points) at
+    the evaluations from the first learning-rate step on; ``None`` until all of them finished."""
+    runs = {a: finished_run("parity_full_cifar8", seed, a, runs_dir) for a in ("ddp", *algos)}
+    if not all(runs.values()):
+        return None
+    return runs, gaps_around_first_step(runs, epochs)[1]  # type: ignore[arg-type]
+
+
+def late_figures(record: dict, runs: dict[str, dict], late: dict[str, list]) -> dict[str, tuple[float, str]]:
+    """Each run's mean gap to DDP from the first learning-rate step on, and how the DEFT page words it: that mean,
+    the gap over the last two evaluations (the study's metric) and the run's link bytes against DDP's (a step's, in
+    kB to 0.1, as the study's record gives them)."""
+    ddp_kb = next(row for row in record["summary"] if row["algo"] == "ddp")["link_kb_per_step"]
+    out = {}
+    for algo, gaps in late.items():
+        run = runs[algo]
+        fewer = ddp_kb / parity.link_kb_per_step({"link_bytes": run["compression"]["link_bytes"], "global_step": run["global_step"]})
+        out[algo] = fmean(gaps), f"{fmean(gaps):+.2f} ({fmean(gaps[-2:]):+.2f} over the last two; {fewer:.1f}x fewer link bytes)"
+    return out
 
 
 def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int = 20) -> tuple[str, list[str]] | None:
@@ -329,32 +354,44 @@ def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int
     gap over the last two evaluations (the study's metric) and the bytes; a change accounts for the gap if it closes
     at least half of that mean gap. With how much that mean gap varies over ``algo/deft``'s seeds (the standard
     deviation). ``None`` until DDP, ``algo/deft`` and every change have finished ``seed``."""
-    runs = {a: finished_run("parity_full_cifar8", seed, a, runs_dir) for a in ("ddp", "deft", *DEFT_CAUSES)}
-    if not all(runs.values()):
+    found = late_gaps(seed, ("deft", *DEFT_CAUSES), runs_dir, epochs)
+    if found is None:
         return None
-    _, late = gaps_around_first_step(runs, epochs)  # type: ignore[arg-type]
-    mean = {a: fmean(g) for a, g in late.items()}
-    end = {a: fmean(g[-2:]) for a, g in late.items()}  # the study's metric: its last two evaluations
-    rows = {row["algo"]: row for row in record["summary"]}
-    ddp_bytes = 1e3 * rows["ddp"]["link_kb_per_step"]  # a step's
-    fewer = lambda a: runs[a]["global_step"] * ddp_bytes / runs[a]["compression"]["link_bytes"]  # noqa: E731
-    figures = lambda a: f"{mean[a]:+.2f} ({end[a]:+.2f} over the last two; {fewer(a):.1f}x fewer link bytes)"  # noqa: E731
-    closes = [a for a in DEFT_CAUSES if abs(mean[a]) <= abs(mean["deft"]) / 2]
-    verdict = (" and ".join(f"`{DEFT_CAUSES[a][0]}`" for a in closes) + f" close{'s' if len(closes) == 1 else ''}"
-               if closes else "neither closes")  # fmt: skip
+    figures = late_figures(record, *found)
+    closes = [a for a in DEFT_CAUSES if abs(figures[a][0]) <= abs(figures["deft"][0]) / 2]
+    none = "neither" if len(DEFT_CAUSES) == 2 else "none"
+    verdict = (" and ".join(DEFT_CAUSES[a][0] for a in closes) + f" close{'s' if len(closes) == 1 else ''}"
+               if closes else f"{none} closes")  # fmt: skip
     seeds = {}  # algo/deft's mean gap from the step on, on each of its seeds with DDP's run finished
-    for other in rows["deft"]["seeds"]:
-        pair = {a: finished_run("parity_full_cifar8", other, a, runs_dir) for a in ("ddp", "deft")}
-        if all(pair.values()):
-            seeds[other] = fmean(gaps_around_first_step(pair, epochs)[1]["deft"])  # type: ignore[arg-type]
+    for other in next(row for row in record["summary"] if row["algo"] == "deft")["seeds"]:
+        if (pair := late_gaps(other, ("deft",), runs_dir, epochs)) is not None:
+            seeds[other] = fmean(pair[1]["deft"])
     _, std = parity.mean_std(list(seeds.values()))
     spread = "" if std is None else f" (over {seed_list(list(seeds))}, `algo/deft`'s varies by {std:.2f}, a standard deviation)"
     return (
         f"On seed {seed}, the mean gap to DDP over the evaluations from the first learning-rate step on is, in"
-        f" points, {figures('deft')} for `algo/deft`, "
-        + ", ".join(f"{figures(a)} with {words} (`{option}`)" for a, (option, words) in DEFT_CAUSES.items())
+        f" points, {figures['deft'][1]} for `algo/deft`, "
+        + ", ".join(f"{figures[a][1]} {words}" for a, (_, words) in DEFT_CAUSES.items())
         + f"; {verdict} at least half of `algo/deft`'s gap there{spread}"
     ), closes
+
+
+def deft_density_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int = 20) -> tuple[str, bool] | None:
+    """The DEFT page's sentence on whether DGC at DEFT's density (the study's ``dgc``, ``algo/dgc_warmup``) shows ``algo/deft``'s gap at 8
+    workers too, and whether DGC closes at least half of it (the rule of :func:`deft_cause_sentence`); ``None``
+    until DDP, ``algo/deft`` and DGC have finished ``seed``."""
+    found = late_gaps(seed, ("deft", "dgc"), runs_dir, epochs)
+    if found is None:
+        return None
+    runs, _ = found
+    figures = late_figures(record, *found)
+    density = {a: runs[a]["densities"][-1] for a in ("deft", "dgc")}
+    if density["dgc"] != density["deft"]:
+        raise ValueError(f"algo/dgc_warmup ended at density {density['dgc']:g}, algo/deft at {density['deft']:g}: not a control")
+    closes = abs(figures["dgc"][0]) <= abs(figures["deft"][0]) / 2
+    return (f"DGC at the same density, {density['dgc']:g}, with its paper's warm-up (`algo/dgc_warmup`), on seed {seed}:"
+            f" {figures['dgc'][1]}; it {'closes' if closes else 'does not close'} at least half of `algo/deft`'s"
+            f" gap there"), closes  # fmt: skip
 
 
 def write_length(rows: list[dict]) -> None:

@@ -3,6 +3,7 @@ record a resumed run writes. (The study itself runs for hours and is not part of
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -156,12 +157,13 @@ def test_batch_augmentation_draws_by_the_batch_s_place_in_the_run(monkeypatch) -
 
 
 
-def _finished_run(path: Path, accs: list[float], steps: int, ratio: float | None = None) -> None:
+def _finished_run(path: Path, accs: list[float], steps: int, ratio: float | None = None, **fields) -> None:
+    """A finished run's record, one evaluation a step in ``accs``; ``fields`` are more of the record's keys."""
     path.parent.mkdir(parents=True, exist_ok=True)
     run = {"finished": True, "global_step": steps, "history": [{"step": i, "val_acc": a} for i, a in enumerate(accs)]}
     if ratio is not None:
         run["compression"] = {"compression_ratio": ratio}
-    path.write_text(json.dumps(run))
+    path.write_text(json.dumps({**run, **fields}))
 
 
 def test_a_study_s_report_lists_its_planned_runs_not_every_seed_with_every_algorithm(tmp_path, monkeypatch) -> None:
@@ -236,35 +238,59 @@ def test_a_gap_at_the_tolerance_s_edge_is_within_it_at_the_logged_metric_s_resol
     assert parity.within_tolerance(-0.01, 0.005)  # ahead of DDP
 
 
+def _eight_worker_run(runs_dir: Path, algo: str, early: float, late: float, link_bytes: float, drop: float = 0.002,
+                      seed: int = 42, density: float = 0.001) -> None:
+    """A finished 20-step run at 8 workers, one evaluation a step (the learning rate drops at step 12): ``early``
+    before the drop, ``late`` after it, ``drop`` lower over the last two."""
+    accs = [early] * 12 + [late] * 6 + [late - drop] * 2
+    _finished_run(runs_dir / "parity_full_cifar8" / f"cifar10_full_{algo}_s{seed}.json", accs, 20,
+                  compression={"link_bytes": link_bytes}, densities=[0.25, density])
+
+
 def test_the_deft_cause_sentence_names_the_changes_that_close_at_least_half_of_its_late_gap(tmp_path) -> None:
     """From the first learning-rate step (epoch 12 of 20) on, DEFT is 0.65 points below DDP on average, the
-    norm-proportional k 0.75 and selectors="all" 0.30: only the latter closes half. Evaluations before the step do
+    norm-proportional k 0.75, DEFT as published 0.55 and selectors="all" 0.30: only the last closes half. Evaluations before the step do
     not count; the last two are the study's metric."""
-    folder, steps = tmp_path / "parity_full_cifar8", 20  # one evaluation a step: the step drops at step 12
-
-    def run(algo: str, early: float, late: float, link_bytes: float, drop: float = 0.002, seed: int = 42) -> None:
-        accs = [early] * 12 + [late] * 6 + [late - drop] * 2
-        _finished_run(folder / f"cifar10_full_{algo}_s{seed}.json", accs, steps)
-        record = json.loads((folder / f"cifar10_full_{algo}_s{seed}.json").read_text())
-        record["compression"] = {"link_bytes": link_bytes}
-        (folder / f"cifar10_full_{algo}_s{seed}.json").write_text(json.dumps(record))
-
-    summary = {"summary": [{"algo": "ddp", "link_kb_per_step": 1.0}, {"algo": "deft", "seeds": [42]}]}  # 1 kB a step
+    run = functools.partial(_eight_worker_run, tmp_path)
+    summary = {"summary": [{"algo": "ddp", "link_kb_per_step": 100.0}, {"algo": "deft", "seeds": [42]}]}  # 100 kB a step
     run("ddp", 0.5, 0.842, 0.0, drop=0.0)
-    run("deft", 0.6, 0.836, 2e3)
-    run("deft_norm_k", 0.4, 0.835, 2e3)
+    run("deft", 0.6, 0.836, 2e5)
+    run("deft_norm_k", 0.4, 0.835, 2e5)
+    run("deft_paper", 0.4, 0.837, 1e4)
     assert long_study.deft_cause_sentence(summary, tmp_path) is None  # selectors="all" not finished
-    run("deft_all_selectors", 0.3, 0.8395, 1e3)
+    run("deft_all_selectors", 0.3, 0.8395, 1e5)
     sentence, closes = long_study.deft_cause_sentence(summary, tmp_path)
     assert closes == ["deft_all_selectors"]
     assert "is, in points, -0.65 (-0.80 over the last two; 10.0x fewer link bytes) for `algo/deft`, -0.75" in sentence
     assert "-0.30 (-0.45 over the last two; 20.0x fewer link bytes) with every rank selecting" in sentence
+    assert "-0.55 (-0.70 over the last two; 200.0x fewer link bytes) as published throughout (`deft_paper`" in sentence
     assert sentence.endswith('; `selectors="all"` closes at least half of `algo/deft`\'s gap there')
-    run("deft_all_selectors", 0.3, 0.838, 1e3)  # 0.4 points below: not half
+    run("deft_all_selectors", 0.3, 0.838, 1e5)  # 0.4 points below: not half
     assert long_study.deft_cause_sentence(summary, tmp_path) == (sentence.replace("-0.30 (-0.45", "-0.45 (-0.60").replace(
-        '`selectors="all"` closes', "neither closes"), [])
+        '`selectors="all"` closes', "none closes"), [])
     run("ddp", 0.5, 0.842, 0.0, drop=0.0, seed=43)  # a second seed of algo/deft: 0.2 below on average, not 0.65
-    run("deft", 0.6, 0.84, 2e3, drop=0.0, seed=43)
+    run("deft", 0.6, 0.84, 2e5, drop=0.0, seed=43)
     summary["summary"][1]["seeds"] = [42, 43]
     sentence, _ = long_study.deft_cause_sentence(summary, tmp_path)
     assert sentence.endswith("gap there (over seeds 42, 43, `algo/deft`'s varies by 0.32, a standard deviation)")
+
+
+def test_the_deft_density_sentence_says_whether_dgc_at_deft_s_density_closes_half_of_its_late_gap(tmp_path) -> None:
+    """DEFT is 0.65 points below DDP on average from the learning rate's first step on; DGC at the same density
+    0.30 closes half of that, 0.45 does not; DGC at another density is no control."""
+    run = functools.partial(_eight_worker_run, tmp_path)
+    summary = {"summary": [{"algo": "ddp", "link_kb_per_step": 100.0}, {"algo": "deft", "seeds": [42]}]}
+    run("ddp", 0.5, 0.842, 0.0, drop=0.0)
+    run("deft", 0.6, 0.836, 2e5)
+    assert long_study.deft_density_sentence(summary, tmp_path) is None  # DGC not finished
+    run("dgc", 0.3, 0.8395, 4e4)
+    assert long_study.deft_density_sentence(summary, tmp_path) == (
+        "DGC at the same density, 0.001, with its paper's warm-up (`algo/dgc_warmup`), on seed 42: -0.30 (-0.45 over"
+        " the last two; 50.0x fewer link bytes); it closes at least half of `algo/deft`'s gap there", True)
+    run("dgc", 0.3, 0.838, 4e4)
+    sentence, closes = long_study.deft_density_sentence(summary, tmp_path)
+    assert not closes and sentence.endswith("-0.45 (-0.60 over the last two; 50.0x fewer link bytes); it does not close"
+                                            " at least half of `algo/deft`'s gap there")
+    run("dgc", 0.3, 0.838, 4e4, density=0.01)
+    with pytest.raises(ValueError, match="density 0.01, algo/deft at 0.001: not a control"):
+        long_study.deft_density_sentence(summary, tmp_path)
