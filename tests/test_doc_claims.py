@@ -547,6 +547,9 @@ def test_the_guide_s_eight_worker_long_protocol_row_gives_each_run_s_seeds_and_b
     for algo in ("dgc_1pct_int8", "deft"):
         s = summary[algo]
         assert f"`algo/{algo}` {count(s)}: " in row and f"; {s['compression']:.1f}x fewer link bytes" in row, algo
+    s = summary["deft_paper"]  # DEFT as published, beside the shipped algo/deft
+    assert (f"as published (`deft_paper`, {len(s['seeds'])} seed): {100 * s['metric']:.2f}% ({100 * s['difference']:+.2f} pp;"
+            f" {s['compression']:.1f}x fewer link bytes)") in row
 
 
 def test_the_dgc_page_quotes_the_small_tensors_candidate_from_its_runs() -> None:
