@@ -786,7 +786,7 @@ def summary_rows(result: dict[str, Any]) -> list[list[Any]]:
         task = TASKS[row["task"]]
         percent = not task.relative
         if "difference" in row:
-            diff = mean_std_text(row["difference"], row.get("difference_std"), True)
+            diff = mean_std_text(row["difference"], row.get("difference_std"), True, sign=True)
             diff = f"{diff} {'pp' if percent else '%'}"
         else:
             diff = ""
