@@ -348,6 +348,13 @@ def late_figures(record: dict, runs: dict[str, dict], late: dict[str, list]) -> 
     return out
 
 
+def closes_half(gap: float, deft_gap: float) -> bool:
+    """Whether a run whose mean gap to DDP is ``gap`` closes at least half of ``algo/deft``'s ``deft_gap`` (both
+    in points, negative below DDP): it ends no further below DDP than half of DEFT's gap; above DDP it closes all of
+    it."""
+    return gap >= deft_gap / 2
+
+
 def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int = 20) -> tuple[str, list[str]] | None:
     """The DEFT page's sentence on which change accounts for ``algo/deft``'s gap at 8 workers, and those changes: on
     ``seed``, the mean gap to DDP from the first learning-rate step on of ``algo/deft`` and of each change, with the
@@ -358,7 +365,7 @@ def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int
     if found is None:
         return None
     figures = late_figures(record, *found)
-    closes = [a for a in DEFT_CAUSES if abs(figures[a][0]) <= abs(figures["deft"][0]) / 2]
+    closes = [a for a in DEFT_CAUSES if closes_half(figures[a][0], figures["deft"][0])]
     none = "neither" if len(DEFT_CAUSES) == 2 else "none"
     verdict = (" and ".join(DEFT_CAUSES[a][0] for a in closes) + f" close{'s' if len(closes) == 1 else ''}"
                if closes else f"{none} closes")  # fmt: skip
@@ -388,7 +395,7 @@ def deft_density_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: i
     density = {a: runs[a]["densities"][-1] for a in ("deft", "dgc")}
     if density["dgc"] != density["deft"]:
         raise ValueError(f"algo/dgc_warmup ended at density {density['dgc']:g}, algo/deft at {density['deft']:g}: not a control")
-    closes = abs(figures["dgc"][0]) <= abs(figures["deft"][0]) / 2
+    closes = closes_half(figures["dgc"][0], figures["deft"][0])
     return (f"DGC at the same density, {density['dgc']:g}, with its paper's warm-up (`algo/dgc_warmup`), on seed {seed}:"
             f" {figures['dgc'][1]}; it {'closes' if closes else 'does not close'} at least half of `algo/deft`'s"
             f" gap there"), closes  # fmt: skip

@@ -291,6 +291,8 @@ def test_the_deft_density_sentence_says_whether_dgc_at_deft_s_density_closes_hal
     sentence, closes = long_study.deft_density_sentence(summary, tmp_path)
     assert not closes and sentence.endswith("-0.45 (-0.60 over the last two; 50.0x fewer link bytes); it does not close"
                                             " at least half of `algo/deft`'s gap there")
+    run("dgc", 0.3, 0.846, 4e4)  # above DDP: all of DEFT's gap closed, and more
+    assert long_study.deft_density_sentence(summary, tmp_path)[1]
     run("dgc", 0.3, 0.838, 4e4, density=0.01)
     with pytest.raises(ValueError, match="density 0.01, algo/deft at 0.001: not a control"):
         long_study.deft_density_sentence(summary, tmp_path)
