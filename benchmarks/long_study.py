@@ -384,9 +384,9 @@ def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int
 
 
 def deft_density_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int = 20) -> tuple[str, bool] | None:
-    """The DEFT page's sentence on whether DGC at DEFT's density (the study's ``dgc``, ``algo/dgc_warmup``) shows ``algo/deft``'s gap at 8
-    workers too, and whether DGC closes at least half of it (the rule of :func:`deft_cause_sentence`); ``None``
-    until DDP, ``algo/deft`` and DGC have finished ``seed``."""
+    """The DEFT page's sentence on whether DGC at DEFT's density (the study's ``dgc``, ``algo/dgc_warmup``) shows
+    ``algo/deft``'s gap at 8 workers too, and whether DGC closes at least half of it (:func:`closes_half`, the rule
+    of :func:`deft_cause_sentence`); ``None`` until DDP, ``algo/deft`` and DGC have finished ``seed``."""
     found = late_gaps(seed, ("deft", "dgc"), runs_dir, epochs)
     if found is None:
         return None

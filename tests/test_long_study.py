@@ -249,8 +249,8 @@ def _eight_worker_run(runs_dir: Path, algo: str, early: float, late: float, link
 
 def test_the_deft_cause_sentence_names_the_changes_that_close_at_least_half_of_its_late_gap(tmp_path) -> None:
     """From the first learning-rate step (epoch 12 of 20) on, DEFT is 0.65 points below DDP on average, the
-    norm-proportional k 0.75, DEFT as published 0.55 and selectors="all" 0.30: only the last closes half. Evaluations before the step do
-    not count; the last two are the study's metric."""
+    norm-proportional k 0.75, DEFT as published 0.55 and selectors="all" 0.30: only the last closes half.
+    Evaluations before the step do not count; the last two are the study's metric."""
     run = functools.partial(_eight_worker_run, tmp_path)
     summary = {"summary": [{"algo": "ddp", "link_kb_per_step": 100.0}, {"algo": "deft", "seeds": [42]}]}  # 100 kB a step
     run("ddp", 0.5, 0.842, 0.0, drop=0.0)
@@ -277,7 +277,8 @@ def test_the_deft_cause_sentence_names_the_changes_that_close_at_least_half_of_i
 
 def test_the_deft_density_sentence_says_whether_dgc_at_deft_s_density_closes_half_of_its_late_gap(tmp_path) -> None:
     """DEFT is 0.65 points below DDP on average from the learning rate's first step on; DGC at the same density
-    0.30 closes half of that, 0.45 does not; DGC at another density is no control."""
+    0.30 below closes half of that, 0.45 below does not, above DDP closes all of it; DGC at another density is no
+    control."""
     run = functools.partial(_eight_worker_run, tmp_path)
     summary = {"summary": [{"algo": "ddp", "link_kb_per_step": 100.0}, {"algo": "deft", "seeds": [42]}]}
     run("ddp", 0.5, 0.842, 0.0, drop=0.0)

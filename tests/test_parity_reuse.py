@@ -66,7 +66,8 @@ def test_the_ablation_table_compares_each_variant_with_deft_and_ddp_on_its_own_s
 
 def test_the_summary_table_writes_a_difference_s_sign_either_side_of_ddp() -> None:
     row = {"task": "cifar10_full", "devices": 8, "seeds": [42], "metric": 0.8457, "metric_std": None,
-           "train_loss": 0.385, "train_loss_std": None, "link_kb_per_step": 166.2, "compression": 11.4, "met": True, "paired_seeds": 1}
+           "train_loss": 0.385, "train_loss_std": None, "link_kb_per_step": 166.2, "compression": 11.4, "met": True,
+           "paired_seeds": 1}
     above, below = ({**row, "algo": "dgc", "difference": d, "difference_std": None} for d in (0.0039, -0.0196))
     assert [r[5] for r in parity.summary_rows({"summary": [above, below]})] == ["+0.39 pp", "-1.96 pp"]
     assert parity.targets({"summary": [above]})[0]["value"] == "+0.39 pp"
