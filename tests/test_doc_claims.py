@@ -173,14 +173,21 @@ def test_the_deft_page_says_where_its_eight_worker_gap_lies_from_the_runs_evalua
     assert below == count, "the page says the gap is set once the learning rate is low: every evaluation below"
 
 
+def _deft_page_quoting(found: tuple | None, missing: str) -> tuple[str, object]:
+    """The DEFT page's text (whitespace folded), once it is checked to quote a generated ``(sentence, verdict)``,
+    and that verdict; ``missing`` says which runs a ``None`` waits for."""
+    assert found is not None, missing
+    sentence, verdict = found
+    text = " ".join(_text("docs/algorithms/deft.md").split())
+    assert f"{sentence}." in text, sentence
+    return text, verdict
+
+
 def test_the_deft_page_says_which_change_closes_its_eight_worker_gap() -> None:
     from benchmarks import long_study
 
-    found = long_study.deft_cause_sentence(_record("parity_full_cifar8"))
-    assert found is not None, "DDP, algo/deft and each change have finished seed 42 at 8 workers"
-    sentence, closes = found
-    text = " ".join(_text("docs/algorithms/deft.md").split())
-    assert f"{sentence}." in text, sentence
+    text, closes = _deft_page_quoting(long_study.deft_cause_sentence(_record("parity_full_cifar8")),
+                                      "DDP, algo/deft and each change have finished seed 42 at 8 workers")
     assert closes == [], "the page concludes that no variant closes the gap"
     assert "So the gap is neither the shipped k by fragment size" in text and "nor DEFT's owner-only selection" in text
     runs, late = long_study.late_gaps(42, ("deft", *long_study.DEFT_CAUSES))
@@ -194,11 +201,8 @@ def test_the_deft_page_says_which_change_closes_its_eight_worker_gap() -> None:
 def test_the_deft_page_says_whether_dgc_at_its_density_shows_the_gap() -> None:
     from benchmarks import long_study
 
-    found = long_study.deft_density_sentence(_record("parity_full_cifar8"))
-    assert found is not None, "DDP, algo/deft and DGC at 0.001 have finished seed 42 at 8 workers"
-    sentence, closes = found
-    text = " ".join(_text("docs/algorithms/deft.md").split())
-    assert f"{sentence}." in text, sentence
+    text, closes = _deft_page_quoting(long_study.deft_density_sentence(_record("parity_full_cifar8")),
+                                      "DDP, algo/deft and DGC at 0.001 have finished seed 42 at 8 workers")
     assert closes, "the page concludes that the gap is DEFT's own, not that of a selection at 0.1%"
     assert "So the gap is DEFT's own at this scale, not that of a selection at 0.1%: DGC at the same density ends above DDP." in text
     assert _summary("parity_full_cifar8")["dgc"]["difference"] > 0
