@@ -366,12 +366,11 @@ def deft_cause_sentence(record: dict, runs_dir=None, seed: int = 42, epochs: int
         return None
     figures = late_figures(record, *found)
     closes = [a for a in DEFT_CAUSES if closes_half(figures[a][0], figures["deft"][0])]
-    none = "neither" if len(DEFT_CAUSES) == 2 else "none"
     verdict = (" and ".join(DEFT_CAUSES[a][0] for a in closes) + f" close{'s' if len(closes) == 1 else ''}"
-               if closes else f"{none} closes")  # fmt: skip
+               if closes else "none closes")  # fmt: skip
     seeds = {}  # algo/deft's mean gap from the step on, on each of its seeds with DDP's run finished
     for other in next(row for row in record["summary"] if row["algo"] == "deft")["seeds"]:
-        if (pair := late_gaps(other, ("deft",), runs_dir, epochs)) is not None:
+        if (pair := found if other == seed else late_gaps(other, ("deft",), runs_dir, epochs)) is not None:
             seeds[other] = fmean(pair[1]["deft"])
     _, std = parity.mean_std(list(seeds.values()))
     spread = "" if std is None else f" (over {seed_list(list(seeds))}, `algo/deft`'s varies by {std:.2f}, a standard deviation)"

@@ -23,9 +23,9 @@ otherwise never leave the warm-up); ``dgc_short_warmup`` is the latter whatever 
 ``deft`` is ``configs/algo/deft.yaml`` as shipped: DGC's momentum correction and the same warm-up.
 ``powersgd`` is ``configs/algo/powersgd.yaml`` (rank 2, plain all-reduce for the first 10 steps).
 ``--algos`` also takes ``deft_paper``: DEFT as published (error feedback with the optimizer's
-momentum, no warm-up, k by fragment norm, a union of k values, the int32/fp32 all-reduces), and the ablations of :data:`DEFT_ABLATIONS` (``deft.yaml`` with one part
-switched) and the remedies tried for its 8-worker gap (``deft_all_selectors``, ``deft_link``,
-``deft_all_selectors_link``). ``deft.yaml`` shares k by fragment size since the 8-worker ablation
+momentum, no warm-up, k by fragment norm, a union of k values, the int32/fp32 all-reduces), and the
+ablations of :data:`DEFT_ABLATIONS` (``deft.yaml`` with one part switched) and the remedies tried for its
+8-worker gap (``deft_all_selectors``, ``deft_link``, ``deft_all_selectors_link``). ``deft.yaml`` shares k by fragment size since the 8-worker ablation
 (``deft_uniform_k`` then; ``deft_norm_k`` is the published allocation) and fills DGC's link bytes
 (``budget: dgc_link``) since the remedies: the 8-worker ``deft`` row of ``parity_8workers`` ran before
 that, and ``deft_link`` is ``deft.yaml`` as shipped (at 2 workers the budget is k, so 2-worker runs
